@@ -1,0 +1,25 @@
+from setuptools import find_packages, setup
+
+setup(
+    name="linear-attention-transformer",
+    version="0.1.0",
+    description="Linear attention transformers: exact causal linear attention, local heads, gating, cached decoding",
+    long_description=open("README.md", encoding="utf-8").read(),
+    long_description_content_type="text/markdown",
+    license="MIT",
+    packages=find_packages(exclude=("tests", "tests.*", "benchmarks", "examples")),
+    python_requires=">=3.9",
+    install_requires=[
+        "torch>=2.0",
+        "einops>=0.6",
+        "local-attention>=1.9",
+        "axial-positional-embedding>=0.3",
+        "product-key-memory>=0.2",
+    ],
+    extras_require={"test": ["pytest>=7"]},
+    classifiers=[
+        "License :: OSI Approved :: MIT License",
+        "Programming Language :: Python :: 3",
+        "Topic :: Scientific/Engineering :: Artificial Intelligence",
+    ],
+)
