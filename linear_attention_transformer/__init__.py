@@ -1,0 +1,34 @@
+"""linear_attention_transformer: transformers whose attention costs O(n) in sequence length.
+
+Where things live:
+    ops/             pure tensor functions: linear attention (non-causal, chunked causal,
+                     one recurrent step) and the naive references they must equal
+    attention.py     the attention layer: global linear heads beside local softmax heads
+    linformer.py     Linformer attention (projected keys/values), for fixed-length inputs
+    images.py        linear attention over image pixels
+    feedforward.py, positional.py, token_shift.py   the other pieces of a layer
+    reversible.py    reversible residual composition (activations recomputed in backward)
+    transformer.py   the layer stack;  lm.py  the token model
+    autoregressive.py  training loss and sampling
+"""
+
+from .attention import Attention, LinearSelfAttention
+from .autopadder import Autopadder
+from .autoregressive import AutoregressiveWrapper
+from .images import ImageLinearAttention
+from .linformer import LinformerContextSettings, LinformerSelfAttention, LinformerSettings
+from .lm import LinearAttentionTransformerLM
+from .transformer import LinearAttentionTransformer
+
+__all__ = [
+    "Attention",
+    "Autopadder",
+    "AutoregressiveWrapper",
+    "ImageLinearAttention",
+    "LinearAttentionTransformer",
+    "LinearAttentionTransformerLM",
+    "LinearSelfAttention",
+    "LinformerContextSettings",
+    "LinformerSelfAttention",
+    "LinformerSettings",
+]

@@ -23,6 +23,8 @@ import torch
 import torch.nn.functional as F
 from einops import rearrange
 
+from .linear_attention import _check_mask
+
 __all__ = ["FeatureMap", "exp_keys_with_running_max", "FEATURE_MAP_NAMES"]
 
 FEATURE_MAP_NAMES = ("softmax", "elu", "relu")
@@ -36,10 +38,11 @@ def exp_keys_with_running_max(k, mask=None, running_max=None):
         mask: optional (b, n) bool, True for real tokens; padding never sets the maximum.
         running_max: optional (b, h) maximum carried over from earlier tokens (decoding).
     Returns:
-        features exp(k_t - m_t) (b, h, n, d), log_decay m_{t-1} - m_t (b, h, n),
-        and m after the last token (b, h). All without gradient through m: the result
-        does not depend on m.
+        features exp(k_t - m_t) (b, h, n, d) (exactly 0 for padding), log_decay
+        m_{t-1} - m_t (b, h, n), and m after the last token (b, h), -inf while no real key
+        has been seen. All without gradient through m: the result does not depend on m.
     """
+    _check_mask(mask, k.shape[0], k.shape[2])
     with torch.no_grad():
         kmax = k.detach().amax(dim=-1)  # (b, h, n)
         if mask is not None:
@@ -47,6 +50,7 @@ def exp_keys_with_running_max(k, mask=None, running_max=None):
         if running_max is not None:
             kmax = torch.cat((running_max[..., None].to(kmax.dtype), kmax), dim=-1)
         m = kmax.cummax(dim=-1).values
+        last = m[..., -1]  # -inf when no real key was seen: nothing to carry yet
         if not torch.isfinite(m).all():
             # before the first real key the state is empty: any finite scale will do, so
             # take the first real key's maximum (or 0 when there is none).
@@ -59,8 +63,11 @@ def exp_keys_with_running_max(k, mask=None, running_max=None):
             prev = F.pad(m[..., :-1], (1, 0))
             prev[..., 0] = m[..., 0]
         log_decay = prev - m
-    features = (k - m[..., None]).exp()
-    return features, log_decay, m[..., -1]
+    logits = k - m[..., None]
+    if mask is not None:
+        # padding is not bounded by m: exp of it could be inf (and its gradient NaN)
+        logits = logits.masked_fill(~rearrange(mask, "b n -> b 1 n 1"), float("-inf"))
+    return logits.exp(), log_decay, last
 
 
 class FeatureMap:
@@ -87,7 +94,9 @@ class FeatureMap:
 
     def _pointwise(self, x):
         if self.kind == "elu":
-            return F.elu(x) + 1
+            # elu(x) + 1, but exp(x) for x <= 0 directly: (exp(x) - 1) + 1 cancels to 0 in
+            # low precision (bfloat16 already for x < -5.5) and the key would vanish
+            return torch.where(x > 0, x + 1, x.clamp(max=0).exp())
         if self.kind == "relu":
             return F.relu(x)
         return self.kind(x)
@@ -98,6 +107,7 @@ class FeatureMap:
     def noncausal_keys(self, k, mask: Optional[torch.Tensor] = None):
         """Key features for non-causal attention. Returns (features, normalize): with the
         softmax map every output row already sums to one."""
+        _check_mask(mask, k.shape[0], k.shape[2])
         if not self.is_softmax:
             return self._pointwise(k), True
         if mask is not None:

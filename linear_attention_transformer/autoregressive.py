@@ -1,0 +1,350 @@
+"""Autoregressive wrapper: next-token loss for training, sampling loop for generation.
+
+The wrapped ``net`` is any language model with the call signature
+
+    net(x, input_mask=None, **kwargs) -> logits
+
+with ``x`` a (b, n) integer tensor, ``input_mask`` an optional (b, n) bool tensor
+(True for real tokens) and ``logits`` a (b, n, num_tokens) float tensor, and with an
+int attribute ``max_seq_len``: the longest sequence it accepts.
+
+A net that can decode incrementally also sets ``supports_cache = True`` and accepts
+
+    net(x, cache=cache, return_cache=True, input_mask=..., **kwargs) -> (logits, cache)
+
+where ``cache=None`` means "start from nothing" and otherwise ``x`` holds only the
+tokens that follow those already in ``cache`` (see ``AutoregressiveWrapper.generate``).
+
+Sampling filters
+----------------
+``top_k`` and ``top_p`` take logits (..., num_tokens) and return a copy in which the
+tokens that may not be sampled are set to -inf. Both always keep the most likely
+token, so greedy decoding is unaffected by them.
+"""
+
+from __future__ import annotations
+
+import math
+from numbers import Integral, Real
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+__all__ = ["top_k", "top_p", "AutoregressiveWrapper"]
+
+_INTEGER_DTYPES = (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64)
+
+
+# ------------------------------------------------------------------------ validation
+
+
+def _check_thres(thres, name="thres"):
+    if isinstance(thres, bool) or not isinstance(thres, Real):
+        raise TypeError(f"{name} must be a real number in [0, 1), got {thres!r}")
+    if not 0.0 <= thres < 1.0:
+        raise ValueError(f"{name} must lie in [0, 1), got {thres!r}")
+
+
+def _check_logits(logits):
+    if not torch.is_tensor(logits) or not logits.is_floating_point():
+        raise TypeError(f"logits must be a floating point tensor, got {type(logits).__name__}"
+                        + (f" of dtype {logits.dtype}" if torch.is_tensor(logits) else ""))
+    if logits.ndim < 1 or logits.shape[-1] < 1:
+        raise ValueError(f"logits must have shape (..., num_tokens) with num_tokens >= 1, "
+                         f"got {tuple(logits.shape)}")
+
+
+def _check_tokens(x, name):
+    if not torch.is_tensor(x):
+        raise TypeError(f"{name} must be a tensor of token ids, got {type(x).__name__}")
+    if x.dtype not in _INTEGER_DTYPES:
+        raise TypeError(f"{name} must have an integer dtype, got {x.dtype}")
+
+
+def _check_mask(mask, shape, name="input_mask"):
+    if not torch.is_tensor(mask) or mask.dtype != torch.bool:
+        what = mask.dtype if torch.is_tensor(mask) else type(mask).__name__
+        raise TypeError(f"{name} must be a bool tensor, got {what}")
+    if tuple(mask.shape) != tuple(shape):
+        raise ValueError(f"{name} must have shape {tuple(shape)} (that of the tokens), "
+                         f"got {tuple(mask.shape)}")
+
+
+# --------------------------------------------------------------------------- filters
+
+
+def top_k(logits, thres=0.9):
+    """Keep the k largest logits, set the others to -inf.
+
+    k = ceil((1 - thres) * num_tokens), at least 1: ``thres=0.9`` keeps the top 10 %.
+    The product is rounded to 9 decimals before the ceiling, so that e.g. thres=0.7
+    with 10 tokens keeps 3 tokens and not 4 (0.3 * 10 is 3.0000000000000004 in floats).
+    Exactly k tokens are kept even when logits tie at the k-th value (ties are broken
+    as ``torch.topk`` breaks them).
+
+    Args:
+        logits: (..., num_tokens) float tensor. Not modified.
+        thres: float in [0, 1).
+    Returns:
+        (..., num_tokens) tensor of the same dtype: the kept logits unchanged, -inf elsewhere.
+    """
+    _check_logits(logits)
+    _check_thres(thres)
+    num_tokens = logits.shape[-1]
+    k = math.ceil(round((1.0 - thres) * num_tokens, 9))
+    k = min(max(k, 1), num_tokens)
+    values, indices = logits.topk(k, dim=-1)
+    out = torch.full_like(logits, float("-inf"))
+    return out.scatter(-1, indices, values)
+
+
+def top_p(logits, thres=0.9):
+    """Nucleus filter: keep the smallest set of most likely tokens whose probability
+    mass reaches ``thres``, set the others to -inf.
+
+    Tokens are taken in order of decreasing probability (softmax of ``logits``) while
+    the mass taken so far is below ``thres``; the token that brings it to ``thres`` or
+    beyond is kept, those after it are not. The most likely token is always kept (so
+    ``thres=0`` keeps only it). Probabilities are computed in at least float32.
+
+    Args:
+        logits: (..., num_tokens) float tensor. Not modified.
+        thres: float in [0, 1).
+    Returns:
+        (..., num_tokens) tensor of the same dtype: the kept logits unchanged, -inf elsewhere.
+    """
+    _check_logits(logits)
+    _check_thres(thres)
+    compute_dtype = torch.promote_types(logits.dtype, torch.float32)
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    probs = sorted_logits.to(compute_dtype).softmax(dim=-1)
+    mass_before = probs.cumsum(dim=-1) - probs  # mass of the strictly more likely tokens
+    keep_sorted = mass_before < thres
+    keep_sorted[..., 0] = True
+    keep = torch.zeros_like(keep_sorted).scatter(-1, order, keep_sorted)
+    return logits.masked_fill(~keep, float("-inf"))
+
+
+# --------------------------------------------------------------------------- wrapper
+
+
+class AutoregressiveWrapper(nn.Module):
+    """Wraps a language model for next-token training and for sampling.
+
+    Args:
+        net: language model, ``net(x (b, n) long, input_mask=None (b, n) bool, **kwargs)
+            -> logits (b, n, num_tokens)``, with an int attribute ``max_seq_len``.
+            Optionally ``supports_cache = True`` for incremental decoding (see ``generate``).
+        ignore_index: target value that the loss ignores (as in ``F.cross_entropy``).
+        pad_value: token written after a row's end-of-sequence token in ``generate``.
+    """
+
+    def __init__(self, net, ignore_index=-100, pad_value=0):
+        super().__init__()
+        max_seq_len = getattr(net, "max_seq_len", None)
+        if isinstance(max_seq_len, bool) or not isinstance(max_seq_len, Integral) or max_seq_len < 1:
+            raise ValueError(f"net must have a positive int attribute max_seq_len, got {max_seq_len!r}")
+        for name, value in (("ignore_index", ignore_index), ("pad_value", pad_value)):
+            if isinstance(value, bool) or not isinstance(value, Integral):
+                raise TypeError(f"{name} must be an int, got {value!r}")
+        self.net = net
+        self.max_seq_len = int(max_seq_len)
+        self.ignore_index = int(ignore_index)
+        self.pad_value = int(pad_value)
+
+    # ------------------------------------------------------------------ training
+
+    def forward(self, x, return_loss=True, **kwargs):
+        """Next-token cross-entropy, or the net's output.
+
+        Args:
+            x: (b, n) integer tokens. With ``return_loss`` n >= 2: the net reads
+                x[:, :-1] and is scored on predicting x[:, 1:].
+            return_loss: False returns ``self.net(x, **kwargs)`` unchanged.
+            **kwargs: passed to the net. ``input_mask`` (b, n) bool, True for real
+                tokens, is cut to (b, n - 1) for the net, and targets whose token is
+                masked out are ignored in the loss.
+        Returns:
+            scalar loss: mean over the targets that are neither ``ignore_index`` nor
+            masked out (NaN when there are none, as with ``F.cross_entropy``);
+            or the net's output when ``return_loss`` is False.
+        """
+        if not return_loss:
+            return self.net(x, **kwargs)
+
+        _check_tokens(x, "x")
+        if x.ndim != 2 or x.shape[1] < 2:
+            raise ValueError(f"x must have shape (batch, seq_len) with seq_len >= 2 to compute "
+                             f"the loss, got {tuple(x.shape)}")
+        inputs, targets = x[:, :-1], x[:, 1:].long()  # long: ignore_index may not fit x's dtype
+
+        mask = kwargs.pop("input_mask", None)
+        if mask is not None:
+            _check_mask(mask, x.shape)
+            kwargs["input_mask"] = mask[:, :-1]
+            targets = targets.masked_fill(~mask[:, 1:], self.ignore_index)
+
+        logits = self.net(inputs, **kwargs)
+        return F.cross_entropy(logits.transpose(1, 2), targets, ignore_index=self.ignore_index)
+
+    # ---------------------------------------------------------------- generation
+
+    def _supports_cache(self):
+        return getattr(self.net, "supports_cache", False) is True
+
+    def _next_logits(self, seq, mask, cache_state, kwargs):
+        """Logits (b, num_tokens) for the token that follows ``seq``.
+
+        Args:
+            seq: (b, n) the running sequence (prompt and tokens generated so far).
+            mask: (b, n) bool or None, the running input mask.
+            cache_state: None for the recompute path; otherwise a dict that this method
+                updates, holding ``cache`` (the net's cache, or None before the first
+                call) and ``length`` (how many tokens of ``seq`` the cache covers).
+            kwargs: other keyword arguments for the net, passed unchanged.
+        """
+        window = self.max_seq_len
+        n = seq.shape[1]
+        net_kwargs = dict(kwargs)
+
+        if cache_state is None:
+            if mask is not None:
+                net_kwargs["input_mask"] = mask[:, -window:]
+            logits = self.net(seq[:, -window:], **net_kwargs)
+            return logits[:, -1]
+
+        cache = cache_state["cache"]
+        # The cache can only grow: once the running sequence is longer than the window,
+        # dropping its oldest token means building the cache anew from the last window.
+        incremental = cache is not None and n <= window and cache_state["length"] == n - 1
+        start = n - 1 if incremental else max(n - window, 0)
+        if mask is not None:
+            net_kwargs["input_mask"] = mask[:, start:]
+        logits, cache = self.net(seq[:, start:], cache=cache if incremental else None,
+                                 return_cache=True, **net_kwargs)
+        cache_state["cache"], cache_state["length"] = cache, n
+        return logits[:, -1]
+
+    @torch.no_grad()
+    def generate(self, start_tokens, seq_len, eos_token=None, temperature=1.0,
+                 filter_logits_fn=top_k, filter_thres=0.9, use_cache=None, **kwargs):
+        """Sample ``seq_len`` tokens that continue ``start_tokens``.
+
+        Each step feeds the net the last ``net.max_seq_len`` tokens of the running
+        sequence (the prompt followed by the tokens generated so far), takes the logits
+        at the last position and picks the next token: greedily (argmax) when
+        ``temperature`` is 0, otherwise by ``torch.multinomial`` from
+        ``softmax(filter_logits_fn(logits, thres=filter_thres) / temperature)``.
+
+        Args:
+            start_tokens: (n,) or (b, n) integer prompt, n >= 1. Not modified.
+            seq_len: number of tokens to generate, >= 1.
+            eos_token: optional end-of-sequence token. A row that has produced it gets
+                ``pad_value`` at every later position of the output, and generation
+                stops as soon as every row has produced it, so the output then has
+                fewer than ``seq_len`` columns (one per step actually run). The net
+                keeps reading the finished rows' own picks, never ``pad_value``.
+            temperature: float >= 0; 0 means greedy decoding (no filter is applied).
+            filter_logits_fn: ``f(logits (b, num_tokens), thres=filter_thres)`` returning
+                filtered logits, e.g. ``top_k`` or ``top_p``; None samples from the full
+                distribution.
+            filter_thres: float in [0, 1), passed to ``filter_logits_fn``.
+            use_cache: None uses the net's incremental cache when the net declares
+                ``supports_cache = True`` and recomputes every step otherwise; True
+                requires the cache (ValueError if the net lacks it); False always
+                recomputes. With the cache, the first step primes it with
+                ``net(window, cache=None, return_cache=True, ...)`` and each later step
+                feeds only the newest token, ``net(x[:, -1:], cache=cache,
+                return_cache=True, ...)`` (with ``input_mask`` cut to the tokens fed).
+                Once the sequence outgrows ``max_seq_len`` the cache is rebuilt from the
+                last ``max_seq_len`` tokens at every step, so both paths see the same
+                window.
+            **kwargs: passed to the net. ``input_mask`` (b, n) (or (n,) for a 1-D
+                prompt) bool, True for real tokens, describes left-padded prompts: its
+                last column must be all True. It is extended with True for each
+                generated token and cut to the same window as the tokens. Everything
+                else (e.g. ``context``, ``context_mask``) is passed unchanged.
+        Returns:
+            (b, steps) generated tokens only, in the dtype of ``start_tokens``, or
+            (steps,) for a 1-D prompt. steps == seq_len unless every row reached
+            ``eos_token`` earlier.
+
+        The net is put in eval mode while generating; the training flag of every one
+        of its modules is restored afterwards, also when an error is raised.
+        """
+        _check_tokens(start_tokens, "start_tokens")
+        if start_tokens.ndim not in (1, 2) or start_tokens.shape[-1] < 1:
+            raise ValueError(f"start_tokens must have shape (n,) or (batch, n) with n >= 1, "
+                             f"got {tuple(start_tokens.shape)}")
+        if isinstance(seq_len, bool) or not isinstance(seq_len, Integral):
+            raise TypeError(f"seq_len must be an int, got {seq_len!r}")
+        if seq_len < 1:
+            raise ValueError(f"seq_len must be >= 1, got {seq_len}")
+        if isinstance(temperature, bool) or not isinstance(temperature, Real):
+            raise TypeError(f"temperature must be a real number, got {temperature!r}")
+        if not temperature >= 0:  # also rejects NaN
+            raise ValueError(f"temperature must be >= 0 (0 for greedy), got {temperature}")
+        if filter_logits_fn is not None and not callable(filter_logits_fn):
+            raise TypeError(f"filter_logits_fn must be callable or None, got {filter_logits_fn!r}")
+        _check_thres(filter_thres, "filter_thres")
+        if eos_token is not None and (isinstance(eos_token, bool) or not isinstance(eos_token, Integral)):
+            raise TypeError(f"eos_token must be an int or None, got {eos_token!r}")
+        if use_cache is not None and not isinstance(use_cache, bool):
+            raise TypeError(f"use_cache must be None, True or False, got {use_cache!r}")
+        if use_cache and not self._supports_cache():
+            raise ValueError("use_cache=True but the net does not support a cache "
+                             "(it has no attribute supports_cache set to True); "
+                             "pass use_cache=False or None")
+        if use_cache is None:
+            use_cache = self._supports_cache()
+
+        was_1d = start_tokens.ndim == 1
+        seq = start_tokens[None] if was_1d else start_tokens
+        mask = kwargs.pop("input_mask", None)
+        if mask is not None:
+            _check_mask(mask, start_tokens.shape)
+            mask = mask[None] if was_1d else mask
+            if not bool(mask[:, -1].all()):
+                raise ValueError("input_mask must be True at the last prompt position of every "
+                                 "row (pad prompts on the left)")
+
+        b, device, dtype = seq.shape[0], seq.device, seq.dtype
+        done = torch.zeros(b, dtype=torch.bool, device=device)
+        cache_state = {"cache": None, "length": 0} if use_cache else None
+        generated = []
+
+        modes = [(module, module.training) for module in self.net.modules()]
+        self.net.eval()
+        try:
+            for _ in range(seq_len):
+                logits = self._next_logits(seq, mask, cache_state, kwargs)
+                logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
+
+                if temperature == 0:
+                    token = logits.argmax(dim=-1)
+                else:
+                    if filter_logits_fn is not None:
+                        logits = filter_logits_fn(logits, thres=filter_thres)
+                    probs = F.softmax(logits / temperature, dim=-1)
+                    token = torch.multinomial(probs, 1).squeeze(-1)
+                token = token.to(dtype)
+
+                # The running sequence keeps what was picked, also for rows already
+                # finished (their later picks are discarded), so the net never has to
+                # read pad_value, which need not be a valid token.
+                seq = torch.cat((seq, token[:, None]), dim=1)
+                if eos_token is not None:
+                    token = token.masked_fill(done, self.pad_value)
+                    done = done | (token == eos_token)
+                generated.append(token)
+                if mask is not None:
+                    mask = F.pad(mask, (0, 1), value=True)
+                if eos_token is not None and bool(done.all()):
+                    break
+        finally:
+            for module, training in modes:
+                module.training = training
+
+        out = torch.stack(generated, dim=1)
+        return out[0] if was_1d else out

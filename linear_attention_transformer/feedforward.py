@@ -1,0 +1,45 @@
+"""Position-wise feed-forward network, optionally GLU-gated and applied in chunks."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class FeedForward(nn.Module):
+    """Linear -> GELU (or GEGLU) -> dropout -> Linear, applied to each position.
+
+    Args:
+        dim: model width. mult: hidden width = dim * mult.
+        dropout: dropout on the hidden activations.
+        glu: use the GLU variant (Shazeer 2020): hidden = gelu(gate) * value.
+        chunks: apply the network to this many slices of the sequence in turn, so the
+            (n, dim * mult) hidden activations of only one slice exist at a time.
+    Shapes: x (b, n, dim) -> (b, n, dim).
+    """
+
+    def __init__(self, dim, mult=4, dropout=0.0, glu=False, chunks=1):
+        super().__init__()
+        if int(chunks) != chunks or chunks < 1:
+            raise ValueError(f"ff_chunks must be a positive integer, got {chunks!r}")
+        hidden = dim * mult
+        self.glu = glu
+        self.chunks = int(chunks)
+        self.proj_in = nn.Linear(dim, hidden * (2 if glu else 1))
+        self.dropout = nn.Dropout(dropout)
+        self.proj_out = nn.Linear(hidden, dim)
+
+    def _forward(self, x):
+        h = self.proj_in(x)
+        if self.glu:
+            h, gate = h.chunk(2, dim=-1)
+            h = h * F.gelu(gate)
+        else:
+            h = F.gelu(h)
+        return self.proj_out(self.dropout(h))
+
+    def forward(self, x, **kwargs):
+        if self.chunks == 1 or x.shape[1] <= 1:
+            return self._forward(x)
+        return torch.cat([self._forward(part) for part in x.chunk(self.chunks, dim=1)], dim=1)

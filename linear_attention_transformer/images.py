@@ -1,0 +1,183 @@
+"""Linear attention over the pixels of a feature map ("Efficient Attention", Shen et al.).
+
+Every output position i attends to every key position j with weight
+
+    w_ij = sum_d softmax_d(q_i)[d] * softmax_j(k_{:, d})[j]
+
+(a softmax of the queries over their ``key_dim`` features and a softmax of each key
+feature over the positions), computed as q (kᵀ v) per head in O(positions · key_dim ·
+value_dim) without forming the (positions x positions) matrix. Both softmaxes already
+make every row of w sum to one, so the kernel runs with ``normalize=False``. As in the
+original, queries and keys are scaled by key_dim ** -0.25 before their softmaxes (the
+usual 1/sqrt(d) temperature, split between the two).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from einops import rearrange
+from torch import nn
+
+from .ops import linear_attention
+
+__all__ = ["ImageLinearAttention"]
+
+
+def _pair(name, value, minimum):
+    items = value if isinstance(value, (tuple, list)) else (value, value)
+    if len(items) != 2 or any(isinstance(v, bool) or not isinstance(v, int) for v in items):
+        raise TypeError(f"{name} must be an int or a pair of ints, got {value!r}")
+    if any(v < minimum for v in items):
+        raise ValueError(f"{name} must be >= {minimum}, got {value!r}")
+    return tuple(items)
+
+
+def _check_int(name, value, minimum=1):
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    if value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+
+
+class ImageLinearAttention(nn.Module):
+    """Multi-head linear attention between the positions of an image (feature map).
+
+    Args:
+        chan: input channels.
+        chan_out: output channels (default ``chan``).
+        kernel_size, padding, stride: int or pair, of the query/key/value convolutions
+            ``to_q``, ``to_k``, ``to_v`` (Conv2d chan -> heads * key_dim / heads * value_dim).
+            The output convolution ``to_out`` (Conv2d heads * value_dim -> chan_out) uses
+            the same ``kernel_size`` and ``padding`` but stride 1.
+        key_dim: query/key features per head.
+        value_dim: value features per head.
+        heads: number of heads.
+        norm_queries: softmax the queries over their features. Without it the query
+            features are used raw (after the temperature) and rows no longer sum to one.
+
+    Shapes (forward):
+        img: (b, chan, H, W).
+        context: optional (b, chan, *spatial): extra key/value positions, see below.
+        returns: (b, chan_out, H_out, W_out). The attention works on the grid of the
+            q/k/v convolutions, H' = (H + 2 padding - kernel_size) // stride + 1 (same for
+            W), and ``to_out`` maps it to H_out = H' + 2 padding - kernel_size + 1. With
+            ``padding = kernel_size // 2`` (odd kernel) this is the strided size H'; with
+            stride 1 as well it is H, as in ``attn(torch.randn(1, 32, 256, 256))`` ->
+            (1, 32, 256, 256).
+
+    Context. Its positions are appended to the image's key/value positions before the
+    key softmax (queries come from ``img`` only). Keys and values are computed with the
+    same ``to_k`` / ``to_v`` convolutions:
+
+    * a 4-d context (b, chan, Hc, Wc) is a feature map and is convolved exactly like
+      ``img`` (kernel, padding and stride over its own 2-d grid), then flattened;
+    * any other context (b, chan, L) or (b, chan, d1, d2, d3, ...) is flattened to a
+      one-pixel-high image (b, chan, 1, L), as in the original implementation, and
+      convolved; with ``kernel_size > 1`` that convolves along the flattened positions
+      with the kernel's middle row (needs ``padding >= (kernel_size - 1) / 2`` vertically
+      to keep the height at one).
+
+    With ``kernel_size = 1`` (the default) the two routes agree and every context
+    position is projected on its own.
+    """
+
+    def __init__(
+        self,
+        chan: int,
+        chan_out: Optional[int] = None,
+        kernel_size=1,
+        padding=0,
+        stride=1,
+        key_dim: int = 64,
+        value_dim: int = 64,
+        heads: int = 8,
+        norm_queries: bool = True,
+    ):
+        super().__init__()
+        _check_int("chan", chan)
+        chan_out = chan if chan_out is None else chan_out
+        _check_int("chan_out", chan_out)
+        _check_int("key_dim", key_dim)
+        _check_int("value_dim", value_dim)
+        _check_int("heads", heads)
+        if not isinstance(norm_queries, bool):
+            raise TypeError(f"norm_queries must be a bool, got {type(norm_queries).__name__}")
+        self.kernel_size = _pair("kernel_size", kernel_size, 1)
+        self.padding = _pair("padding", padding, 0)
+        self.stride = _pair("stride", stride, 1)
+
+        self.chan, self.chan_out = chan, chan_out
+        self.key_dim, self.value_dim, self.heads = key_dim, value_dim, heads
+        self.norm_queries = norm_queries
+
+        conv = dict(kernel_size=self.kernel_size, padding=self.padding, stride=self.stride)
+        self.to_q = nn.Conv2d(chan, key_dim * heads, **conv)
+        self.to_k = nn.Conv2d(chan, key_dim * heads, **conv)
+        self.to_v = nn.Conv2d(chan, value_dim * heads, **conv)
+        self.to_out = nn.Conv2d(value_dim * heads, chan_out, self.kernel_size, padding=self.padding)
+
+    def extra_repr(self):
+        return (
+            f"chan={self.chan}, chan_out={self.chan_out}, heads={self.heads}, key_dim={self.key_dim}, "
+            f"value_dim={self.value_dim}, norm_queries={self.norm_queries}"
+        )
+
+    def _grid(self, size, stride=True):
+        """Spatial size after a convolution with this module's kernel and padding."""
+        s = self.stride if stride else (1, 1)
+        return tuple((n + 2 * p - k) // st + 1 for n, p, k, st in zip(size, self.padding, self.kernel_size, s))
+
+    def _check_input(self, name, t, b=None):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if not t.is_floating_point():
+            raise TypeError(f"{name} must be a floating point tensor, got {t.dtype}")
+        if t.ndim < 3 or t.shape[1] != self.chan:
+            raise ValueError(f"{name} must have shape (batch, chan = {self.chan}, ...), got {tuple(t.shape)}")
+        if b is not None and t.shape[0] != b:
+            raise ValueError(f"{name} has batch size {t.shape[0]}, img has {b}")
+
+    def forward(self, img, context=None):
+        self._check_input("img", img)
+        if img.ndim != 4:
+            raise ValueError(f"img must have shape (batch, chan, height, width), got {tuple(img.shape)}")
+        b = img.shape[0]
+        grid = self._grid(img.shape[-2:])
+        out_grid = self._grid(grid, stride=False)
+        if min(grid + out_grid) < 1:
+            raise ValueError(
+                f"img of spatial size {tuple(img.shape[-2:])} is too small for kernel_size={self.kernel_size}, "
+                f"padding={self.padding}, stride={self.stride}"
+            )
+
+        q, k, v = self.to_q(img), self.to_k(img), self.to_v(img)
+        q, k = (rearrange(t, "b (h d) x y -> b h (x y) d", h=self.heads) for t in (q, k))
+        v = rearrange(v, "b (h e) x y -> b h (x y) e", h=self.heads)
+
+        if context is not None:
+            self._check_input("context", context, b)
+            if context.ndim != 4:
+                context = rearrange(context, "b c ... -> b c 1 (...)")
+            if min(self._grid(context.shape[-2:])) < 1:
+                raise ValueError(
+                    f"context of spatial size {tuple(context.shape[-2:])} (after flattening) is too small for "
+                    f"kernel_size={self.kernel_size}, padding={self.padding}, stride={self.stride}"
+                )
+            ck = rearrange(self.to_k(context), "b (h d) x y -> b h (x y) d", h=self.heads)
+            cv = rearrange(self.to_v(context), "b (h e) x y -> b h (x y) e", h=self.heads)
+            k = torch.cat((k, ck), dim=2)
+            v = torch.cat((v, cv), dim=2)
+
+        out_dtype = v.dtype
+        dtype = torch.promote_types(q.dtype, torch.float32)
+        scale = self.key_dim**-0.25
+        with torch.autocast(img.device.type, enabled=False):
+            q, k = (t.to(dtype) * scale for t in (q, k))
+            k = k.softmax(dim=2)  # over the positions
+            if self.norm_queries:
+                q = q.softmax(dim=-1)  # over the key features
+            out = linear_attention(q, k, v.to(dtype), normalize=False)  # (b, h, positions, e)
+        out = rearrange(out.to(out_dtype), "b h (x y) e -> b (h e) x y", x=grid[0], y=grid[1])
+        return self.to_out(out)

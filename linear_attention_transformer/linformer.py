@@ -1,0 +1,281 @@
+"""Linformer self-attention (Wang et al. 2020, "Self-Attention with Linear Complexity").
+
+Keys and values are projected along the *sequence* from ``seq_len`` positions down to
+``k`` learned mixtures of positions, by matrices E (keys) and F (values) of shape
+(seq_len, k). Queries then attend with ordinary scaled dot-product softmax attention to
+those k projected keys, in O(n k) instead of O(n^2):
+
+    K' = Eᵀ (X W_k),   V' = Fᵀ (X W_v),   out = softmax(Q K'ᵀ / sqrt(d)) V'
+
+It is not causal (every projected key mixes all positions) and it is tied to a maximal
+length ``seq_len``. A shorter key/value sequence of length m < seq_len behaves exactly as
+if it were zero-padded to ``seq_len``: zero rows contribute nothing to Eᵀ X, so only the
+first m rows of E and F are used. Masked key/value positions are zeroed before the
+projection, which makes them contribute nothing as well.
+
+Because the projection along the sequence and the feature projections W_k, W_v are both
+linear and bias-free, they commute; the module mixes positions first (Eᵀ X, then W_k),
+which costs O(m k dim) instead of O(m dim h d) and, with ``share_kv``, is done once for
+keys and values.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+from einops import rearrange
+from torch import nn
+
+__all__ = ["LinformerSettings", "LinformerContextSettings", "LinformerSelfAttention"]
+
+
+# --------------------------------------------------------------------------- validation
+
+
+def _check_int(name, value, minimum=1):
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    if value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+
+
+def _check_bool(name, value):
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
+
+
+def _check_features(name, t, dim):
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if not t.is_floating_point():
+        raise TypeError(f"{name} must be a floating point tensor, got {t.dtype}")
+    if t.ndim != 3:
+        raise ValueError(f"{name} must have shape (batch, length, dim), got {tuple(t.shape)}")
+    if t.shape[-1] != dim:
+        raise ValueError(f"{name} must have feature size dim = {dim}, got {t.shape[-1]}")
+
+
+def _check_mask(name, mask, batch, length):
+    if mask is None:
+        return
+    if not isinstance(mask, torch.Tensor):
+        raise TypeError(f"{name} must be a bool torch.Tensor, got {type(mask).__name__}")
+    if mask.dtype != torch.bool:
+        raise TypeError(f"{name} must be a bool tensor, got {mask.dtype}")
+    if tuple(mask.shape) != (batch, length):
+        raise ValueError(f"{name} must have shape (batch, length) = {(batch, length)}, got {tuple(mask.shape)}")
+
+
+# --------------------------------------------------------------------------- settings
+
+
+@dataclass(frozen=True)
+class LinformerSettings:
+    """Use Linformer self-attention in every layer (non-causal, fixed maximal length).
+
+    The sequence length projected from is the model's ``max_seq_len``.
+
+    Args:
+        k: number of positions keys and values are projected down to.
+        one_kv_head: a single key/value head shared by all query heads.
+        share_kv: the same sequence projection for keys and values (F = E).
+    """
+
+    k: int = 256
+    one_kv_head: bool = False
+    share_kv: bool = False
+
+    def __post_init__(self):
+        _check_int("k", self.k)
+        _check_bool("one_kv_head", self.one_kv_head)
+        _check_bool("share_kv", self.share_kv)
+
+
+@dataclass(frozen=True)
+class LinformerContextSettings:
+    """Use Linformer for the attention to a context (encoder output) of length <= ``seq_len``.
+
+    Args:
+        seq_len: maximal context length, the length projected from.
+        k: number of positions keys and values are projected down to.
+        one_kv_head: a single key/value head shared by all query heads.
+        share_kv: the same sequence projection for keys and values (F = E).
+    """
+
+    seq_len: int
+    k: int = 256
+    one_kv_head: bool = False
+    share_kv: bool = False
+
+    def __post_init__(self):
+        _check_int("seq_len", self.seq_len)
+        _check_int("k", self.k)
+        _check_bool("one_kv_head", self.one_kv_head)
+        _check_bool("share_kv", self.share_kv)
+
+
+# --------------------------------------------------------------------------- module
+
+
+class LinformerSelfAttention(nn.Module):
+    """Multi-head attention whose keys and values are projected along the sequence to length k.
+
+    Args:
+        dim: model (feature) size of x, of the context and of the output.
+        seq_len: maximal length of the key/value sequence (x without context, the context
+            with it). Shorter sequences are handled as if zero-padded to ``seq_len``.
+        k: projected length (>= 1). May exceed ``seq_len``, though that saves nothing.
+        heads: number of query heads.
+        dim_head: size of each head; defaults to ``dim // heads`` (``dim`` must then be
+            divisible by ``heads``).
+        one_kv_head: compute one key/value head of size ``dim_head``, shared by all query heads.
+        share_kv: use the same sequence projection for keys and values (F = E). The
+            feature projections ``to_k`` and ``to_v`` stay separate.
+        dropout: dropout probability on the attention weights.
+
+    Parameters:
+        to_q: Linear(dim, heads * dim_head), no bias.
+        to_k, to_v: Linear(dim, kv_heads * dim_head), no bias, kv_heads = 1 or heads.
+        proj_k (E), proj_v (F, absent with ``share_kv``): (seq_len, k), initialised
+            uniform(-1/sqrt(seq_len), 1/sqrt(seq_len)) like a Linear layer with seq_len inputs.
+        to_out: Linear(heads * dim_head, dim), with bias.
+
+    Shapes (forward):
+        x: (b, n, dim). Without context n <= seq_len; with context n is free.
+        context: optional (b, m, dim), m <= seq_len: keys and values come from it.
+        input_mask: optional bool (b, n), True for real tokens. Without context it masks
+            the keys/values taken from x; with context it is validated but changes nothing
+            (queries are independent rows; padded query rows are the caller's to ignore).
+        context_mask: optional bool (b, m), True for real context positions; only with context.
+        returns: (b, n, dim).
+
+    A masked or padded key/value position is zeroed before the projection, so its content
+    never changes any output. Logits and softmax are computed in at least float32 (also
+    under autocast) and cast back.
+    """
+
+    def __init__(
+        self,
+        dim: int,
+        seq_len: int,
+        k: int = 256,
+        heads: int = 8,
+        dim_head: Optional[int] = None,
+        one_kv_head: bool = False,
+        share_kv: bool = False,
+        dropout: float = 0.0,
+    ):
+        super().__init__()
+        _check_int("dim", dim)
+        _check_int("seq_len", seq_len)
+        _check_int("k", k)
+        _check_int("heads", heads)
+        if dim_head is None:
+            if dim % heads:
+                raise ValueError(f"dim ({dim}) must be divisible by heads ({heads}) when dim_head is not given")
+            dim_head = dim // heads
+        _check_int("dim_head", dim_head)
+        _check_bool("one_kv_head", one_kv_head)
+        _check_bool("share_kv", share_kv)
+        if isinstance(dropout, bool) or not isinstance(dropout, (int, float)) or not 0.0 <= dropout < 1.0:
+            raise ValueError(f"dropout must be a float in [0, 1), got {dropout!r}")
+
+        self.dim, self.seq_len, self.k = dim, seq_len, k
+        self.heads, self.dim_head = heads, dim_head
+        self.one_kv_head, self.share_kv = one_kv_head, share_kv
+        self.kv_heads = 1 if one_kv_head else heads
+
+        inner = heads * dim_head
+        kv_inner = self.kv_heads * dim_head
+        self.to_q = nn.Linear(dim, inner, bias=False)
+        self.to_k = nn.Linear(dim, kv_inner, bias=False)
+        self.to_v = nn.Linear(dim, kv_inner, bias=False)
+        self.proj_k = nn.Parameter(torch.empty(seq_len, k))
+        self.proj_v = None if share_kv else nn.Parameter(torch.empty(seq_len, k))
+        self.dropout = nn.Dropout(dropout)
+        self.to_out = nn.Linear(inner, dim)
+        self.reset_projections()
+
+    @classmethod
+    def from_settings(cls, dim, seq_len, settings, heads=8, dim_head=None, dropout=0.0):
+        """Build from a ``LinformerSettings`` (give the model's max_seq_len as ``seq_len``) or a
+        ``LinformerContextSettings`` (its own ``seq_len`` wins; pass ``seq_len=None``)."""
+        if isinstance(settings, LinformerContextSettings):
+            seq_len = settings.seq_len
+        elif not isinstance(settings, LinformerSettings):
+            raise TypeError(
+                f"settings must be LinformerSettings or LinformerContextSettings, got {type(settings).__name__}"
+            )
+        return cls(
+            dim,
+            seq_len,
+            k=settings.k,
+            heads=heads,
+            dim_head=dim_head,
+            one_kv_head=settings.one_kv_head,
+            share_kv=settings.share_kv,
+            dropout=dropout,
+        )
+
+    def reset_projections(self):
+        bound = 1.0 / math.sqrt(self.seq_len)
+        for p in (self.proj_k, self.proj_v):
+            if p is not None:
+                nn.init.uniform_(p, -bound, bound)
+
+    def extra_repr(self):
+        return (
+            f"dim={self.dim}, seq_len={self.seq_len}, k={self.k}, heads={self.heads}, "
+            f"dim_head={self.dim_head}, one_kv_head={self.one_kv_head}, share_kv={self.share_kv}"
+        )
+
+    def forward(self, x, context=None, input_mask=None, context_mask=None):
+        _check_features("x", x, self.dim)
+        b, n, _ = x.shape
+        _check_mask("input_mask", input_mask, b, n)
+        if context is None:
+            if context_mask is not None:
+                raise ValueError("context_mask was given without context")
+            if n > self.seq_len:
+                raise ValueError(f"x has length {n}, longer than seq_len = {self.seq_len}")
+            kv_input, kv_mask = x, input_mask
+        else:
+            _check_features("context", context, self.dim)
+            if context.shape[0] != b:
+                raise ValueError(f"context has batch size {context.shape[0]}, x has {b}")
+            if context.shape[1] > self.seq_len:
+                raise ValueError(f"context has length {context.shape[1]}, longer than seq_len = {self.seq_len}")
+            _check_mask("context_mask", context_mask, b, context.shape[1])
+            kv_input, kv_mask = context, context_mask
+
+        m = kv_input.shape[1]
+        if kv_mask is not None:
+            # out of place: the caller's tensor is never touched
+            kv_input = kv_input.masked_fill(~rearrange(kv_mask, "b m -> b m 1"), 0.0)
+
+        # project along the sequence first; a length m < seq_len uses the first m rows of
+        # E and F, which is exactly zero-padding the sequence to seq_len
+        proj_k = self.proj_k[:m]
+        mixed_k = torch.einsum("bmd,mk->bkd", kv_input, proj_k.to(kv_input.dtype))
+        if self.proj_v is None:
+            mixed_v = mixed_k
+        else:
+            mixed_v = torch.einsum("bmd,mk->bkd", kv_input, self.proj_v[:m].to(kv_input.dtype))
+
+        q = rearrange(self.to_q(x), "b n (h d) -> b h n d", h=self.heads)
+        keys = rearrange(self.to_k(mixed_k), "b k (h d) -> b h k d", h=self.kv_heads)
+        values = rearrange(self.to_v(mixed_v), "b k (h d) -> b h k d", h=self.kv_heads)
+
+        out_dtype = values.dtype
+        dtype = torch.promote_types(q.dtype, torch.float32)
+        with torch.autocast(x.device.type, enabled=False):
+            q, keys, values = (t.to(dtype) for t in (q, keys, values))
+            # a single kv head broadcasts over the query heads
+            logits = (q * self.dim_head**-0.5) @ keys.transpose(-1, -2)  # (b, h, n, k)
+            attn = self.dropout(logits.softmax(dim=-1))
+            out = attn @ values  # (b, h, n, d)
+        out = rearrange(out.to(out_dtype), "b h n d -> b n (h d)")
+        return self.to_out(out)

@@ -1,0 +1,82 @@
+"""The language model: token and position embeddings around a ``LinearAttentionTransformer``."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .positional import AbsolutePositionalEmbedding, AxialPositionalEmbedding
+from .transformer import LinearAttentionTransformer
+
+
+class LinearAttentionTransformerLM(nn.Module):
+    """Token model: embeddings -> ``LinearAttentionTransformer`` -> logits.
+
+    Args:
+        num_tokens: vocabulary size. dim: model width. depth, max_seq_len, heads: as in
+            ``LinearAttentionTransformer``.
+        emb_dim: embedding width, projected to ``dim`` when different (embedding
+            factorisation: a small table for a large vocabulary).
+        return_embeddings: return the final hidden states (b, n, dim) instead of logits,
+            e.g. for an encoder whose output is a decoder's context.
+        use_axial_pos_emb: axial position embedding (the default), of shape
+            (ceil(max_seq_len / w), w) with w = local_attn_window_size.
+        use_rotary_emb: rotary embeddings in attention instead of an added embedding.
+            With both off, a learned absolute embedding is added.
+        **kwargs: every other ``LinearAttentionTransformer`` option (causal, reversible,
+            n_local_attn_heads, blindspot_size, shift_tokens, ...).
+    Shapes:
+        x (b, n) integer tokens, n <= max_seq_len; input_mask (b, n) bool; context
+        (b, m, dim) and context_mask (b, m) for a decoder. Returns logits (b, n, num_tokens),
+        or (b, n, dim) with return_embeddings.
+    """
+
+    def __init__(
+        self,
+        num_tokens,
+        dim,
+        depth,
+        max_seq_len,
+        heads=8,
+        emb_dim=None,
+        return_embeddings=False,
+        use_axial_pos_emb=True,
+        use_rotary_emb=False,
+        **kwargs,
+    ):
+        super().__init__()
+        if not isinstance(num_tokens, int) or num_tokens < 1:
+            raise ValueError(f"num_tokens must be a positive int, got {num_tokens!r}")
+        emb_dim = dim if emb_dim is None else emb_dim
+        self.num_tokens, self.max_seq_len = num_tokens, max_seq_len
+        self.token_emb = nn.Embedding(num_tokens, emb_dim)
+        nn.init.normal_(self.token_emb.weight, std=0.02)
+        if use_rotary_emb:
+            self.pos_emb = None
+        elif use_axial_pos_emb:
+            self.pos_emb = AxialPositionalEmbedding(emb_dim, max_seq_len, kwargs.get("local_attn_window_size", 128))
+        else:
+            self.pos_emb = AbsolutePositionalEmbedding(emb_dim, max_seq_len)
+        self.project_in = nn.Linear(emb_dim, dim) if emb_dim != dim else nn.Identity()
+        self.transformer = LinearAttentionTransformer(
+            dim, depth, max_seq_len, heads=heads, use_rotary_emb=use_rotary_emb, **kwargs
+        )
+        self.norm = nn.LayerNorm(dim)
+        self.return_embeddings = return_embeddings
+        self.to_logits = nn.Identity() if return_embeddings else nn.Linear(dim, num_tokens)
+
+    def forward(self, x, input_mask=None, context=None, context_mask=None):
+        if not torch.is_tensor(x) or x.dtype.is_floating_point or x.dtype.is_complex or x.dtype == torch.bool:
+            raise TypeError(f"x must be a tensor of integer token ids, got {getattr(x, 'dtype', type(x))}")
+        if x.ndim != 2:
+            raise ValueError(f"x must have shape (batch, seq_len), got {tuple(x.shape)}")
+        n = x.shape[1]
+        if n > self.max_seq_len:
+            raise ValueError(f"sequence length {n} exceeds max_seq_len={self.max_seq_len}")
+        positions = torch.arange(n, device=x.device)
+        h = self.token_emb(x)
+        if self.pos_emb is not None:
+            h = h + self.pos_emb(positions).to(h.dtype)
+        h = self.project_in(h)
+        h = self.transformer(h, input_mask=input_mask, context=context, context_mask=context_mask, positions=positions)
+        return self.to_logits(self.norm(h))

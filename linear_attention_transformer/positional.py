@@ -1,0 +1,76 @@
+"""Positional information: absolute and axial embeddings added to the tokens, and rotary
+embeddings applied to queries and keys inside attention.
+
+All of them are looked up by absolute position, so cached decoding can ask for the
+position of the token it is about to process.
+"""
+
+from __future__ import annotations
+
+import torch
+from axial_positional_embedding import AxialPositionalEmbedding as _Axial
+from einops import rearrange
+from torch import nn
+
+
+class AbsolutePositionalEmbedding(nn.Module):
+    """A learned vector per position. positions (n,) long -> (n, dim)."""
+
+    def __init__(self, dim, max_seq_len):
+        super().__init__()
+        self.emb = nn.Embedding(max_seq_len, dim)
+        nn.init.normal_(self.emb.weight, std=0.02)
+
+    def forward(self, positions):
+        return self.emb(positions)
+
+
+class AxialPositionalEmbedding(nn.Module):
+    """Axial embedding (``axial_positional_embedding``), the seed's default: position
+    t = i * w + j gets emb_i + emb_j, with w the local attention window.
+    positions (n,) long -> (n, dim)."""
+
+    def __init__(self, dim, max_seq_len, axial_width):
+        super().__init__()
+        rows = -(-max_seq_len // axial_width)
+        self.axial = _Axial(dim, axial_shape=(rows, axial_width))
+
+    def forward(self, positions):
+        table = self.axial(positions.new_empty((1, self.axial.max_seq_len, 0), dtype=torch.float32))[0]
+        return table[positions]
+
+
+class RotaryEmbedding(nn.Module):
+    """Rotary position embedding (RoFormer) for heads of size ``dim``.
+
+    Angles are computed in float32 from integer positions, so positions past 2048 keep
+    their precision under float16 autocast (a float16 position is already wrong at 2049).
+    positions (n,) long -> (cos, sin), each (n, dim), float32 (float64 for a float64 model).
+    """
+
+    def __init__(self, dim, base=10000):
+        super().__init__()
+        if dim % 2:
+            raise ValueError(f"rotary embeddings need an even dim_head, got {dim}")
+        inv_freq = 1.0 / base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim)
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+
+    def forward(self, positions):
+        with torch.autocast(positions.device.type, enabled=False):
+            inv_freq = self.inv_freq.to(torch.promote_types(self.inv_freq.dtype, torch.float32))
+            angles = positions.to(inv_freq.dtype)[:, None] * inv_freq[None, :]
+            angles = torch.cat((angles, angles), dim=-1)
+            return angles.cos(), angles.sin()
+
+
+def rotate_half(x):
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rotary(x, cos_sin):
+    """x (..., n, d) rotated by the angles of its positions; computed in at least float32."""
+    cos, sin = cos_sin
+    dtype = x.dtype
+    x = x.to(torch.promote_types(dtype, cos.dtype))
+    return (x * cos + rotate_half(x) * sin).to(dtype)

@@ -1,0 +1,244 @@
+"""The transformer: a stack of (attention, feed-forward) residual pairs.
+
+Each layer is one pair (f, g): x <- x + f(x), x <- x + g(x) (or the reversible form of the
+same pair). A decoder adds a (context attention, feed-forward) pair per layer, and
+``attend_axially`` adds an (axial attention, feed-forward) pair. Every branch normalises
+its input first and may shift tokens (``token_shift.py``).
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence, Union
+
+import torch
+from einops import rearrange
+from product_key_memory import PKM
+from torch import nn
+
+from .attention import Attention, _pad_to_multiple, check_mask, resolve_heads
+from .feedforward import FeedForward
+from .linformer import LinformerContextSettings, LinformerSelfAttention, LinformerSettings
+from .positional import RotaryEmbedding
+from .reversible import ReversibleSequence, SequentialSequence
+from .token_shift import shift_tokens, token_shifts
+
+
+class Branch(nn.Module):
+    """One residual branch: LayerNorm, optional token shift, then ``fn``.
+
+    Args:
+        dim: width. fn: the module. shifts: token shifts or None.
+        routes: names of the model's keyword arguments that ``fn`` takes (self-attention
+            takes input_mask and rotary, cross-attention context and context_mask, a
+            feed-forward none).
+    x (b, n, dim) -> (b, n, dim).
+    """
+
+    def __init__(self, dim, fn, shifts=None, routes=()):
+        super().__init__()
+        self.norm = nn.LayerNorm(dim)
+        self.fn = fn
+        self.shifts = shifts
+        self.routes = tuple(routes)
+
+    def forward(self, x, **kwargs):
+        h = self.norm(x)
+        if self.shifts is not None:
+            h = shift_tokens(h, self.shifts, kwargs.get("input_mask"))
+        return self.fn(h, **{name: kwargs.get(name) for name in self.routes})
+
+
+class FoldAxially(nn.Module):
+    """Attention along the strided axis: positions t with the same t mod w form one sequence.
+    x (b, n, dim) -> (b, n, dim); n is padded to a multiple of w internally."""
+
+    def __init__(self, width, attn):
+        super().__init__()
+        self.width, self.attn = width, attn
+
+    def forward(self, x, input_mask=None, **kwargs):
+        b, n, _ = x.shape
+        if n % self.width and (input_mask is not None or not self.attn.causal):
+            input_mask = torch.ones(b, n, dtype=torch.bool, device=x.device) if input_mask is None else input_mask
+            input_mask = _pad_to_multiple(input_mask, self.width, dim=1, value=False)
+        x = _pad_to_multiple(x, self.width, dim=1)
+        x = rearrange(x, "b (i w) d -> (b w) i d", w=self.width)
+        if input_mask is not None:
+            input_mask = rearrange(input_mask, "b (i w) -> (b w) i", w=self.width)
+        out = self.attn(x, input_mask=input_mask)
+        return rearrange(out, "(b w) i d -> b (i w) d", b=b)[:, :n]
+
+
+class ProductKeyMemory(nn.Module):
+    """product_key_memory.PKM as a feed-forward replacement. x (b, n, dim) -> (b, n, dim).
+    Each query picks its top min(32, num_keys) keys per half (PKM's default is 32)."""
+
+    def __init__(self, dim, num_keys):
+        super().__init__()
+        if not isinstance(num_keys, int) or num_keys < 1:
+            raise ValueError(f"pkm_num_keys must be a positive int, got {num_keys!r}")
+        self.pkm = PKM(dim, num_keys=num_keys, topk=min(32, num_keys))
+
+    def forward(self, x, **kwargs):
+        return self.pkm(x)
+
+
+def _per_layer(value, depth, name):
+    if isinstance(value, (tuple, list)):
+        if len(value) != depth:
+            raise ValueError(f"{name} as a tuple needs one entry per layer: {depth}, got {len(value)}")
+        return tuple(value)
+    return (value,) * depth
+
+
+class LinearAttentionTransformer(nn.Module):
+    """A stack of linear-attention layers on continuous inputs.
+
+    Args:
+        dim, depth, max_seq_len: width, number of layers, longest accepted sequence.
+        heads, dim_head, causal, blindspot_size, kv_heads, one_kv_head, feature_map,
+        local_attn_window_size, chunk_size: see ``attention.Attention``.
+        n_local_attn_heads: local heads per layer: an int, or a tuple with one int per layer.
+        ff_chunks, ff_glu, ff_dropout: feed-forward options (``FeedForward``), on every
+            feed-forward of the model.
+        attn_layer_dropout: dropout on each attention layer's output.
+        attn_dropout: dropout on the attention heads' output, before the output projection.
+        reversible: reversible residual pairs (activations recomputed in backward).
+        receives_context: add a cross-attention pair per layer (decoder); forward then
+            needs ``context``.
+        attend_axially: add a strided global attention pair per layer, over positions that
+            share t mod local_attn_window_size.
+        pkm_layers: 1-based layer numbers whose feed-forward is a product-key memory with
+            ``pkm_num_keys`` keys.
+        linformer_settings: ``LinformerSettings`` -> every self-attention is Linformer
+            (non-causal, sequence length max_seq_len).
+        context_linformer_settings: ``LinformerContextSettings`` -> Linformer cross-attention.
+        shift_tokens: shift a slice of the features by one token in every branch.
+        use_rotary_emb: rotary position embeddings on queries and keys of self-attention.
+    Shapes:
+        x (b, n, dim) with n <= max_seq_len; input_mask (b, n) bool; context (b, m, dim);
+        context_mask (b, m) bool. Returns (b, n, dim).
+    """
+
+    def __init__(
+        self,
+        dim,
+        depth,
+        max_seq_len,
+        heads=8,
+        dim_head=None,
+        causal=False,
+        ff_chunks=1,
+        ff_glu=False,
+        ff_dropout=0.0,
+        attn_layer_dropout=0.0,
+        attn_dropout=0.0,
+        reversible=False,
+        blindspot_size=1,
+        n_local_attn_heads=0,
+        local_attn_window_size=128,
+        receives_context=False,
+        attend_axially=False,
+        pkm_layers=(),
+        pkm_num_keys=128,
+        linformer_settings: Optional[LinformerSettings] = None,
+        context_linformer_settings: Optional[LinformerContextSettings] = None,
+        shift_tokens=False,
+        use_rotary_emb=False,
+        kv_heads=None,
+        one_kv_head=False,
+        feature_map="softmax",
+        chunk_size=64,
+    ):
+        super().__init__()
+        if not isinstance(depth, int) or depth < 1:
+            raise ValueError(f"depth must be a positive int, got {depth!r}")
+        if not isinstance(max_seq_len, int) or max_seq_len < 1:
+            raise ValueError(f"max_seq_len must be a positive int, got {max_seq_len!r}")
+        if linformer_settings is not None:
+            if not isinstance(linformer_settings, LinformerSettings):
+                raise TypeError("linformer_settings must be a LinformerSettings")
+            if causal:
+                raise ValueError("Linformer (linformer_settings) cannot be causal: it mixes all positions")
+        if use_rotary_emb and linformer_settings is not None:
+            raise ValueError("use_rotary_emb is not supported with linformer_settings")
+        if context_linformer_settings is not None and not isinstance(context_linformer_settings, LinformerContextSettings):
+            raise TypeError("context_linformer_settings must be a LinformerContextSettings")
+        if context_linformer_settings is not None and not receives_context:
+            raise ValueError("context_linformer_settings needs receives_context=True")
+        bad = [p for p in pkm_layers if not isinstance(p, int) or not 1 <= p <= depth]
+        if bad:
+            raise ValueError(f"pkm_layers holds 1-based layer numbers up to depth={depth}, got {bad}")
+
+        self.dim, self.max_seq_len, self.causal = dim, max_seq_len, causal
+        self.receives_context = receives_context
+        local_heads = _per_layer(n_local_attn_heads, depth, "n_local_attn_heads")
+        shifts = token_shifts(causal) if shift_tokens else None
+
+        attn_kwargs = dict(
+            heads=heads, dim_head=dim_head, kv_heads=kv_heads, one_kv_head=one_kv_head,
+            feature_map=feature_map, attn_dropout=attn_dropout, dropout=attn_layer_dropout,
+            chunk_size=chunk_size,
+        )
+
+        def feedforward(layer):
+            if layer + 1 in pkm_layers:
+                return ProductKeyMemory(dim, pkm_num_keys)
+            return FeedForward(dim, dropout=ff_dropout, glu=ff_glu, chunks=ff_chunks)
+
+        def branch(fn, *routes):
+            return Branch(dim, fn, shifts, routes)
+
+        blocks = []
+        for layer in range(depth):
+            if linformer_settings is None:
+                attn = Attention(
+                    dim, causal=causal, n_local_attn_heads=local_heads[layer],
+                    local_attn_window_size=local_attn_window_size, blindspot_size=blindspot_size, **attn_kwargs,
+                )
+            else:
+                attn = LinformerSelfAttention(
+                    dim, max_seq_len, k=linformer_settings.k, heads=heads, dim_head=dim_head,
+                    one_kv_head=linformer_settings.one_kv_head, share_kv=linformer_settings.share_kv,
+                    dropout=attn_dropout,
+                )
+            self_routes = ("input_mask", "rotary") if linformer_settings is None else ("input_mask",)
+            blocks.append((branch(attn, *self_routes), branch(feedforward(layer))))
+
+            if attend_axially:
+                axial = Attention(dim, causal=causal, **attn_kwargs)
+                blocks.append((branch(FoldAxially(local_attn_window_size, axial), "input_mask"), branch(feedforward(layer))))
+
+            if receives_context:
+                if context_linformer_settings is None:
+                    cross = Attention(dim, receives_context=True, **attn_kwargs)
+                else:
+                    s = context_linformer_settings
+                    cross = LinformerSelfAttention(
+                        dim, s.seq_len, k=s.k, heads=heads, dim_head=dim_head, one_kv_head=s.one_kv_head,
+                        share_kv=s.share_kv, dropout=attn_dropout,
+                    )
+                # the context is fixed for the whole sequence: no token shift in this branch
+                blocks.append((Branch(dim, cross, None, ("context", "context_mask")), branch(feedforward(layer))))
+
+        self.layers = (ReversibleSequence if reversible else SequentialSequence)(blocks)
+        self.rotary = RotaryEmbedding(resolve_heads(dim, heads, dim_head)[0]) if use_rotary_emb else None
+
+    def forward(self, x, input_mask=None, context=None, context_mask=None, positions=None):
+        if x.ndim != 3 or x.shape[-1] != self.dim:
+            raise ValueError(f"x must have shape (batch, seq_len, {self.dim}), got {tuple(x.shape)}")
+        if x.shape[1] > self.max_seq_len:
+            raise ValueError(f"sequence length {x.shape[1]} exceeds max_seq_len={self.max_seq_len}")
+        check_mask(input_mask, x, "input_mask")
+        if self.receives_context:
+            if context is None:
+                raise ValueError("this model has receives_context=True: pass context=(batch, ctx_len, dim)")
+            if context.ndim != 3 or context.shape[-1] != self.dim:
+                raise ValueError(f"context must have shape (batch, ctx_len, {self.dim}), got {tuple(context.shape)}")
+            check_mask(context_mask, context, "context_mask")
+        kwargs = dict(input_mask=input_mask, context=context, context_mask=context_mask)
+        if self.rotary is not None:
+            if positions is None:
+                positions = torch.arange(x.shape[1], device=x.device)
+            kwargs["rotary"] = self.rotary(positions)
+        return self.layers(x, **kwargs)
