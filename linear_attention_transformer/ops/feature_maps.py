@@ -118,6 +118,7 @@ class FeatureMap:
 
     def causal_keys(self, k, mask=None, running_max=None):
         """Key features for causal attention: (features, log_decay or None, running_max or None)."""
+        _check_mask(mask, k.shape[0], k.shape[2])
         if self.is_softmax:
             return exp_keys_with_running_max(k, mask, running_max)
         return self._pointwise(k), None, None

@@ -62,9 +62,12 @@ def _append_ones(v: torch.Tensor) -> torch.Tensor:
 
 def _divide(out_aug: torch.Tensor) -> torch.Tensor:
     """Split the ones column off and divide. A query that sees no key (all masked, or the
-    first blindspot block) has numerator and denominator 0, and gets 0."""
+    first blindspot block) has numerator and denominator 0, and gets 0 with a zero gradient
+    (dividing by a clamped tiny denominator instead gives a gradient of 1 / tiny that turns
+    into inf and NaN further back)."""
     num, den = out_aug[..., :-1], out_aug[..., -1:]
-    return num / den.clamp(min=torch.finfo(den.dtype).tiny)
+    seen = den > 0
+    return torch.where(seen, num / torch.where(seen, den, 1.0), 0.0)
 
 
 def _apply_key_mask(k, v, log_decay, mask):
@@ -211,30 +214,32 @@ def causal_linear_attention_step(q, k, v, state: CausalState, log_decay=None, bl
         (out (b, h, e), new state)
     """
     out_dtype = q.dtype
-    dtype = state.kv.dtype
-    q, k, v = (t.to(dtype) for t in (q, k, v))
-    kv, pending = state.kv, state.pending
-    if log_decay is not None:
-        a = log_decay.to(dtype).exp()
-        a = a[..., None, None] if a.ndim == 2 else a[..., None]
-        kv = kv * a
-        pending = None if pending is None else pending * a
-    new = torch.einsum("bhd,bhe->bhde", k, _append_ones(v))
-    if blindspot_size > 1:
-        pending = pending + new
-    else:
-        kv = kv + new
-    out = _divide(torch.einsum("bhd,bhde->bhe", q, kv))
-    position = state.position + 1
-    if blindspot_size > 1 and position % blindspot_size == 0:
-        # the block is complete: its keys become visible to the next block's queries
-        kv, pending = kv + pending, torch.zeros_like(pending)
+    with torch.autocast(q.device.type, enabled=False):  # the state must not drop to half precision
+        dtype = state.kv.dtype
+        q, k, v = (t.to(dtype) for t in (q, k, v))
+        kv, pending = state.kv, state.pending
+        if log_decay is not None:
+            a = log_decay.to(dtype).exp()
+            a = a[..., None, None] if a.ndim == 2 else a[..., None]
+            kv = kv * a
+            pending = None if pending is None else pending * a
+        new = torch.einsum("bhd,bhe->bhde", k, _append_ones(v))
+        if blindspot_size > 1:
+            pending = pending + new
+        else:
+            kv = kv + new
+        out = _divide(torch.einsum("bhd,bhde->bhe", q, kv))
+        position = state.position + 1
+        if blindspot_size > 1 and position % blindspot_size == 0:
+            # the block is complete: its keys become visible to the next block's queries
+            kv, pending = kv + pending, torch.zeros_like(pending)
     return out.to(out_dtype), CausalState(kv, pending, position)
 
 
 def recurrent_causal_linear_attention(q, k, v, log_decay=None, mask=None, blindspot_size=1, state=None):
     """Reference for ``causal_linear_attention``: the recurrence, one token at a time."""
     b, h, n, d = q.shape
+    _check_mask(mask, b, n)
     k, v, log_decay = _apply_key_mask(k, v, log_decay, mask)
     if state is None:
         state = CausalState.zeros(b, h, d, v.shape[-1], blindspot_size, q.device, _compute_dtype(q))

@@ -1,0 +1,173 @@
+"""Feature maps end to end: the library pipeline (feature map -> kernel) against direct
+float64 formulas written without any stabilisation."""
+
+import pytest
+import torch
+
+from linear_attention_transformer.ops import (
+    FEATURE_MAP_NAMES,
+    FeatureMap,
+    causal_linear_attention,
+    exp_keys_with_running_max,
+    linear_attention,
+)
+
+KINDS = ["softmax", "elu", "relu", "callable"]
+
+
+def make_map(kind, helpers):
+    return FeatureMap(helpers.squared_relu_map if kind == "callable" else kind)
+
+
+def direct_query_features(kind, q):
+    if kind == "softmax":
+        ex = q.exp()
+        return ex / ex.sum(-1, keepdim=True)
+    return direct_pointwise(kind, q)
+
+
+def direct_pointwise(kind, x):
+    if kind == "elu":
+        return torch.where(x > 0, x + 1, x.exp())
+    if kind == "relu":
+        return torch.where(x > 0, x, torch.zeros_like(x))
+    if kind == "callable":
+        return torch.where(x > 0, x * x, torch.zeros_like(x)) + 1e-3
+    raise AssertionError(kind)
+
+
+def weighted_average(w, v):
+    """out_i = sum_j w_ij v_j / sum_j w_ij, 0 for a query with no weight at all."""
+    num = torch.einsum("bhij,bhje->bhie", w, v)
+    den = w.sum(-1, keepdim=True)
+    return torch.where(den > 0, num / torch.where(den > 0, den, torch.ones_like(den)), torch.zeros_like(num))
+
+
+def bounded_logits(b, h, n, d, e, seed, m=None):
+    """Logits with |x| < 5, so exp(x) without stabilisation is accurate in float64; keys
+    drift upwards along the sequence so the running maximum keeps changing."""
+    g = torch.Generator().manual_seed(seed)
+    m = n if m is None else m
+    q = torch.rand(b, h, n, d, dtype=torch.float64, generator=g) * 9.8 - 4.9
+    k = torch.rand(b, h, m, d, dtype=torch.float64, generator=g) * 6 - 4.9
+    k = k + torch.linspace(0, 3.8, m, dtype=torch.float64)[:, None]
+    v = torch.randn(b, h, m, e, dtype=torch.float64, generator=g)
+    return q, k, v
+
+
+def direct_causal(kind, q, k, v, mask, blindspot):
+    n = q.shape[2]
+    qf = direct_query_features(kind, q)
+    kf = k.exp() if kind == "softmax" else direct_pointwise(kind, k)
+    w = torch.einsum("bhid,bhjd->bhij", qf, kf)
+    i = torch.arange(n)[:, None]
+    j = torch.arange(n)[None, :]
+    visible = (j // blindspot < i // blindspot) if blindspot > 1 else (j <= i)
+    visible = visible[None, None]
+    if mask is not None:
+        visible = visible & mask[:, None, None, :]
+    return weighted_average(torch.where(visible, w, torch.zeros_like(w)), v)
+
+
+def direct_noncausal(kind, q, k, v, mask):
+    qf = direct_query_features(kind, q)
+    keep = torch.ones(k.shape[0], k.shape[2], dtype=torch.bool) if mask is None else mask
+    keep = keep[:, None, :, None]
+    if kind == "softmax":
+        ex = torch.where(keep, k.exp(), torch.zeros_like(k))
+        total = ex.sum(dim=2, keepdim=True)
+        kf = torch.where(total > 0, ex / torch.where(total > 0, total, torch.ones_like(total)), torch.zeros_like(ex))
+        return torch.einsum("bhid,bhjd,bhje->bhie", qf, kf, v)  # rows already sum to one
+    kf = torch.where(keep, direct_pointwise(kind, k), torch.zeros_like(k))
+    return weighted_average(torch.einsum("bhid,bhjd->bhij", qf, kf), v)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("n", [1, 15, 16, 17, 100])
+@pytest.mark.parametrize("masked", [False, True])
+@pytest.mark.parametrize("blindspot", [1, 4])
+def test_causal_pipeline_equals_direct_formula(kind, n, masked, blindspot, helpers):
+    b, h, d, e = 2, 2, 4, 3
+    seed = 13 * n + blindspot + 100 * KINDS.index(kind)
+    q, k, v = bounded_logits(b, h, n, d, e, seed)
+    mask = helpers.random_mask(b, n, seed, empty_row=n > 1) if masked else None
+    if mask is not None and n > 1:
+        mask[0, :2] = False  # leading padding: the running max starts later
+    fm = make_map(kind, helpers)
+
+    features, log_decay, running_max = fm.causal_keys(k, mask)
+    real = torch.ones(b, h, n, d, dtype=torch.bool) if mask is None else mask[:, None, :, None].expand(b, h, n, d)
+    if kind == "softmax":
+        assert log_decay.shape == (b, h, n) and running_max.shape == (b, h)
+        assert (log_decay <= 0).all() and (features[real] <= 1).all()
+    else:
+        assert log_decay is None and running_max is None
+    out = causal_linear_attention(fm.queries(q), features, v, log_decay, mask, blindspot, chunk_size=16)
+    helpers.assert_matches(out, direct_causal(kind, q, k, v, mask, blindspot))
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("n, m", [(1, 1), (15, 15), (16, 16), (17, 17), (100, 100), (17, 40), (40, 1)])
+@pytest.mark.parametrize("masked", [False, True])
+def test_noncausal_pipeline_equals_direct_formula(kind, n, m, masked, helpers):
+    b, h, d, e = 2, 2, 4, 3
+    seed = 17 * n + m + 100 * KINDS.index(kind)
+    q, k, v = bounded_logits(b, h, n, d, e, seed, m=m)
+    mask = helpers.random_mask(b, m, seed, empty_row=True) if masked else None
+    fm = make_map(kind, helpers)
+
+    features, normalize = fm.noncausal_keys(k, mask)
+    assert normalize is (kind != "softmax")
+    out = linear_attention(fm.queries(q), features, v, mask=mask, normalize=normalize)
+    helpers.assert_matches(out, direct_noncausal(kind, q, k, v, mask))
+    if masked:
+        assert torch.equal(out[-1], torch.zeros_like(out[-1]))
+
+
+def test_running_max_features_and_decay_reconstruct_exp(helpers):
+    """features_t * exp(m_t) = exp(k_t) and the decays telescope: sum of log_decay up to t
+    equals m_0 - m_t, with m the running maximum over earlier real keys."""
+    b, h, n, d = 2, 3, 20, 4
+    q, k, _ = bounded_logits(b, h, n, d, 1, seed=8)
+    mask = helpers.random_mask(b, n, seed=8)
+    mask[:, 0] = True
+    features, log_decay, last = exp_keys_with_running_max(k, mask)
+    kmax = k.amax(-1).masked_fill(~mask[:, None, :], float("-inf"))
+    m = kmax.cummax(-1).values
+    helpers.assert_matches(last, m[..., -1], rtol=0)
+    helpers.assert_matches(log_decay.cumsum(-1), m[..., :1] - m, rtol=1e-12)
+    real = mask[:, None, :, None].expand_as(k)
+    helpers.assert_matches((features * m[..., None].exp())[real], k.exp()[real], rtol=1e-12)
+
+
+def test_feature_map_construction():
+    assert set(FEATURE_MAP_NAMES) == {"softmax", "elu", "relu"}
+    assert FeatureMap().is_softmax
+    fm = FeatureMap("elu")
+    assert FeatureMap(fm).kind == "elu" and not FeatureMap(fm).is_softmax
+    with pytest.raises(ValueError, match="feature_map"):
+        FeatureMap("gelu")
+    assert "relu" in repr(FeatureMap("relu"))
+
+
+@pytest.mark.parametrize(
+    "dtype, lowest, rtol",
+    [(torch.float64, -700.0, 1e-14), (torch.float32, -80.0, 1e-6), (torch.bfloat16, -80.0, 1e-2), (torch.float16, -9.0, 2e-3)],
+)
+def test_elu_map_keeps_small_features_in_low_precision(dtype, lowest, rtol):
+    """elu(x) + 1 = exp(x) for x <= 0: formed as (exp(x) - 1) + 1 it cancels to 0 (bfloat16
+    from x < -5.5), and a key whose features all vanish is dropped from attention."""
+    x = torch.linspace(lowest, 3.0, 301, dtype=torch.float64)
+    fm = FeatureMap("elu")
+    got = fm.queries(x.to(dtype)).double()
+    x = x.to(dtype).double()
+    expected = torch.where(x > 0, x + 1, x.exp())
+    assert ((got - expected).abs() <= rtol * expected).all()
+    # still the same function, with finite gradients even far out
+    t = torch.tensor([-1e4, -50.0, -1.0, 0.0, 1.0, 1e4], dtype=torch.float64, requires_grad=True)
+    y = fm.causal_keys(t.view(1, 1, 1, -1))[0]
+    y.sum().backward()
+    exact = torch.where(t > 0, t + 1, t.exp()).detach()
+    assert torch.allclose(y.flatten(), exact, rtol=1e-15, atol=0)
+    assert torch.allclose(exact, torch.nn.functional.elu(t.detach()) + 1, rtol=1e-15, atol=1e-16)
+    assert torch.isfinite(t.grad).all() and torch.allclose(t.grad, torch.where(t > 0, 1.0, t.detach().exp()).double())

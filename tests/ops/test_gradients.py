@@ -1,0 +1,154 @@
+"""Gradients: gradcheck in float64, and exact causality of the gradient."""
+
+import pytest
+import torch
+from torch.autograd import gradcheck
+
+from linear_attention_transformer.ops import (
+    FeatureMap,
+    causal_linear_attention,
+    linear_attention,
+    naive_causal_linear_attention,
+)
+
+B, H, N, D, E = 1, 2, 10, 3, 2
+
+
+def leaf(t):
+    return t.detach().clone().requires_grad_(True)
+
+
+@pytest.mark.parametrize("decay", [None, "scalar", "per_feature"])
+@pytest.mark.parametrize("blindspot", [1, 4])
+@pytest.mark.parametrize("masked", [False, True])
+def test_gradcheck_causal_kernel(decay, blindspot, masked, helpers):
+    q, k, v = (leaf(t) for t in helpers.feature_inputs(B, H, N, D, E, seed=1))
+    log_decay = helpers.random_log_decay(decay, B, H, N, D, seed=1)
+    mask = None
+    if masked:  # left padding: the first queries see no key at all (output 0, gradient 0)
+        mask = helpers.random_mask(B, N, seed=1)
+        mask[:, :2] = False
+    inputs = (q, k, v) if log_decay is None else (q, k, v, leaf(log_decay))
+
+    def fn(q, k, v, log_decay=None):
+        return causal_linear_attention(q, k, v, log_decay, mask, blindspot, chunk_size=4)
+
+    assert gradcheck(fn, inputs, eps=1e-6, atol=1e-8, rtol=1e-6)
+
+
+def test_gradcheck_causal_kernel_odd_chunks_and_holes(helpers):
+    """Chunk size 3 over 7 tokens, a mask with a hole and leading padding, per-feature decay."""
+    n = 7
+    q, k, v = (leaf(t) for t in helpers.feature_inputs(B, H, n, 2, E, seed=11))
+    log_decay = leaf(helpers.random_log_decay("per_feature", B, H, n, 2, seed=11))
+    mask = torch.tensor([[False, True, True, False, True, True, True]])
+
+    def fn(q, k, v, log_decay):
+        return causal_linear_attention(q, k, v, log_decay, mask, chunk_size=3)
+
+    assert gradcheck(fn, (q, k, v, log_decay), eps=1e-6, atol=1e-8, rtol=1e-6)
+
+
+@pytest.mark.parametrize("blindspot", [1, 4])
+@pytest.mark.parametrize("masked", [False, True])
+def test_gradcheck_softmax_pipeline_from_logits(blindspot, masked, helpers):
+    """Raw q, k logits -> softmax feature map (running max, its decay) -> kernel. The running
+    max carries no gradient: the check proves the result really does not depend on it."""
+    q, k, v = (leaf(t) for t in helpers.logit_inputs(B, H, N, D, E, seed=2, scale=3.0))
+    mask = None
+    if masked:
+        mask = helpers.random_mask(B, N, seed=2)
+        mask[:, :2] = False
+    fm = FeatureMap("softmax")
+
+    def fn(q, k, v):
+        features, log_decay, _ = fm.causal_keys(k, mask)
+        return causal_linear_attention(fm.queries(q), features, v, log_decay, mask, blindspot, chunk_size=4)
+
+    assert gradcheck(fn, (q, k, v), eps=1e-6, atol=1e-8, rtol=1e-6)
+
+
+@pytest.mark.parametrize("kind", ["softmax", "elu"])
+@pytest.mark.parametrize("masked", [False, True])
+def test_gradcheck_noncausal_pipeline(kind, masked, helpers):
+    q, k, v = (leaf(t) for t in helpers.logit_inputs(2, H, N, D, E, seed=3, scale=2.0, m=7))
+    mask = helpers.random_mask(2, 7, seed=3, empty_row=True) if masked else None
+    fm = FeatureMap(kind)
+
+    def fn(q, k, v):
+        features, normalize = fm.noncausal_keys(k, mask)
+        return linear_attention(fm.queries(q), features, v, mask=mask, normalize=normalize)
+
+    assert gradcheck(fn, (q, k, v), eps=1e-6, atol=1e-8, rtol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_chunked_gradients_equal_naive_gradients(dtype, helpers):
+    """Same function, same gradients: chunked vs explicit-matrix form (n = 37, chunk 8), with
+    left padding, so the first queries see no key: output 0 and gradient 0, never NaN."""
+    n = 37
+    q, k, v = helpers.feature_inputs(2, 2, n, 4, 3, seed=4, dtype=dtype)
+    log_decay = helpers.random_log_decay("per_feature", 2, 2, n, 4, seed=4, dtype=dtype)
+    mask = helpers.random_mask(2, n, seed=4)
+    mask[:, :2] = False
+    r = torch.randn(2, 2, n, 3, dtype=dtype, generator=torch.Generator().manual_seed(4))
+    grads = []
+    for fn in (
+        lambda *a: causal_linear_attention(*a, mask, chunk_size=8),
+        lambda *a: naive_causal_linear_attention(*a, mask),
+    ):
+        inputs = [leaf(t) for t in (q, k, v, log_decay)]
+        (fn(*inputs) * r).sum().backward()
+        grads.append([t.grad for t in inputs])
+    for chunked, naive in zip(*grads):
+        helpers.assert_matches(chunked, naive, rtol=1e-9 if dtype == torch.float64 else 1e-4)
+
+
+def output_grads(fn, inputs, i, seed):
+    """Gradients of sum(out[..., i, :] * r) with respect to every input."""
+    inputs = [leaf(t) for t in inputs]
+    out = fn(*inputs)
+    r = torch.randn(out[:, :, i].shape, dtype=out.dtype, generator=torch.Generator().manual_seed(seed))
+    return torch.autograd.grad((out[:, :, i] * r).sum(), inputs)
+
+
+@pytest.mark.parametrize("decay", [None, "scalar", "per_feature"])
+@pytest.mark.parametrize("blindspot", [1, 4])
+def test_gradient_is_exactly_causal(decay, blindspot, helpers):
+    n = 13
+    q, k, v = helpers.feature_inputs(B, H, n, D, E, seed=5)
+    log_decay = helpers.random_log_decay(decay, B, H, n, D, seed=5)
+    inputs = [q, k, v] + ([] if log_decay is None else [log_decay])
+
+    def fn(q, k, v, log_decay=None):
+        return causal_linear_attention(q, k, v, log_decay, None, blindspot, chunk_size=4)
+
+    for i in (0, 2, 3, 4, 6, 11, 12):
+        grads = output_grads(fn, inputs, i, seed=i)
+        for name, g in zip(("q", "k", "v", "log_decay"), grads):
+            future = g[:, :, i + 1 :]
+            assert torch.equal(future, torch.zeros_like(future)), f"d out[{i}] / d {name}[j > {i}] != 0"
+        # ...and the past does matter (no vacuous zero): q_i once two keys are visible, k_0 and
+        # v_0 once key 0 is visible
+        if i >= blindspot and i > 0:
+            assert grads[0][:, :, i].abs().max() > 0
+        if i >= blindspot:
+            assert grads[1][:, :, 0].abs().max() > 0 and grads[2][:, :, 0].abs().max() > 0
+
+
+@pytest.mark.parametrize("masked", [False, True])
+def test_softmax_pipeline_gradient_is_exactly_causal(masked, helpers):
+    n = 13
+    q, k, v = helpers.logit_inputs(B, H, n, D, E, seed=6, scale=3.0)
+    k = k + torch.linspace(0, 6, n, dtype=k.dtype)[:, None]  # the running max moves after i
+    mask = helpers.random_mask(B, n, seed=6) if masked else None
+    fm = FeatureMap("softmax")
+
+    def fn(q, k, v):
+        features, log_decay, _ = fm.causal_keys(k, mask)
+        return causal_linear_attention(fm.queries(q), features, v, log_decay, mask, chunk_size=4)
+
+    for i in (0, 3, 4, 9, 12):
+        for name, g in zip("qkv", output_grads(fn, (q, k, v), i, seed=i)):
+            future = g[:, :, i + 1 :]
+            assert torch.equal(future, torch.zeros_like(future)), f"d out[{i}] / d {name}[j > {i}] != 0"
