@@ -9,15 +9,23 @@ at a cost linear in n.
 
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.nn.functional as F
 from einops import rearrange, repeat
 from local_attention import LocalAttention
 from torch import nn
 
-from .ops import FeatureMap, causal_linear_attention, linear_attention
+from .cache import AttentionCache, GlobalCache, LocalCache
+from .gating import ForgetGate, LocalConv, OutputGate
+from .ops import (
+    CausalState,
+    FeatureMap,
+    causal_linear_attention,
+    linear_attention,
+    linear_attention_readout,
+    linear_attention_summary,
+)
+from .ops.windowed_attention import causal_windowed_attention
 from .positional import apply_rotary
 
 
@@ -78,6 +86,12 @@ class Attention(nn.Module):
         receives_context: keys and values come from ``context`` (cross-attention); all
             heads are then global and non-causal with respect to the context.
         chunk_size: chunk length of the causal linear attention kernel.
+        use_gate: seed 000's sigmoid gating (``gating.py``): a forget gate per global head and
+            key feature (rank ``gate_rank``, exponent 1 / ``gate_temperature``) decays the causal
+            state, or gates each key without a causal order; and a sigmoid output gate on
+            every head's output.
+        use_local_conv: depthwise convolution of ``local_conv_kernel`` taps along the sequence
+            on the global heads' q, k and v, before the feature map (causal: left-padded).
     Shapes:
         x (b, n, dim); input_mask (b, n) bool; context (b, m, dim); context_mask (b, m) bool;
         rotary: (cos, sin) of the positions, each (n, dim_head). Returns (b, n, dim).
@@ -99,6 +113,11 @@ class Attention(nn.Module):
         dropout=0.0,
         receives_context=False,
         chunk_size=64,
+        use_gate=False,
+        gate_rank=16,
+        gate_temperature=16.0,
+        use_local_conv=False,
+        local_conv_kernel=3,
     ):
         super().__init__()
         dim_head, kv_heads = resolve_heads(dim, heads, dim_head, kv_heads, one_kv_head)
@@ -125,6 +144,22 @@ class Attention(nn.Module):
         self.to_out = nn.Linear(heads * dim_head, dim)
         self.attn_dropout = nn.Dropout(attn_dropout)
         self.dropout = nn.Dropout(dropout)
+        n_global = heads - n_local_attn_heads
+        if not isinstance(use_gate, bool) or not isinstance(use_local_conv, bool):
+            raise ValueError("use_gate and use_local_conv must be True or False")
+        self.forget_gate = self.output_gate = self.local_conv = None
+        if use_gate:
+            if n_global:
+                self.forget_gate = ForgetGate(dim, n_global, dim_head, gate_rank, gate_temperature)
+            self.output_gate = OutputGate(dim, heads * dim_head)
+        if use_local_conv and receives_context:
+            raise ValueError("use_local_conv applies to self-attention; a cross-attention layer has no sequence to convolve along")
+        if use_local_conv and n_global:
+            self.local_conv = nn.ModuleList(
+                [LocalConv(n_global * dim_head, local_conv_kernel, self.causal) for _ in ("q", "k", "v")]
+            )
+        elif use_local_conv:  # still check the argument: it must not be accepted silently
+            LocalConv(1, local_conv_kernel, self.causal)
         self.local_attn = None
         if self.n_local:
             # positions come from the model (rotary / absolute / axial), not from inside the window
@@ -153,24 +188,101 @@ class Attention(nn.Module):
         out = self.local_attn(q, k, v, mask=mask)
         return out[:, :, :n]
 
-    def global_heads(self, q, k, v, mask):
+    def global_heads(self, q, k, v, mask, source, query_mask, cache=None, return_cache=False):
+        """Linear attention over the global heads. With ``return_cache`` also returns the
+        state a decoder continues from: (causal state, last inputs of the convolution)."""
+        conv_cache = None
+        if self.local_conv is not None:
+            previous = (None,) * 3 if cache is None else cache.conv
+            masks, raw = (query_mask, mask, mask), (q, k, v)
+            q, k, v = (conv(t, m, p) for conv, t, m, p in zip(self.local_conv, raw, masks, previous))
+            if return_cache:
+                conv_cache = tuple(
+                    _last_inputs(t, m, p, conv.kernel_size - 1) for conv, t, m, p in zip(self.local_conv, raw, masks, previous)
+                )
+        log_gate = None if self.forget_gate is None else self.forget_gate(source)
         fm = self.feature_map
-        q = fm.queries(q)
         if self.causal:
-            k, log_decay, _ = fm.causal_keys(k, mask)
-            return causal_linear_attention(
-                q, k, v, log_decay, mask, blindspot_size=self.blindspot_size, chunk_size=self.chunk_size
+            q, k, exp_features = fm.causal_features(q, k)
+            out = causal_linear_attention(
+                q, k, v, log_gate, mask, blindspot_size=self.blindspot_size, chunk_size=self.chunk_size,
+                exp_features=exp_features, state=None if cache is None else cache.state, return_state=return_cache,
             )
+            if not return_cache:
+                return out
+            out, state = out
+            return out, GlobalCache(state, conv_cache)
         k, normalize = fm.noncausal_keys(k, mask)
-        return linear_attention(q, k, v, mask, normalize=normalize)
+        if log_gate is not None:  # no order to forget along: gate each key's contribution
+            k, normalize = k * log_gate.exp().to(k.dtype), True
+        return linear_attention(fm.queries(q), k, v, mask, normalize=normalize)
 
     # ------------------------------------------------------------------ forward
 
-    def forward(self, x, input_mask=None, context=None, context_mask=None, rotary=None, **kwargs):
+    def forward(self, x, input_mask=None, context=None, context_mask=None, rotary=None, cache=None,
+                return_cache=False):
+        """x (b, n, dim) -> (b, n, dim); with ``return_cache`` -> (out, AttentionCache).
+
+        ``cache``: the ``AttentionCache`` returned for the tokens before x (causal layers
+        only): x then holds just the new tokens."""
         if x.ndim != 3 or x.shape[-1] != self.dim:
             raise ValueError(f"x must have shape (batch, seq_len, {self.dim}), got {tuple(x.shape)}")
         check_mask(input_mask, x, "input_mask")
+        if cache is not None or return_cache:
+            self.check_cacheable()
         if self.receives_context:
+            return self._cross_attention(x, context, context_mask, cache, return_cache)
+
+        q, k, v = self.project(x, x)
+        if rotary is not None:
+            q, k = apply_rotary(q, rotary), apply_rotary(k, rotary)
+        position = 0 if cache is None else cache.position
+        outs, local_cache, global_cache = [], None, None
+        if self.n_local:
+            ql, kl, vl = (t[:, : self.n_local] for t in (q, k, v))
+            if cache is None:
+                outs.append(self.local_heads(ql, kl, vl, input_mask))
+                if return_cache:
+                    local_cache = LocalCache(kl, vl, _mask_or_ones(input_mask, kl), 0)
+            else:
+                out, local_cache = self._local_heads_cached(ql, kl, vl, input_mask, cache.local, position)
+                outs.append(out)
+            if return_cache:
+                local_cache = local_cache.keep_from((position + x.shape[1]) // self.window * self.window - self.window)
+        if self.n_local < self.heads:
+            qg, kg, vg = (t[:, self.n_local :] for t in (q, k, v))
+            out = self.global_heads(
+                qg, kg, vg, input_mask, x, input_mask, None if cache is None else cache.global_, return_cache
+            )
+            if return_cache:
+                out, global_cache = out
+            outs.append(out)
+        out = self._combine(outs, x)
+        if not return_cache:
+            return out
+        return out, AttentionCache(position + x.shape[1], local_cache, global_cache, None)
+
+    def _combine(self, outs, x):
+        out = torch.cat(outs, dim=1) if len(outs) > 1 else outs[0]
+        out = rearrange(out, "b h n d -> b n (h d)")
+        if self.output_gate is not None:
+            out = out * self.output_gate(x)
+        out = self.attn_dropout(out)
+        return self.dropout(self.to_out(out))
+
+    def _local_heads_cached(self, q, k, v, mask, cache, position):
+        n = q.shape[2]
+        keys, values = torch.cat((cache.keys, k), dim=2), torch.cat((cache.values, v), dim=2)
+        key_mask = torch.cat((cache.mask, _mask_or_ones(mask, k)), dim=1)
+        device = q.device
+        q_pos = torch.arange(position, position + n, device=device)
+        k_pos = torch.arange(cache.start, position + n, device=device)
+        out = causal_windowed_attention(q, keys, values, q_pos, k_pos, self.window, key_mask)
+        return out, LocalCache(keys, values, key_mask, cache.start)
+
+    def _cross_attention(self, x, context, context_mask, cache, return_cache):
+        """Cross-attention: the context is reduced to kᵀv once (on the first call), then read."""
+        if cache is None:
             if context is None:
                 raise ValueError("this layer has receives_context=True: pass context=(batch, ctx_len, dim)")
             if context.ndim != 3 or context.shape[-1] != self.dim or context.shape[0] != x.shape[0]:
@@ -178,24 +290,61 @@ class Attention(nn.Module):
                     f"context must have shape ({x.shape[0]}, ctx_len, {self.dim}), got {tuple(context.shape)}"
                 )
             check_mask(context_mask, context, "context_mask")
-            source, key_mask = context, context_mask
+            _, k, v = self.project(x[:, :0], context)
+            k, normalize = self.feature_map.noncausal_keys(k, context_mask)
+            if self.forget_gate is not None:  # gate each context key's contribution
+                k, normalize = k * self.forget_gate(context).exp().to(k.dtype), True
+            summary = linear_attention_summary(k, v, context_mask, normalize)
         else:
-            source, key_mask = x, input_mask
+            summary = cache.context
+        q = rearrange(self.to_q(x), "b n (h d) -> b h n d", h=self.heads)
+        out = self._combine([linear_attention_readout(self.feature_map.queries(q), summary)], x)
+        if not return_cache:
+            return out
+        position = x.shape[1] + (0 if cache is None else cache.position)
+        return out, AttentionCache(position, None, None, summary)
 
-        q, k, v = self.project(x, source)
-        if rotary is not None and not self.receives_context:
-            q, k = apply_rotary(q, rotary), apply_rotary(k, rotary)
-
-        outs = []
+    def empty_cache(self, batch_size, device=None, dtype=torch.float32):
+        """The cache before any token: zero state, no keys, zero convolution inputs."""
+        self.check_cacheable()
+        n_global, dh = self.heads - self.n_local, self.dim_head
+        local = global_ = None
         if self.n_local:
-            sl = slice(0, self.n_local)
-            outs.append(self.local_heads(q[:, sl], k[:, sl], v[:, sl], key_mask))
-        if self.n_local < self.heads:
-            sl = slice(self.n_local, self.heads)
-            outs.append(self.global_heads(q[:, sl], k[:, sl], v[:, sl], key_mask))
-        out = torch.cat(outs, dim=1) if len(outs) > 1 else outs[0]
-        out = rearrange(self.attn_dropout(out), "b h n d -> b n (h d)")
-        return self.dropout(self.to_out(out))
+            keys = torch.zeros(batch_size, self.n_local, 0, dh, device=device, dtype=dtype)
+            local = LocalCache(keys, keys, torch.zeros(batch_size, 0, dtype=torch.bool, device=device), 0)
+        if n_global and not self.receives_context:
+            exp_features = self.feature_map.is_softmax
+            state = CausalState.zeros(batch_size, n_global, dh, dh, self.blindspot_size, exp_features, device,
+                                      torch.promote_types(dtype, torch.float32))
+            conv = None
+            if self.local_conv is not None:
+                conv = tuple(torch.zeros(batch_size, n_global, c.kernel_size - 1, dh, device=device, dtype=dtype)
+                             for c in self.local_conv)
+            global_ = GlobalCache(state, conv)
+        if self.receives_context:
+            raise ValueError("a cross-attention cache is made from the context on the first call")
+        return AttentionCache(0, local, global_, None)
+
+    def check_cacheable(self):
+        if not self.causal and not self.receives_context:
+            raise ValueError("a cache (cached decoding) needs a causal model: this attention layer is not causal")
+        if self.training and (self.attn_dropout.p > 0 or self.dropout.p > 0):
+            raise ValueError("cached decoding needs eval mode: dropout is active (call model.eval())")
+
+
+def _mask_or_ones(mask, t):
+    return torch.ones(t.shape[0], t.shape[2], dtype=torch.bool, device=t.device) if mask is None else mask
+
+
+def _last_inputs(t, mask, previous, count):
+    """The last ``count`` inputs of a convolution (masked ones zeroed), for the next call."""
+    if count == 0:
+        return t[:, :, :0]
+    if mask is not None:
+        t = t.masked_fill(~rearrange(mask, "b n -> b 1 n 1"), 0.0)
+    if previous is None:
+        previous = t.new_zeros(*t.shape[:2], count, t.shape[-1])
+    return torch.cat((previous, t), dim=2)[:, :, -count:]
 
 
 class LinearSelfAttention(Attention):
@@ -209,12 +358,13 @@ class LinearSelfAttention(Attention):
             a callable feature map and is accepted as such.
         dropout: dropout on the attention output (before the output projection).
         blindspot_size: see ``Attention``.
+        **improvements: ``use_gate``, ``use_local_conv`` and their settings, see ``Attention``.
     Shapes: x (b, n, dim), input_mask (b, n) bool -> (b, n, dim).
     """
 
     def __init__(
         self, dim, heads=8, causal=False, dim_head=None, kv_heads=None, one_kv_head=False,
-        feature_map="softmax", psi_fn=None, dropout=0.0, blindspot_size=1, chunk_size=64,
+        feature_map="softmax", psi_fn=None, dropout=0.0, blindspot_size=1, chunk_size=64, **improvements,
     ):
         if psi_fn is not None:
             if feature_map != "softmax":
@@ -225,4 +375,5 @@ class LinearSelfAttention(Attention):
         super().__init__(
             dim, heads=heads, dim_head=dim_head, causal=causal, kv_heads=kv_heads, one_kv_head=one_kv_head,
             feature_map=feature_map, attn_dropout=dropout, blindspot_size=blindspot_size, chunk_size=chunk_size,
+            **improvements,
         )

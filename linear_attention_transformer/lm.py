@@ -65,18 +65,37 @@ class LinearAttentionTransformerLM(nn.Module):
         self.return_embeddings = return_embeddings
         self.to_logits = nn.Identity() if return_embeddings else nn.Linear(dim, num_tokens)
 
-    def forward(self, x, input_mask=None, context=None, context_mask=None):
+    @property
+    def supports_cache(self):
+        """Whether ``forward(..., return_cache=True)`` works: causal models without Linformer."""
+        return self.transformer.supports_cache
+
+    def forward(self, x, input_mask=None, context=None, context_mask=None, cache=None, return_cache=False):
+        """Logits (b, n, num_tokens) (or embeddings). With ``return_cache=True`` returns
+        (logits, cache): a ``DecodingCache`` holding the state after the last token of x.
+        Given ``cache``, x holds only the new tokens (one or more) that continue that
+        sequence, and ``input_mask`` (if any) covers only them; a cross-attention layer reuses
+        the context it reduced on the first call. The cache is never modified in place."""
         if not torch.is_tensor(x) or x.dtype.is_floating_point or x.dtype.is_complex or x.dtype == torch.bool:
             raise TypeError(f"x must be a tensor of integer token ids, got {getattr(x, 'dtype', type(x))}")
         if x.ndim != 2:
             raise ValueError(f"x must have shape (batch, seq_len), got {tuple(x.shape)}")
+        start = 0 if cache is None else cache.position
         n = x.shape[1]
-        if n > self.max_seq_len:
-            raise ValueError(f"sequence length {n} exceeds max_seq_len={self.max_seq_len}")
-        positions = torch.arange(n, device=x.device)
+        if start + n > self.max_seq_len:
+            raise ValueError(f"sequence length {start + n} exceeds max_seq_len={self.max_seq_len}")
+        if cache is not None or return_cache:
+            self.transformer.check_cacheable()
+        positions = torch.arange(start, start + n, device=x.device)
         h = self.token_emb(x)
         if self.pos_emb is not None:
             h = h + self.pos_emb(positions).to(h.dtype)
         h = self.project_in(h)
-        h = self.transformer(h, input_mask=input_mask, context=context, context_mask=context_mask, positions=positions)
-        return self.to_logits(self.norm(h))
+        out = self.transformer(
+            h, input_mask=input_mask, context=context, context_mask=context_mask, positions=positions,
+            cache=cache, return_cache=return_cache,
+        )
+        if not return_cache:
+            return self.to_logits(self.norm(out))
+        out, cache = out
+        return self.to_logits(self.norm(out)), cache

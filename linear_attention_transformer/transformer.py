@@ -16,6 +16,7 @@ from product_key_memory import PKM
 from torch import nn
 
 from .attention import Attention, _pad_to_multiple, check_mask, resolve_heads
+from .cache import AxialCache, BranchCache, DecodingCache, map_tensors, zip_tensors
 from .feedforward import FeedForward
 from .linformer import LinformerContextSettings, LinformerSelfAttention, LinformerSettings
 from .positional import RotaryEmbedding
@@ -41,22 +42,42 @@ class Branch(nn.Module):
         self.shifts = shifts
         self.routes = tuple(routes)
 
-    def forward(self, x, **kwargs):
+    @property
+    def stateful(self):
+        return isinstance(self.fn, (Attention, FoldAxially))
+
+    def forward(self, x, cache=None, return_cache=False, **kwargs):
+        """With ``return_cache`` -> (out, BranchCache); ``cache`` continues a sequence."""
         h = self.norm(x)
+        shift = None
         if self.shifts is not None:
-            h = shift_tokens(h, self.shifts, kwargs.get("input_mask"))
-        return self.fn(h, **{name: kwargs.get(name) for name in self.routes})
+            mask = kwargs.get("input_mask")
+            if return_cache:  # the token the next call's first token shifts in
+                last = h[:, -1] if mask is None else h[:, -1].masked_fill(~mask[:, -1:], 0.0)
+                shift = last
+            h = shift_tokens(h, self.shifts, mask, previous=None if cache is None else cache.shift)
+        routed = {name: kwargs.get(name) for name in self.routes}
+        if not return_cache:
+            return self.fn(h, **routed)
+        if not self.stateful:  # a feed-forward: nothing to remember
+            return self.fn(h, **routed), BranchCache(shift, None)
+        out, fn_cache = self.fn(h, cache=None if cache is None else cache.fn, return_cache=True, **routed)
+        return out, BranchCache(shift, fn_cache)
 
 
 class FoldAxially(nn.Module):
     """Attention along the strided axis: positions t with the same t mod w form one sequence.
-    x (b, n, dim) -> (b, n, dim); n is padded to a multiple of w internally."""
+    x (b, n, dim) -> (b, n, dim); n is padded to a multiple of w internally.
+
+    Decoding keeps one state per residue class: an inner cache over b * w rows."""
 
     def __init__(self, width, attn):
         super().__init__()
         self.width, self.attn = width, attn
 
-    def forward(self, x, input_mask=None, **kwargs):
+    def forward(self, x, input_mask=None, cache=None, return_cache=False, **kwargs):
+        if return_cache:
+            return self._forward_cached(x, input_mask, cache)
         b, n, _ = x.shape
         if n % self.width and (input_mask is not None or not self.attn.causal):
             input_mask = torch.ones(b, n, dtype=torch.bool, device=x.device) if input_mask is None else input_mask
@@ -67,6 +88,43 @@ class FoldAxially(nn.Module):
             input_mask = rearrange(input_mask, "b (i w) -> (b w) i", w=self.width)
         out = self.attn(x, input_mask=input_mask)
         return rearrange(out, "(b w) i d -> b (i w) d", b=b)[:, :n]
+
+    def _forward_cached(self, x, input_mask, cache):
+        b, n, _ = x.shape
+        w = self.width
+        if cache is None:
+            cache = AxialCache(self.attn.empty_cache(b * w, x.device, x.dtype), 0)
+        inner, position = cache.inner, cache.position
+        outs = []
+        # whole rounds of w tokens, aligned to the residue classes, go through the folded
+        # chunked form at once; the tokens before and after them one at a time
+        head = min(n, -position % w)
+        full = (n - head) // w * w
+        for t in range(head):
+            out, inner = self._step(x[:, t : t + 1], _cut(input_mask, t, t + 1), inner, position + t)
+            outs.append(out)
+        if full:
+            xs = rearrange(x[:, head : head + full], "b (i w) d -> (b w) i d", w=w)
+            ms = _cut(input_mask, head, head + full)
+            ms = None if ms is None else rearrange(ms, "b (i w) -> (b w) i", w=w)
+            out, inner = self.attn(xs, input_mask=ms, cache=inner, return_cache=True)
+            outs.append(rearrange(out, "(b w) i d -> b (i w) d", b=b))
+        for t in range(head + full, n):
+            out, inner = self._step(x[:, t : t + 1], _cut(input_mask, t, t + 1), inner, position + t)
+            outs.append(out)
+        return torch.cat(outs, dim=1), AxialCache(inner, position + n)
+
+    def _step(self, x, mask, inner, position):
+        """One token at absolute ``position``: it continues the rows of residue position mod w."""
+        b = x.shape[0]
+        rows = torch.arange(b, device=x.device) * self.width + position % self.width
+        sub = map_tensors(inner, lambda t: t.index_select(0, rows))
+        out, sub = self.attn(x, input_mask=mask, cache=sub, return_cache=True)
+        return out, zip_tensors(inner, sub, lambda full, part: full.index_copy(0, rows, part.to(full.dtype)))
+
+
+def _cut(mask, start, stop):
+    return None if mask is None else mask[:, start:stop]
 
 
 class ProductKeyMemory(nn.Module):
@@ -115,6 +173,9 @@ class LinearAttentionTransformer(nn.Module):
         context_linformer_settings: ``LinformerContextSettings`` -> Linformer cross-attention.
         shift_tokens: shift a slice of the features by one token in every branch.
         use_rotary_emb: rotary position embeddings on queries and keys of self-attention.
+        use_gate, use_local_conv (and gate_rank, gate_temperature, local_conv_kernel): seed
+            000's sigmoid gating and local convolution in every linear attention layer, see
+            ``attention.Attention``.
     Shapes:
         x (b, n, dim) with n <= max_seq_len; input_mask (b, n) bool; context (b, m, dim);
         context_mask (b, m) bool. Returns (b, n, dim).
@@ -149,6 +210,9 @@ class LinearAttentionTransformer(nn.Module):
         one_kv_head=False,
         feature_map="softmax",
         chunk_size=64,
+        use_gate=False,
+        use_local_conv=False,
+        **gate_and_conv_settings,
     ):
         super().__init__()
         if not isinstance(depth, int) or depth < 1:
@@ -160,6 +224,8 @@ class LinearAttentionTransformer(nn.Module):
                 raise TypeError("linformer_settings must be a LinformerSettings")
             if causal:
                 raise ValueError("Linformer (linformer_settings) cannot be causal: it mixes all positions")
+            if use_gate or use_local_conv:
+                raise ValueError("use_gate and use_local_conv belong to linear attention, not to linformer_settings")
         if use_rotary_emb and linformer_settings is not None:
             raise ValueError("use_rotary_emb is not supported with linformer_settings")
         if context_linformer_settings is not None and not isinstance(context_linformer_settings, LinformerContextSettings):
@@ -171,6 +237,7 @@ class LinearAttentionTransformer(nn.Module):
             raise ValueError(f"pkm_layers holds 1-based layer numbers up to depth={depth}, got {bad}")
 
         self.dim, self.max_seq_len, self.causal = dim, max_seq_len, causal
+        self.linformer = linformer_settings is not None
         self.receives_context = receives_context
         local_heads = _per_layer(n_local_attn_heads, depth, "n_local_attn_heads")
         shifts = token_shifts(causal) if shift_tokens else None
@@ -178,7 +245,7 @@ class LinearAttentionTransformer(nn.Module):
         attn_kwargs = dict(
             heads=heads, dim_head=dim_head, kv_heads=kv_heads, one_kv_head=one_kv_head,
             feature_map=feature_map, attn_dropout=attn_dropout, dropout=attn_layer_dropout,
-            chunk_size=chunk_size,
+            chunk_size=chunk_size, use_gate=use_gate, use_local_conv=use_local_conv, **gate_and_conv_settings,
         )
 
         def feedforward(layer):
@@ -211,7 +278,8 @@ class LinearAttentionTransformer(nn.Module):
 
             if receives_context:
                 if context_linformer_settings is None:
-                    cross = Attention(dim, receives_context=True, **attn_kwargs)
+                    # the local convolution mixes along a layer's own sequence: not in cross-attention
+                    cross = Attention(dim, receives_context=True, **{**attn_kwargs, "use_local_conv": False})
                 else:
                     s = context_linformer_settings
                     cross = LinformerSelfAttention(
@@ -224,13 +292,17 @@ class LinearAttentionTransformer(nn.Module):
         self.layers = (ReversibleSequence if reversible else SequentialSequence)(blocks)
         self.rotary = RotaryEmbedding(resolve_heads(dim, heads, dim_head)[0]) if use_rotary_emb else None
 
-    def forward(self, x, input_mask=None, context=None, context_mask=None, positions=None):
+    def forward(self, x, input_mask=None, context=None, context_mask=None, positions=None, cache=None,
+                return_cache=False):
+        """x (b, n, dim) -> (b, n, dim). With ``return_cache`` -> (out, DecodingCache); given a
+        ``cache``, x holds only the tokens that continue the cached sequence."""
         if x.ndim != 3 or x.shape[-1] != self.dim:
             raise ValueError(f"x must have shape (batch, seq_len, {self.dim}), got {tuple(x.shape)}")
-        if x.shape[1] > self.max_seq_len:
-            raise ValueError(f"sequence length {x.shape[1]} exceeds max_seq_len={self.max_seq_len}")
+        start = 0 if cache is None else cache.position
+        if start + x.shape[1] > self.max_seq_len:
+            raise ValueError(f"sequence length {start + x.shape[1]} exceeds max_seq_len={self.max_seq_len}")
         check_mask(input_mask, x, "input_mask")
-        if self.receives_context:
+        if self.receives_context and cache is None:
             if context is None:
                 raise ValueError("this model has receives_context=True: pass context=(batch, ctx_len, dim)")
             if context.ndim != 3 or context.shape[-1] != self.dim:
@@ -239,6 +311,40 @@ class LinearAttentionTransformer(nn.Module):
         kwargs = dict(input_mask=input_mask, context=context, context_mask=context_mask)
         if self.rotary is not None:
             if positions is None:
-                positions = torch.arange(x.shape[1], device=x.device)
+                positions = torch.arange(start, start + x.shape[1], device=x.device)
             kwargs["rotary"] = self.rotary(positions)
-        return self.layers(x, **kwargs)
+        if cache is None and not return_cache:
+            return self.layers(x, **kwargs)
+        return self._forward_cached(x, cache, kwargs)
+
+    def _forward_cached(self, x, cache, kwargs):
+        """The layers one branch at a time, each continuing from its cache. Reversible pairs
+        follow their composition rule: y1 = x1 + f(x2), y2 = x2 + g(y1), out = (y1 + y2) / 2."""
+        self.check_cacheable()
+        blocks = self.layers.blocks
+        caches = cache.layers if cache is not None else [(None, None)] * len(blocks)
+        reversible = isinstance(self.layers, ReversibleSequence)
+        x1 = x2 = x
+        new = []
+        for (f, g), (f_cache, g_cache) in zip(blocks, caches):
+            out, f_cache = f(x2 if reversible else x1, cache=f_cache, return_cache=True, **kwargs)
+            y1 = x1 + out
+            out, g_cache = g(y1, cache=g_cache, return_cache=True, **kwargs)
+            x1, x2 = (y1, x2 + out) if reversible else (y1 + out, None)
+            new.append((f_cache, g_cache))
+        out = (x1 + x2) / 2 if reversible else x1
+        position = (0 if cache is None else cache.position) + x.shape[1]
+        return out, DecodingCache(position, tuple(new))
+
+    @property
+    def supports_cache(self):
+        return self.causal and not self.linformer
+
+    def check_cacheable(self):
+        """Raise ValueError, saying why, when this model cannot decode with a cache."""
+        if not self.causal:
+            raise ValueError("cached decoding needs a causal model (causal=True)")
+        if self.linformer:
+            raise ValueError("Linformer self-attention (linformer_settings) has no recurrent form: no cache")
+        if self.training and any(isinstance(m, nn.Dropout) and m.p > 0 for m in self.modules()):
+            raise ValueError("cached decoding needs eval mode: dropout is active (call model.eval())")

@@ -37,20 +37,60 @@ def naive_attention(layer: Attention, x, mask=None, context=None, context_mask=N
         outs.append(sim.softmax(-1) @ v[:, : layer.n_local])
     if layer.n_local < h:
         qg, kg, vg = (t[:, layer.n_local :] for t in (q, k, v))
+        if layer.local_conv is not None:
+            qg = explicit_conv(qg, layer.local_conv[0], mask)
+            kg = explicit_conv(kg, layer.local_conv[1], key_mask)
+            vg = explicit_conv(vg, layer.local_conv[2], key_mask)
+        gate = None
+        if layer.forget_gate is not None:
+            fg = layer.forget_gate
+            pre = source @ fg.gate_down.weight.T @ fg.gate_up.weight.T + fg.gate_up.bias
+            gate = rearrange(F.logsigmoid(pre) / fg.temperature, "b n (h d) -> b h n d", h=h - layer.n_local)
         qf = qg.softmax(-1)
         if layer.causal:
             B = layer.blindspot_size
             visible = (j <= i) if B == 1 else (j // B < i // B)
-            wts = torch.einsum("bhid,bhjd->bhij", qf, kg.exp()) * (visible & keep)
+            if gate is None:
+                wts = torch.einsum("bhid,bhjd->bhij", qf, kg.exp())
+            else:  # w_ij = sum_d q_id exp(k_jd) prod_{t=j+1..i} a_td, with padding not decaying
+                if key_mask is not None:
+                    gate = gate.masked_fill(~key_mask[:, None, :, None], 0.0)
+                G = gate.cumsum(dim=2)
+                decay = (G[:, :, :, None, :] - G[:, :, None, :, :]).masked_fill(~visible[..., None], float("-inf"))
+                wts = torch.einsum("bhid,bhjd,bhijd->bhij", qf, kg.exp(), decay.exp())
+            wts = wts * (visible & keep)
             den = wts.sum(-1, keepdim=True)
             outs.append(torch.where(den > 0, wts @ vg / den.clamp(min=1e-300), 0))
+        elif gate is not None:
+            if key_mask is not None:
+                kg = kg.masked_fill(~key_mask[:, None, :, None], float("-inf"))
+            kf = kg.softmax(dim=-2) * gate.exp()
+            wts = torch.einsum("bhid,bhjd->bhij", qf, kf)
+            outs.append(wts @ vg / wts.sum(-1, keepdim=True))
         else:
             if key_mask is not None:
                 kg = kg.masked_fill(~key_mask[:, None, :, None], float("-inf"))
             kf = kg.softmax(dim=-2)
             outs.append(qf @ (kf.transpose(-1, -2) @ vg))
     out = rearrange(torch.cat(outs, dim=1), "b h n d -> b n (h d)")
+    if layer.output_gate is not None:
+        out = out * torch.sigmoid(layer.output_gate.gate_out(x))
     return layer.to_out(out)
+
+
+def explicit_conv(t, conv, mask):
+    """out[t] = sum_i w_i x[t - left + i], zero outside the sequence and at padding."""
+    if mask is not None:
+        t = t * mask[:, None, :, None]
+    b, h, n, d = t.shape
+    w = rearrange(conv.conv_weight[:, 0], "(h d) k -> h d k", h=h)
+    out = torch.zeros_like(t)
+    for pos in range(n):
+        for tap in range(conv.kernel_size):
+            src = pos - conv.left_context + tap
+            if 0 <= src < n:
+                out[:, :, pos] += w[None, :, :, tap] * t[:, :, src]
+    return out
 
 
 CONFIGS = [
@@ -60,7 +100,19 @@ CONFIGS = [
     dict(causal=False, n_local_attn_heads=2, local_attn_window_size=8),
     dict(causal=False, n_local_attn_heads=0, one_kv_head=True),
     dict(causal=True, n_local_attn_heads=4, local_attn_window_size=6),
+    dict(causal=True, n_local_attn_heads=1, local_attn_window_size=8, use_gate=True, use_local_conv=True),
+    dict(causal=True, blindspot_size=4, use_gate=True, use_local_conv=True, local_conv_kernel=4, kv_heads=2),
+    dict(causal=False, n_local_attn_heads=1, local_attn_window_size=8, use_gate=True, use_local_conv=True),
+    dict(causal=False, use_gate=True, use_local_conv=True, local_conv_kernel=5),
 ]
+
+
+def randomize_improvements(layer):
+    """The gate and conv start near identity; move them away so the test sees them work."""
+    with torch.no_grad():
+        for name, p in layer.named_parameters():
+            if "gate" in name or "conv" in name:
+                p.add_(torch.randn_like(p) * 0.5)
 
 
 @pytest.mark.parametrize("cfg", CONFIGS)
@@ -69,6 +121,7 @@ CONFIGS = [
 def test_layer_equals_explicit_computation(cfg, n, masked):
     torch.manual_seed(0)
     layer = Attention(dim=16, heads=4, dim_head=6, chunk_size=4, **cfg).to(D)
+    randomize_improvements(layer)
     x = torch.randn(2, n, 16, dtype=D) * 2
     mask = None
     if masked:
@@ -114,6 +167,13 @@ def test_linear_self_attention_seed_api_and_psi_fn():
         (dict(dim=32, heads=4, kv_heads=3), "kv_heads"),
         (dict(dim=32, heads=4, feature_map="tanh"), "feature_map"),
         (dict(dim=32, heads=4, blindspot_size=0), "blindspot_size"),
+        (dict(dim=32, heads=4, use_local_conv=True, local_conv_kernel=0), "local_conv_kernel"),
+        (dict(dim=32, heads=4, use_local_conv=True, local_conv_kernel=4, causal=False), "local_conv_kernel"),
+        (dict(dim=32, heads=4, n_local_attn_heads=4, use_local_conv=True, local_conv_kernel=2), "local_conv_kernel"),
+        (dict(dim=32, heads=4, use_gate=True, gate_rank=0), "gate_rank"),
+        (dict(dim=32, heads=4, use_gate=True, gate_temperature=-1.0), "gate_temperature"),
+        (dict(dim=32, heads=4, use_gate="yes"), "use_gate"),
+        (dict(dim=32, heads=4, receives_context=True, use_local_conv=True), "use_local_conv"),
     ],
 )
 def test_bad_layer_arguments(kwargs, match):

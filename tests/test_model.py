@@ -19,6 +19,14 @@ CAUSAL_CONFIGS = {
     "axial+rotary+glu": dict(attend_axially=True, local_attn_window_size=8, use_rotary_emb=True, ff_glu=True),
     "per-layer local heads, kv_heads": dict(n_local_attn_heads=(4, 0), local_attn_window_size=8, kv_heads=2),
     "elu features, ff_chunks, pkm": dict(feature_map="elu", ff_chunks=3, pkm_layers=(1,), pkm_num_keys=8),
+    "gate+conv, local, blindspot, shift, reversible": dict(
+        use_gate=True, use_local_conv=True, n_local_attn_heads=2, local_attn_window_size=8, blindspot_size=8,
+        shift_tokens=True, reversible=True,
+    ),
+    "gate+conv, axial, kv_heads, relu": dict(
+        use_gate=True, use_local_conv=True, local_conv_kernel=4, attend_axially=True, local_attn_window_size=8,
+        kv_heads=2, feature_map="relu",
+    ),
 }
 
 
@@ -57,6 +65,8 @@ NONCAUSAL_CONFIGS = {
     "shift+axial": dict(shift_tokens=True, attend_axially=True, local_attn_window_size=8),
     "reversible+relu": dict(reversible=True, feature_map="relu", n_local_attn_heads=1, local_attn_window_size=4),
     "linformer": dict(linformer_settings=LinformerSettings(k=8)),
+    "gate+conv+local+shift": dict(use_gate=True, use_local_conv=True, n_local_attn_heads=2, local_attn_window_size=8,
+                                  shift_tokens=True),
 }
 
 
@@ -106,6 +116,16 @@ def test_gradcheck_tiny_reversible_model():
     assert torch.autograd.gradcheck(lambda t: model(t), (x,), eps=1e-6, atol=1e-6)
 
 
+def test_gradcheck_tiny_model_with_gate_and_conv():
+    torch.manual_seed(8)
+    model = LinearAttentionTransformer(
+        dim=8, depth=1, heads=2, max_seq_len=16, causal=True, use_gate=True, use_local_conv=True,
+        n_local_attn_heads=1, local_attn_window_size=4, chunk_size=4, reversible=True,
+    ).to(D)
+    x = torch.randn(1, 9, 8, dtype=D, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda t: model(t), (x,), eps=1e-6, atol=1e-6)
+
+
 def test_reversible_matches_sequential_gradients():
     torch.manual_seed(5)
     kw = dict(dim=16, depth=2, heads=4, max_seq_len=32, causal=True, n_local_attn_heads=2, local_attn_window_size=4)
@@ -133,13 +153,13 @@ def test_autocast_finite_with_large_activations(dtype, causal):
     torch.manual_seed(6)
     model = LinearAttentionTransformerLM(
         num_tokens=32, dim=32, depth=1, heads=4, max_seq_len=128, causal=causal, n_local_attn_heads=2,
-        local_attn_window_size=16, use_rotary_emb=True,
+        local_attn_window_size=16, use_rotary_emb=True, use_gate=causal, use_local_conv=True,
     )
-    with torch.no_grad():  # huge query/key weights -> logits in the thousands
+    with torch.no_grad():  # large query/key weights -> logits with std ~17, |logit| up to ~60
         for m in model.modules():
             if hasattr(m, "to_q"):
-                m.to_q.weight.mul_(3)
-                m.to_kv.weight.mul_(3)
+                m.to_q.weight.mul_(30)
+                m.to_kv.weight.mul_(30)
     x = torch.randint(0, 32, (2, 100))
     with torch.autocast("cpu", dtype=dtype):
         logits = model(x)

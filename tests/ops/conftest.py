@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 
 DOUBLE = torch.float64
+NEG_INF = float("-inf")
 
 
 def assert_matches(actual, reference, rtol=1e-9, what="output"):
@@ -40,6 +41,18 @@ def logit_inputs(b, h, n, d, e, seed, scale=1.0, dtype=DOUBLE, m=None):
     return q, k, v
 
 
+def kernel_inputs(b, h, n, d, e, seed, exp_features, dtype=DOUBLE, scale=3.0):
+    """q, k, v for the causal kernels: non-negative features, or with ``exp_features``
+    query and key logits of moderate size (standard deviation ``scale``)."""
+    if not exp_features:
+        return feature_inputs(b, h, n, d, e, seed, dtype)
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(b, h, n, d, dtype=dtype, generator=g) * scale
+    k = torch.randn(b, h, n, d, dtype=dtype, generator=g) * scale
+    v = torch.randn(b, h, n, e, dtype=dtype, generator=g)
+    return q, k, v
+
+
 def random_mask(b, n, seed, keep=0.7, empty_row=False):
     """Random (b, n) bool mask with at least one real token per row; optionally the
     last row is all padding."""
@@ -65,13 +78,75 @@ def squared_relu_map(x):
     return F.relu(x) ** 2 + 1e-3
 
 
+def without_padding(k, v, log_decay, mask, exp_features):
+    """What a caller of the step kernel hands over for a padding token: no key (zero
+    features, or logits of -inf), no value and no decay."""
+    if mask is None:
+        return k, v, log_decay
+    pad = ~mask[:, None, :, None]
+    k = k.masked_fill(pad, NEG_INF if exp_features else 0.0)
+    v = v.masked_fill(pad, 0.0)
+    if log_decay is not None:
+        log_decay = log_decay.masked_fill(pad if log_decay.ndim == 4 else pad[..., 0], 0.0)
+    return k, v, log_decay
+
+
+def rebase(acc, ref, new_ref):
+    """A (b, h, d, e + 1) accumulator held relative to the per-feature log reference `ref`
+    (b, h, d), expressed relative to `new_ref` >= ref: acc * exp(ref - new_ref). Features
+    that no key has reached (ref = -inf, acc = 0) stay 0."""
+    ratio = (ref - new_ref).exp().nan_to_num(nan=0.0)
+    return acc * ratio[..., None]
+
+
+def assert_same_state(actual, expected, rtol=1e-9):
+    """Two CausalStates hold the same sums. The references of `kv` must agree exactly (they
+    are maxima of the same keys); `pending` may sit on different references (the chunked
+    form keeps the running maximum of all keys, the recurrence that of the block) and is
+    compared on a common one."""
+    assert actual.position == expected.position, f"position {actual.position} != {expected.position}"
+    assert (actual.ref is None) == (expected.ref is None), "only one state has references"
+    assert (actual.pending is None) == (expected.pending is None), "only one state has pending keys"
+    if expected.ref is not None:
+        assert torch.equal(actual.ref, expected.ref), "state.ref differs"
+    assert_matches(actual.kv, expected.kv, rtol, what="state.kv")
+    if expected.pending is None:
+        assert actual.pending_ref is None and expected.pending_ref is None
+        return
+    if expected.ref is None:
+        assert actual.pending_ref is None and expected.pending_ref is None
+        assert_matches(actual.pending, expected.pending, rtol, what="state.pending")
+        return
+    common = torch.maximum(actual.pending_ref, expected.pending_ref)
+    assert_matches(
+        rebase(actual.pending, actual.pending_ref, common),
+        rebase(expected.pending, expected.pending_ref, common),
+        rtol,
+        what="state.pending",
+    )
+
+
+@pytest.fixture(scope="module", autouse=True)
+def single_thread():
+    """The ops tests run thousands of tiny kernels, which gain nothing from intra-op threads
+    and, on a busy machine, wait for them: run each module on one thread, then restore."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture
 def helpers():
     return types.SimpleNamespace(
         assert_matches=assert_matches,
         feature_inputs=feature_inputs,
         logit_inputs=logit_inputs,
+        kernel_inputs=kernel_inputs,
         random_mask=random_mask,
         random_log_decay=random_log_decay,
         squared_relu_map=squared_relu_map,
+        without_padding=without_padding,
+        rebase=rebase,
+        assert_same_state=assert_same_state,
     )

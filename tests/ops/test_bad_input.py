@@ -6,7 +6,6 @@ import torch
 from linear_attention_transformer.ops import (
     FeatureMap,
     causal_linear_attention,
-    exp_keys_with_running_max,
     linear_attention,
     recurrent_causal_linear_attention,
 )
@@ -32,9 +31,19 @@ def calls():
             lambda mask: causal_linear_attention(q, k, v, mask=mask, blindspot_size=4),
             n,
         ),
+        "causal_linear_attention (exp features)": (
+            lambda mask: causal_linear_attention(q, k, v, mask=mask, exp_features=True),
+            n,
+        ),
+        "causal_linear_attention (exp features, blindspot)": (
+            lambda mask: causal_linear_attention(q, k, v, mask=mask, blindspot_size=4, exp_features=True),
+            n,
+        ),
         "recurrent_causal_linear_attention": (lambda mask: recurrent_causal_linear_attention(q, k, v, mask=mask), n),
-        "exp_keys_with_running_max": (lambda mask: exp_keys_with_running_max(k, mask), n),
-        "FeatureMap.causal_keys (elu)": (lambda mask: FeatureMap("elu").causal_keys(k, mask), n),
+        "recurrent_causal_linear_attention (exp features)": (
+            lambda mask: recurrent_causal_linear_attention(q, k, v, mask=mask, exp_features=True),
+            n,
+        ),
         "FeatureMap.noncausal_keys (softmax)": (lambda mask: FeatureMap("softmax").noncausal_keys(kc, mask), m),
         "FeatureMap.noncausal_keys (relu)": (lambda mask: FeatureMap("relu").noncausal_keys(kc, mask), m),
     }
@@ -75,10 +84,11 @@ def test_cross_attention_mask_follows_the_keys_not_the_queries():
 
 
 @pytest.mark.parametrize("kwargs", [dict(blindspot_size=0), dict(chunk_size=0), dict(blindspot_size=-2)])
-def test_bad_sizes_raise_value_error(kwargs):
+@pytest.mark.parametrize("exp_features", [False, True])
+def test_bad_sizes_raise_value_error(kwargs, exp_features):
     q, k, v, _, _ = inputs()
     with pytest.raises(ValueError, match=next(iter(kwargs))):
-        causal_linear_attention(q, k, v, **kwargs)
+        causal_linear_attention(q, k, v, exp_features=exp_features, **kwargs)
 
 
 @pytest.mark.parametrize("kind", ["gelu", "", None, 3])

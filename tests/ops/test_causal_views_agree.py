@@ -1,4 +1,5 @@
-"""The three views of causal linear attention (explicit matrix, recurrence, chunks) agree."""
+"""The three views of causal linear attention (explicit matrix, recurrence, chunks) agree,
+for given features and for exponential features (logits, ``exp_features=True``)."""
 
 import pytest
 import torch
@@ -9,71 +10,119 @@ from linear_attention_transformer.ops import (
     recurrent_causal_linear_attention,
 )
 
-
-@pytest.mark.parametrize("n", [1, 37, 64, 100])
-@pytest.mark.parametrize("decay", [None, "scalar", "per_feature"])
-@pytest.mark.parametrize("blindspot", [1, 16])
-@pytest.mark.parametrize("masked", [False, True])
-def test_chunked_and_recurrent_equal_naive(n, decay, blindspot, masked):
-    g = torch.Generator().manual_seed(n)
-    b, h, d, e = 2, 3, 8, 5
-    q, k = (torch.rand(b, h, n, d, dtype=torch.float64, generator=g) for _ in range(2))
-    v = torch.randn(b, h, n, e, dtype=torch.float64, generator=g)
-    shape = {None: None, "scalar": (b, h, n), "per_feature": (b, h, n, d)}[decay]
-    log_decay = None if shape is None else -torch.rand(*shape, dtype=torch.float64, generator=g)
-    mask = (torch.rand(b, n, generator=g) > 0.3) if masked else None
-
-    ref = naive_causal_linear_attention(q, k, v, log_decay, mask, blindspot)
-    chunked = causal_linear_attention(q, k, v, log_decay, mask, blindspot, chunk_size=16)
-    recurrent, _ = recurrent_causal_linear_attention(q, k, v, log_decay, mask, blindspot)
-    scale = ref.abs().max()
-    assert (chunked - ref).abs().max() <= 1e-9 * scale
-    assert (recurrent - ref).abs().max() <= 1e-9 * scale
+EXP = [False, True]
 
 
+def ids(exp_features):
+    return "exp" if exp_features else "features"
+
+
+@pytest.mark.parametrize("exp_features", EXP, ids=ids)
 @pytest.mark.parametrize("n", [1, 15, 16, 17, 100])
 @pytest.mark.parametrize("decay", [None, "scalar", "per_feature"])
 @pytest.mark.parametrize("blindspot, chunk", [(1, 16), (1, 7), (1, 1), (4, 16), (16, 16)])
 @pytest.mark.parametrize("masked", [False, True])
-def test_views_agree_for_lengths_around_the_block_size(n, decay, blindspot, chunk, masked, helpers):
-    """Lengths that are and are not multiples of the chunk / blindspot block, and the final
-    state of the chunked form equals the recurrence's."""
+def test_views_agree_for_lengths_around_the_block_size(exp_features, n, decay, blindspot, chunk, masked, helpers):
+    """Lengths that are and are not multiples of the chunk / blindspot block, masks with
+    left padding and an all-padding row; the final state of the chunked form equals the
+    recurrence's (for exponential features: the same references, the same sums)."""
     b, h, d, e = 2, 2, 4, 3
     seed = 7 * n + blindspot + chunk
-    q, k, v = helpers.feature_inputs(b, h, n, d, e, seed)
+    q, k, v = helpers.kernel_inputs(b, h, n, d, e, seed, exp_features)
     log_decay = helpers.random_log_decay(decay, b, h, n, d, seed)
-    mask = helpers.random_mask(b, n, seed, empty_row=True) if masked else None
+    mask = None
+    if masked:
+        mask = helpers.random_mask(b, n, seed, empty_row=True)
+        mask[0, : min(2, n - 1)] = False  # left padding: the first queries see no key
 
-    ref = naive_causal_linear_attention(q, k, v, log_decay, mask, blindspot)
+    ref = naive_causal_linear_attention(q, k, v, log_decay, mask, blindspot, exp_features=exp_features)
     chunked, chunked_state = causal_linear_attention(
-        q, k, v, log_decay, mask, blindspot, chunk_size=chunk, return_state=True
+        q, k, v, log_decay, mask, blindspot, chunk_size=chunk, exp_features=exp_features, return_state=True
     )
-    recurrent, recurrent_state = recurrent_causal_linear_attention(q, k, v, log_decay, mask, blindspot)
+    recurrent, recurrent_state = recurrent_causal_linear_attention(
+        q, k, v, log_decay, mask, blindspot, exp_features=exp_features
+    )
     helpers.assert_matches(chunked, ref, what="chunked")
     helpers.assert_matches(recurrent, ref, what="recurrent")
+    if masked:  # the all-padding row, and a query with no earlier real key, get exactly 0
+        assert torch.equal(chunked[-1], torch.zeros_like(chunked[-1]))
+        assert torch.equal(recurrent[-1], torch.zeros_like(recurrent[-1]))
 
     assert chunked_state.position == recurrent_state.position == n
-    helpers.assert_matches(chunked_state.kv, recurrent_state.kv, what="state.kv")
-    if blindspot == 1:
-        assert chunked_state.pending is None and recurrent_state.pending is None
-    else:
-        helpers.assert_matches(chunked_state.pending, recurrent_state.pending, what="state.pending")
+    helpers.assert_same_state(chunked_state, recurrent_state)
+    assert (chunked_state.ref is None) == (not exp_features)
+    assert (chunked_state.pending is None) == (blindspot == 1)
 
 
-def test_blindspot_hides_the_own_block_and_first_block_gets_zero(helpers):
+@pytest.mark.parametrize("exp_features", EXP, ids=ids)
+@pytest.mark.parametrize("decay", [None, "scalar", "per_feature"])
+@pytest.mark.parametrize("masked", [False, True])
+def test_default_chunk_size_over_several_chunks(exp_features, decay, masked, helpers):
+    """n = 150 with the default chunk of 64: two full chunks and a partial one."""
+    b, h, n, d, e = 2, 3, 150, 8, 5
+    q, k, v = helpers.kernel_inputs(b, h, n, d, e, seed=3, exp_features=exp_features)
+    log_decay = helpers.random_log_decay(decay, b, h, n, d, seed=3, strength=0.1)
+    mask = helpers.random_mask(b, n, seed=3) if masked else None
+    ref = naive_causal_linear_attention(q, k, v, log_decay, mask, exp_features=exp_features)
+    helpers.assert_matches(causal_linear_attention(q, k, v, log_decay, mask, exp_features=exp_features), ref)
+
+
+@pytest.mark.parametrize("decay", [None, "scalar", "per_feature"])
+@pytest.mark.parametrize("blindspot", [1, 4])
+def test_exp_features_are_the_exponentials_of_the_logits(decay, blindspot, helpers):
+    """exp_features=True on logits is the same attention as given features exp(q), exp(k):
+    every view, against the explicit matrix of the exponentiated features."""
+    b, h, n, d, e = 2, 2, 23, 4, 3
+    q, k, v = helpers.kernel_inputs(b, h, n, d, e, seed=5, exp_features=True)
+    log_decay = helpers.random_log_decay(decay, b, h, n, d, seed=5)
+    mask = helpers.random_mask(b, n, seed=5)
+    plain = naive_causal_linear_attention(q.exp(), k.exp(), v, log_decay, mask, blindspot)
+    kw = dict(log_decay=log_decay, mask=mask, blindspot_size=blindspot, exp_features=True)
+    helpers.assert_matches(naive_causal_linear_attention(q, k, v, **kw), plain, what="naive")
+    helpers.assert_matches(causal_linear_attention(q, k, v, chunk_size=8, **kw), plain, what="chunked")
+    helpers.assert_matches(recurrent_causal_linear_attention(q, k, v, **kw)[0], plain, what="recurrent")
+
+
+def test_naive_reference_is_the_literal_sum(helpers):
+    """The explicit-matrix reference itself against a literal loop over i, j and d, for both
+    kinds of features, with a per-feature decay, a mask and a blindspot."""
+    b, h, n, d, e, B = 1, 2, 7, 3, 2, 2
+    log_decay = helpers.random_log_decay("per_feature", b, h, n, d, seed=2)
+    mask = torch.tensor([[True, False, True, True, True, False, True]])
+    for exp_features in EXP:
+        q, k, v = helpers.kernel_inputs(b, h, n, d, e, seed=2, exp_features=exp_features)
+        ld = log_decay.masked_fill(~mask[:, None, :, None], 0.0)
+        G = ld.cumsum(dim=2)
+        ref = naive_causal_linear_attention(q, k, v, log_decay, mask, B, exp_features=exp_features)
+        for hh in range(h):
+            for i in range(n):
+                num, den = torch.zeros(e, dtype=q.dtype), 0.0
+                for j in range(n):
+                    if mask[0, j] and j // B < i // B:
+                        for f in range(d):
+                            qi, kj = q[0, hh, i, f], k[0, hh, j, f]
+                            w = (qi + kj).exp() if exp_features else qi * kj
+                            w = w * (G[0, hh, i, f] - G[0, hh, j, f]).exp()
+                            num, den = num + w * v[0, hh, j], den + w
+                expected = num / den if den > 0 else num
+                assert torch.allclose(ref[0, hh, i], expected, rtol=1e-12, atol=1e-15), (exp_features, hh, i)
+
+
+@pytest.mark.parametrize("exp_features", EXP, ids=ids)
+def test_blindspot_hides_the_own_block_and_first_block_gets_zero(exp_features, helpers):
     """With blindspot B the first block sees no key (output 0) and a later query sees
     exactly the keys of earlier blocks: changing a key inside its own block changes nothing."""
     b, h, n, d, e, B = 1, 2, 12, 3, 2, 4
-    q, k, v = helpers.feature_inputs(b, h, n, d, e, seed=3)
-    out = causal_linear_attention(q, k, v, blindspot_size=B)
+    q, k, v = helpers.kernel_inputs(b, h, n, d, e, seed=3, exp_features=exp_features)
+    out = causal_linear_attention(q, k, v, blindspot_size=B, exp_features=exp_features)
     assert torch.equal(out[:, :, :B], torch.zeros_like(out[:, :, :B]))
     k2, v2 = k.clone(), v.clone()
     k2[:, :, 9], v2[:, :, 9] = 5.0, -7.0  # inside the last block (positions 8..11)
-    out2 = causal_linear_attention(q, k2, v2, blindspot_size=B)
+    out2 = causal_linear_attention(q, k2, v2, blindspot_size=B, exp_features=exp_features)
     helpers.assert_matches(out2, out, rtol=1e-12, what="blindspot output")
     # ... while the preceding block's keys are seen by the last block
     k3 = k.clone()
     k3[:, :, 5] = 5.0
-    out3 = causal_linear_attention(q, k3, v, blindspot_size=B)
+    out3 = causal_linear_attention(q, k3, v, blindspot_size=B, exp_features=exp_features)
     assert (out3[:, :, 8:] - out[:, :, 8:]).abs().max() > 1e-3
     helpers.assert_matches(out3[:, :, :8], out[:, :, :8], rtol=1e-12, what="blocks before the change")

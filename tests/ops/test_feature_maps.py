@@ -8,7 +8,6 @@ from linear_attention_transformer.ops import (
     FEATURE_MAP_NAMES,
     FeatureMap,
     causal_linear_attention,
-    exp_keys_with_running_max,
     linear_attention,
 )
 
@@ -45,7 +44,7 @@ def weighted_average(w, v):
 
 def bounded_logits(b, h, n, d, e, seed, m=None):
     """Logits with |x| < 5, so exp(x) without stabilisation is accurate in float64; keys
-    drift upwards along the sequence so the running maximum keeps changing."""
+    drift upwards along the sequence so the kernels' running maxima keep changing."""
     g = torch.Generator().manual_seed(seed)
     m = n if m is None else m
     q = torch.rand(b, h, n, d, dtype=torch.float64, generator=g) * 9.8 - 4.9
@@ -87,22 +86,20 @@ def direct_noncausal(kind, q, k, v, mask):
 @pytest.mark.parametrize("masked", [False, True])
 @pytest.mark.parametrize("blindspot", [1, 4])
 def test_causal_pipeline_equals_direct_formula(kind, n, masked, blindspot, helpers):
+    """feature map -> causal kernel equals softmax(q) . exp(k) (or the pointwise map) formed
+    directly: for the softmax map the kernel gets the raw logits, and the query's softmax
+    normaliser, which it never forms, cancels."""
     b, h, d, e = 2, 2, 4, 3
     seed = 13 * n + blindspot + 100 * KINDS.index(kind)
     q, k, v = bounded_logits(b, h, n, d, e, seed)
     mask = helpers.random_mask(b, n, seed, empty_row=n > 1) if masked else None
     if mask is not None and n > 1:
-        mask[0, :2] = False  # leading padding: the running max starts later
+        mask[0, :2] = False  # leading padding: the first real key arrives later
     fm = make_map(kind, helpers)
 
-    features, log_decay, running_max = fm.causal_keys(k, mask)
-    real = torch.ones(b, h, n, d, dtype=torch.bool) if mask is None else mask[:, None, :, None].expand(b, h, n, d)
-    if kind == "softmax":
-        assert log_decay.shape == (b, h, n) and running_max.shape == (b, h)
-        assert (log_decay <= 0).all() and (features[real] <= 1).all()
-    else:
-        assert log_decay is None and running_max is None
-    out = causal_linear_attention(fm.queries(q), features, v, log_decay, mask, blindspot, chunk_size=16)
+    q_in, k_in, exp_features = fm.causal_features(q, k)
+    assert exp_features is (kind == "softmax")
+    out = causal_linear_attention(q_in, k_in, v, None, mask, blindspot, chunk_size=16, exp_features=exp_features)
     helpers.assert_matches(out, direct_causal(kind, q, k, v, mask, blindspot))
 
 
@@ -124,20 +121,23 @@ def test_noncausal_pipeline_equals_direct_formula(kind, n, m, masked, helpers):
         assert torch.equal(out[-1], torch.zeros_like(out[-1]))
 
 
-def test_running_max_features_and_decay_reconstruct_exp(helpers):
-    """features_t * exp(m_t) = exp(k_t) and the decays telescope: sum of log_decay up to t
-    equals m_0 - m_t, with m the running maximum over earlier real keys."""
-    b, h, n, d = 2, 3, 20, 4
-    q, k, _ = bounded_logits(b, h, n, d, 1, seed=8)
-    mask = helpers.random_mask(b, n, seed=8)
-    mask[:, 0] = True
-    features, log_decay, last = exp_keys_with_running_max(k, mask)
-    kmax = k.amax(-1).masked_fill(~mask[:, None, :], float("-inf"))
-    m = kmax.cummax(-1).values
-    helpers.assert_matches(last, m[..., -1], rtol=0)
-    helpers.assert_matches(log_decay.cumsum(-1), m[..., :1] - m, rtol=1e-12)
-    real = mask[:, None, :, None].expand_as(k)
-    helpers.assert_matches((features * m[..., None].exp())[real], k.exp()[real], rtol=1e-12)
+@pytest.mark.parametrize("kind", KINDS)
+def test_causal_features_contract(kind, helpers):
+    """The softmax map hands the logits over untouched with exp_features=True (the kernel
+    exponentiates them stably); the others return their pointwise features of queries and
+    keys with exp_features=False, and gradients flow through them."""
+    q, k, _ = bounded_logits(2, 2, 9, 4, 1, seed=8)
+    q, k = q.requires_grad_(True), k.requires_grad_(True)
+    q_in, k_in, exp_features = make_map(kind, helpers).causal_features(q, k)
+    if kind == "softmax":
+        assert exp_features is True and q_in is q and k_in is k
+        return
+    assert exp_features is False
+    helpers.assert_matches(q_in, direct_pointwise(kind, q.detach()), rtol=1e-15, what="query features")
+    helpers.assert_matches(k_in, direct_pointwise(kind, k.detach()), rtol=1e-15, what="key features")
+    assert (q_in >= 0).all() and (k_in >= 0).all()
+    (q_in.sum() + k_in.sum()).backward()
+    assert q.grad.abs().sum() > 0 and k.grad.abs().sum() > 0
 
 
 def test_feature_map_construction():
@@ -165,7 +165,7 @@ def test_elu_map_keeps_small_features_in_low_precision(dtype, lowest, rtol):
     assert ((got - expected).abs() <= rtol * expected).all()
     # still the same function, with finite gradients even far out
     t = torch.tensor([-1e4, -50.0, -1.0, 0.0, 1.0, 1e4], dtype=torch.float64, requires_grad=True)
-    y = fm.causal_keys(t.view(1, 1, 1, -1))[0]
+    y = fm.causal_features(t.view(1, 1, 1, -1), t.view(1, 1, 1, -1))[1]
     y.sum().backward()
     exact = torch.where(t > 0, t + 1, t.exp()).detach()
     assert torch.allclose(y.flatten(), exact, rtol=1e-15, atol=0)

@@ -1,4 +1,5 @@
-"""Gradients: gradcheck in float64, and exact causality of the gradient."""
+"""Gradients: gradcheck in float64, agreement with the explicit-matrix reference, and exact
+causality of the gradient, for given and exponential features."""
 
 import pytest
 import torch
@@ -9,42 +10,55 @@ from linear_attention_transformer.ops import (
     causal_linear_attention,
     linear_attention,
     naive_causal_linear_attention,
+    recurrent_causal_linear_attention,
 )
 
 B, H, N, D, E = 1, 2, 10, 3, 2
+EXP = [False, True]
+
+
+def ids(exp_features):
+    return "exp" if exp_features else "features"
 
 
 def leaf(t):
     return t.detach().clone().requires_grad_(True)
 
 
+def left_padded_mask(n, seed, helpers):
+    """Left padding (the first queries see no key: output 0, gradient 0) and holes."""
+    mask = helpers.random_mask(B, n, seed)
+    mask[:, :2] = False
+    return mask
+
+
+@pytest.mark.parametrize("exp_features", EXP, ids=ids)
 @pytest.mark.parametrize("decay", [None, "scalar", "per_feature"])
 @pytest.mark.parametrize("blindspot", [1, 4])
 @pytest.mark.parametrize("masked", [False, True])
-def test_gradcheck_causal_kernel(decay, blindspot, masked, helpers):
-    q, k, v = (leaf(t) for t in helpers.feature_inputs(B, H, N, D, E, seed=1))
+def test_gradcheck_causal_kernel(exp_features, decay, blindspot, masked, helpers):
+    """With a mask, its left padding makes the first queries see no key (output 0)."""
+    q, k, v = (leaf(t) for t in helpers.kernel_inputs(B, H, N, D, E, seed=1, exp_features=exp_features))
     log_decay = helpers.random_log_decay(decay, B, H, N, D, seed=1)
-    mask = None
-    if masked:  # left padding: the first queries see no key at all (output 0, gradient 0)
-        mask = helpers.random_mask(B, N, seed=1)
-        mask[:, :2] = False
+    mask = left_padded_mask(N, 1, helpers) if masked else None
     inputs = (q, k, v) if log_decay is None else (q, k, v, leaf(log_decay))
 
     def fn(q, k, v, log_decay=None):
-        return causal_linear_attention(q, k, v, log_decay, mask, blindspot, chunk_size=4)
+        return causal_linear_attention(q, k, v, log_decay, mask, blindspot, chunk_size=4, exp_features=exp_features)
 
     assert gradcheck(fn, inputs, eps=1e-6, atol=1e-8, rtol=1e-6)
 
 
-def test_gradcheck_causal_kernel_odd_chunks_and_holes(helpers):
+@pytest.mark.parametrize("exp_features", EXP, ids=ids)
+def test_gradcheck_causal_kernel_odd_chunks_and_holes(exp_features, helpers):
     """Chunk size 3 over 7 tokens, a mask with a hole and leading padding, per-feature decay."""
     n = 7
-    q, k, v = (leaf(t) for t in helpers.feature_inputs(B, H, n, 2, E, seed=11))
+    q, k, v = (leaf(t) for t in helpers.kernel_inputs(B, H, n, 2, E, seed=11, exp_features=exp_features))
     log_decay = leaf(helpers.random_log_decay("per_feature", B, H, n, 2, seed=11))
     mask = torch.tensor([[False, True, True, False, True, True, True]])
 
     def fn(q, k, v, log_decay):
-        return causal_linear_attention(q, k, v, log_decay, mask, chunk_size=3)
+        return causal_linear_attention(q, k, v, log_decay, mask, chunk_size=3, exp_features=exp_features)
 
     assert gradcheck(fn, (q, k, v, log_decay), eps=1e-6, atol=1e-8, rtol=1e-6)
 
@@ -52,18 +66,16 @@ def test_gradcheck_causal_kernel_odd_chunks_and_holes(helpers):
 @pytest.mark.parametrize("blindspot", [1, 4])
 @pytest.mark.parametrize("masked", [False, True])
 def test_gradcheck_softmax_pipeline_from_logits(blindspot, masked, helpers):
-    """Raw q, k logits -> softmax feature map (running max, its decay) -> kernel. The running
-    max carries no gradient: the check proves the result really does not depend on it."""
+    """Raw q, k logits -> softmax feature map -> kernel with exponential features. The
+    kernel's references (maxima of the keys and of each query) carry no gradient: the check
+    proves the result really does not depend on them."""
     q, k, v = (leaf(t) for t in helpers.logit_inputs(B, H, N, D, E, seed=2, scale=3.0))
-    mask = None
-    if masked:
-        mask = helpers.random_mask(B, N, seed=2)
-        mask[:, :2] = False
+    mask = left_padded_mask(N, 2, helpers) if masked else None
     fm = FeatureMap("softmax")
 
     def fn(q, k, v):
-        features, log_decay, _ = fm.causal_keys(k, mask)
-        return causal_linear_attention(fm.queries(q), features, v, log_decay, mask, blindspot, chunk_size=4)
+        q_in, k_in, exp_features = fm.causal_features(q, k)
+        return causal_linear_attention(q_in, k_in, v, None, mask, blindspot, chunk_size=4, exp_features=exp_features)
 
     assert gradcheck(fn, (q, k, v), eps=1e-6, atol=1e-8, rtol=1e-6)
 
@@ -82,26 +94,36 @@ def test_gradcheck_noncausal_pipeline(kind, masked, helpers):
     assert gradcheck(fn, (q, k, v), eps=1e-6, atol=1e-8, rtol=1e-6)
 
 
+@pytest.mark.parametrize("exp_features", EXP, ids=ids)
+@pytest.mark.parametrize("blindspot", [1, 4])
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
-def test_chunked_gradients_equal_naive_gradients(dtype, helpers):
-    """Same function, same gradients: chunked vs explicit-matrix form (n = 37, chunk 8), with
-    left padding, so the first queries see no key: output 0 and gradient 0, never NaN."""
-    n = 37
-    q, k, v = helpers.feature_inputs(2, 2, n, 4, 3, seed=4, dtype=dtype)
-    log_decay = helpers.random_log_decay("per_feature", 2, 2, n, 4, seed=4, dtype=dtype)
-    mask = helpers.random_mask(2, n, seed=4)
+def test_chunked_and_recurrent_gradients_equal_naive_gradients(exp_features, blindspot, dtype, helpers):
+    """Same function, same gradients: chunked (n = 37, chunk 8) and recurrent vs the explicit
+    matrix, with left padding, so the first queries see no key: output 0 and gradient 0,
+    never NaN (the naive form included)."""
+    b, h, n, d, e = 2, 2, 37, 4, 3
+    q, k, v = helpers.kernel_inputs(b, h, n, d, e, seed=4, exp_features=exp_features, dtype=dtype)
+    log_decay = helpers.random_log_decay("per_feature", b, h, n, d, seed=4, dtype=dtype)
+    mask = helpers.random_mask(b, n, seed=4)
     mask[:, :2] = False
-    r = torch.randn(2, 2, n, 3, dtype=dtype, generator=torch.Generator().manual_seed(4))
+    r = torch.randn(b, h, n, e, dtype=dtype, generator=torch.Generator().manual_seed(4))
+    kw = dict(mask=mask, blindspot_size=blindspot, exp_features=exp_features)
     grads = []
     for fn in (
-        lambda *a: causal_linear_attention(*a, mask, chunk_size=8),
-        lambda *a: naive_causal_linear_attention(*a, mask),
+        lambda *a: naive_causal_linear_attention(*a, **kw),
+        lambda *a: causal_linear_attention(*a, chunk_size=8, **kw),
+        lambda *a: recurrent_causal_linear_attention(*a, **kw)[0],
     ):
         inputs = [leaf(t) for t in (q, k, v, log_decay)]
         (fn(*inputs) * r).sum().backward()
         grads.append([t.grad for t in inputs])
-    for chunked, naive in zip(*grads):
-        helpers.assert_matches(chunked, naive, rtol=1e-9 if dtype == torch.float64 else 1e-4)
+    naive = grads[0]
+    for form, form_grads in zip(("chunked", "recurrent"), grads[1:]):
+        for name, g, g_ref in zip(("q", "k", "v", "log_decay"), form_grads, naive):
+            rtol = 1e-9 if dtype == torch.float64 else 1e-4
+            helpers.assert_matches(g, g_ref, rtol=rtol, what=f"{form} d/d{name}")
+    # the queries that see nothing have exactly zero gradient
+    assert torch.equal(naive[0][:, :, :blindspot], torch.zeros_like(naive[0][:, :, :blindspot]))
 
 
 def output_grads(fn, inputs, i, seed):
@@ -112,16 +134,21 @@ def output_grads(fn, inputs, i, seed):
     return torch.autograd.grad((out[:, :, i] * r).sum(), inputs)
 
 
+@pytest.mark.parametrize("exp_features", EXP, ids=ids)
 @pytest.mark.parametrize("decay", [None, "scalar", "per_feature"])
 @pytest.mark.parametrize("blindspot", [1, 4])
-def test_gradient_is_exactly_causal(decay, blindspot, helpers):
+def test_gradient_is_exactly_causal(exp_features, decay, blindspot, helpers):
+    """Future tokens get a gradient of exactly 0, although for exponential features the
+    chunk's reference is the maximum over keys that lie after the query."""
     n = 13
-    q, k, v = helpers.feature_inputs(B, H, n, D, E, seed=5)
+    q, k, v = helpers.kernel_inputs(B, H, n, D, E, seed=5, exp_features=exp_features)
+    if exp_features:
+        k = k + torch.linspace(0, 6, n, dtype=k.dtype)[:, None]  # the maxima keep moving
     log_decay = helpers.random_log_decay(decay, B, H, n, D, seed=5)
     inputs = [q, k, v] + ([] if log_decay is None else [log_decay])
 
     def fn(q, k, v, log_decay=None):
-        return causal_linear_attention(q, k, v, log_decay, None, blindspot, chunk_size=4)
+        return causal_linear_attention(q, k, v, log_decay, None, blindspot, chunk_size=4, exp_features=exp_features)
 
     for i in (0, 2, 3, 4, 6, 11, 12):
         grads = output_grads(fn, inputs, i, seed=i)
@@ -140,15 +167,17 @@ def test_gradient_is_exactly_causal(decay, blindspot, helpers):
 def test_softmax_pipeline_gradient_is_exactly_causal(masked, helpers):
     n = 13
     q, k, v = helpers.logit_inputs(B, H, n, D, E, seed=6, scale=3.0)
-    k = k + torch.linspace(0, 6, n, dtype=k.dtype)[:, None]  # the running max moves after i
+    k = k + torch.linspace(0, 6, n, dtype=k.dtype)[:, None]  # the key maxima move after i
     mask = helpers.random_mask(B, n, seed=6) if masked else None
     fm = FeatureMap("softmax")
 
     def fn(q, k, v):
-        features, log_decay, _ = fm.causal_keys(k, mask)
-        return causal_linear_attention(fm.queries(q), features, v, log_decay, mask, chunk_size=4)
+        q_in, k_in, exp_features = fm.causal_features(q, k)
+        return causal_linear_attention(q_in, k_in, v, None, mask, chunk_size=4, exp_features=exp_features)
 
     for i in (0, 3, 4, 9, 12):
-        for name, g in zip("qkv", output_grads(fn, (q, k, v), i, seed=i)):
+        grads = output_grads(fn, (q, k, v), i, seed=i)
+        for name, g in zip("qkv", grads):
             future = g[:, :, i + 1 :]
             assert torch.equal(future, torch.zeros_like(future)), f"d out[{i}] / d {name}[j > {i}] != 0"
+        assert grads[2][:, :, : i + 1].abs().max() > 0

@@ -4,7 +4,13 @@ in the outputs or in the gradients."""
 import pytest
 import torch
 
-from linear_attention_transformer.ops import FeatureMap, causal_linear_attention, linear_attention
+from linear_attention_transformer.ops import (
+    FeatureMap,
+    causal_linear_attention,
+    linear_attention,
+    naive_causal_linear_attention,
+    recurrent_causal_linear_attention,
+)
 
 KINDS = ["softmax", "elu", "relu", "callable"]
 
@@ -16,9 +22,10 @@ def pipeline(kind, causal, gated, blindspot, helpers):
         if not causal:
             features, normalize = fm.noncausal_keys(k, mask)
             return linear_attention(fm.queries(q), features, v, mask=mask, normalize=normalize)
-        features, map_decay, _ = fm.causal_keys(k, mask)
-        decay = log_decay if gated else map_decay
-        return causal_linear_attention(fm.queries(q), features, v, decay, mask, blindspot, chunk_size=4)
+        q_in, k_in, exp_features = fm.causal_features(q, k)
+        return causal_linear_attention(
+            q_in, k_in, v, log_decay if gated else None, mask, blindspot, chunk_size=4, exp_features=exp_features
+        )
 
     return run
 
@@ -40,7 +47,7 @@ def outputs_and_grads(run, inputs, mask, r):
 
 CASES = [(kind, False, False, 1) for kind in KINDS]  # non-causal
 CASES += [(kind, True, False, bs) for kind in KINDS for bs in (1, 4)]  # causal
-CASES += [(kind, True, True, bs) for kind in ("elu", "relu") for bs in (1, 4)]  # causal, gated
+CASES += [(kind, True, True, bs) for kind in ("softmax", "elu", "relu") for bs in (1, 4)]  # causal, gated
 
 
 @pytest.mark.parametrize("kind, causal, gated, blindspot", CASES)
@@ -75,16 +82,37 @@ def test_padding_never_reaches_real_positions(kind, causal, gated, blindspot, pa
         assert torch.equal(padding_grad, torch.zeros_like(padding_grad)), f"gradient reaches padding of {name}"
 
 
-@pytest.mark.parametrize("causal", [True, False])
-def test_softmax_key_features_are_zero_at_padding(causal, helpers):
+def test_noncausal_softmax_key_features_are_zero_at_padding(helpers):
     b, h, n, d, e = 2, 2, 9, 3, 2
     _, k, _ = helpers.logit_inputs(b, h, n, d, e, seed=2)
     mask = helpers.random_mask(b, n, seed=2)
     mask[0, 0] = False
     k = fill_padding(k, mask, 1e6)
-    fm = FeatureMap("softmax")
-    features = fm.causal_keys(k, mask)[0] if causal else fm.noncausal_keys(k, mask)[0]
+    features, _ = FeatureMap("softmax").noncausal_keys(k, mask)
     pad = ~mask[:, None, :, None].expand_as(features)
     assert torch.isfinite(features).all()
     assert torch.equal(features[pad], torch.zeros_like(features[pad]))
     assert (features[~pad] > 0).all()
+
+
+@pytest.mark.parametrize("exp_features", [False, True], ids=["features", "exp"])
+@pytest.mark.parametrize("decay", [None, "scalar", "per_feature"])
+def test_causal_padding_equals_dropping_the_padded_tokens(exp_features, decay, helpers):
+    """Padding tokens have no key and do not decay the state, so at the real positions a
+    padded row equals the same row with its padding cut out (blindspot 1: the blocks of a
+    blindspot are positional and move when tokens are dropped)."""
+    b, h, n, d, e = 3, 2, 23, 3, 2
+    q, k, v = helpers.kernel_inputs(b, h, n, d, e, seed=12, exp_features=exp_features)
+    log_decay = helpers.random_log_decay(decay, b, h, n, d, seed=12)
+    mask = helpers.random_mask(b, n, seed=12, keep=0.6)
+    mask[0, :5] = False
+    mask[2, -4:] = False
+    kw = dict(exp_features=exp_features)
+    out = causal_linear_attention(q, k, v, log_decay, mask, chunk_size=4, **kw)
+    rec, _ = recurrent_causal_linear_attention(q, k, v, log_decay, mask, **kw)
+    for row in range(b):
+        keep = mask[row]
+        cut = [None if t is None else t[row : row + 1, :, keep] for t in (q, k, v, log_decay)]
+        dropped = naive_causal_linear_attention(*cut, **kw)
+        helpers.assert_matches(out[row : row + 1, :, keep], dropped, what=f"chunked, row {row}")
+        helpers.assert_matches(rec[row : row + 1, :, keep], dropped, what=f"recurrent, row {row}")

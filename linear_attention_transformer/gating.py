@@ -1,0 +1,104 @@
+"""Seed 000's two improvements to linear attention: sigmoid gates and a short local convolution.
+
+* ``ForgetGate``: a data-dependent decay of the causal state, per head and key feature,
+  a_t = sigmoid(x_t W + b) ** (1 / tau), from a low-rank projection (Gated Linear Attention,
+  Yang et al. 2023). S_t = diag(a_t) S_{t-1} + phi(k_t) v_tᵀ: the layer learns what to forget.
+  Without a causal order it gates each key's contribution instead.
+* ``OutputGate``: sigmoid(x W_o) times the heads' output.
+* ``LocalConv``: a depthwise convolution along the sequence on q, k and v, so that
+  neighbouring tokens mix before the global feature map (a local inductive bias that linear
+  attention lacks). Causal models pad on the left only.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from einops import rearrange
+from torch import nn
+
+
+class ForgetGate(nn.Module):
+    """Log forget gates log a_t = logsigmoid(x W_down W_up + b) / tau, all <= 0.
+
+    Args:
+        dim: input width. heads, dim_head: one gate per head and key feature.
+        rank: width of the low-rank projection. temperature: tau.
+    Shapes: x (b, n, dim) -> (b, heads, n, dim_head).
+    """
+
+    def __init__(self, dim, heads, dim_head, rank=16, temperature=16.0):
+        super().__init__()
+        if not isinstance(rank, int) or rank < 1:
+            raise ValueError(f"gate_rank must be a positive int, got {rank!r}")
+        if not temperature > 0:
+            raise ValueError(f"gate_temperature must be > 0, got {temperature!r}")
+        self.heads, self.temperature = heads, float(temperature)
+        self.gate_down = nn.Linear(dim, rank, bias=False)
+        self.gate_up = nn.Linear(rank, heads * dim_head)
+        # Start with gates close to 1, i.e. with the long memory of ungated linear attention:
+        # a gate that starts near sigmoid(0) ** (1/16) = 0.957 would halve every memory within
+        # 16 tokens before the model has learnt what is worth keeping. The biases are spread so
+        # that, per feature, memory half-lives run from ~35 to ~4500 tokens (sigmoid(1..6)).
+        with torch.no_grad():
+            self.gate_up.weight.mul_(0.1)
+            self.gate_up.bias.copy_(torch.linspace(1.0, 6.0, dim_head).repeat(heads))
+
+    def forward(self, x):
+        logits = self.gate_up(self.gate_down(x))
+        # logsigmoid, never log(sigmoid): stays finite and exact for pre-activations of +-50 and beyond
+        log_a = F.logsigmoid(logits.to(torch.promote_types(logits.dtype, torch.float32))) / self.temperature
+        return rearrange(log_a, "b n (h d) -> b h n d", h=self.heads)
+
+
+class OutputGate(nn.Module):
+    """sigmoid(x W_o + b) per output channel. x (b, n, dim) -> gates (b, n, channels)."""
+
+    def __init__(self, dim, channels):
+        super().__init__()
+        self.gate_out = nn.Linear(dim, channels)
+
+    def forward(self, x):
+        return torch.sigmoid(self.gate_out(x))
+
+
+class LocalConv(nn.Module):
+    """Depthwise 1-d convolution along the sequence, one filter per channel.
+
+    Args:
+        channels: heads * dim_head of the tensors it convolves.
+        kernel_size: taps. causal: pad kernel_size - 1 on the left (position t sees t-k+1..t);
+            otherwise centred, which needs an odd kernel.
+    Starts as the identity (the tap on the current token is 1, the others 0), so a model with
+    the convolution begins as the one without, and learns how much of its neighbours to mix in.
+    Shapes: x (b, h, n, d) with h * d == channels, mask (b, n) bool -> (b, h, n, d).
+    """
+
+    def __init__(self, channels, kernel_size=3, causal=True):
+        super().__init__()
+        if not isinstance(kernel_size, int) or kernel_size < 1:
+            raise ValueError(f"local_conv_kernel must be a positive int, got {kernel_size!r}")
+        if not causal and kernel_size % 2 == 0:
+            raise ValueError(f"local_conv_kernel must be odd in a non-causal model (it is centred), got {kernel_size}")
+        self.kernel_size, self.causal = kernel_size, causal
+        self.conv_weight = nn.Parameter(torch.zeros(channels, 1, kernel_size))
+        with torch.no_grad():
+            self.conv_weight[:, 0, kernel_size - 1 if causal else kernel_size // 2] = 1.0
+
+    @property
+    def left_context(self):
+        """How many earlier positions each output sees (what a decoder must remember)."""
+        return self.kernel_size - 1 if self.causal else self.kernel_size // 2
+
+    def forward(self, x, mask=None, previous=None):
+        """``previous``: (b, h, kernel_size - 1, d) inputs before x[:, :, 0] (cached decoding)."""
+        h = x.shape[1]
+        if mask is not None:  # padding never leaks into a real position
+            x = x.masked_fill(~rearrange(mask, "b n -> b 1 n 1"), 0.0)
+        if previous is not None:
+            x = torch.cat((previous, x), dim=2)
+        t = rearrange(x, "b h n d -> b (h d) n")
+        left = self.left_context
+        pad = (0, 0) if previous is not None else (left, self.kernel_size - 1 - left)
+        t = F.conv1d(F.pad(t, pad), self.conv_weight.to(t.dtype), groups=t.shape[1])
+        return rearrange(t, "b (h d) n -> b h n d", h=h)
