@@ -179,3 +179,24 @@ def test_linear_self_attention_seed_api_and_psi_fn():
 def test_bad_layer_arguments(kwargs, match):
     with pytest.raises(ValueError, match=match):
         Attention(**kwargs)
+
+
+@pytest.mark.parametrize("bias", [-50.0, 50.0])
+@pytest.mark.parametrize("causal", [True, False])
+def test_extreme_gate_preactivations(bias, causal):
+    """Gate pre-activations of +-50: exact in float64, finite in float32 and half autocast."""
+    torch.manual_seed(9)
+    layer = Attention(dim=16, heads=4, causal=causal, use_gate=True, use_local_conv=True, chunk_size=4).to(D)
+    with torch.no_grad():
+        layer.forget_gate.gate_up.weight.zero_()
+        layer.forget_gate.gate_up.bias.fill_(bias)
+        layer.output_gate.gate_out.bias.fill_(bias)
+    x = torch.randn(2, 19, 16, dtype=D)
+    torch.testing.assert_close(layer(x), naive_attention(layer, x), rtol=1e-9, atol=1e-12)
+    layer = layer.float()
+    for dtype in (None, torch.bfloat16, torch.float16):
+        with torch.autocast("cpu", dtype=dtype or torch.bfloat16, enabled=dtype is not None):
+            out = layer(x.float() * 10)
+        out.float().sum().backward()
+        assert torch.isfinite(out).all()
+        assert all(torch.isfinite(p.grad).all() for p in layer.parameters() if p.grad is not None)

@@ -214,3 +214,30 @@ def test_generate_greedy_with_temperature_zero_matches_argmax_of_full_forward():
     for _ in range(8):
         seq = torch.cat((seq, model(seq[None])[0, -1].argmax()[None]))
     assert out.shape == (8,) and torch.equal(out, seq[5:])
+
+
+def random_config(rng):
+    """A configuration drawn from the causal option space."""
+    pick = lambda *options: options[int(torch.randint(len(options), (1,), generator=rng))]  # noqa: E731
+    cfg = dict(
+        n_local_attn_heads=pick(0, 1, 2, 4), local_attn_window_size=pick(3, 4, 5), blindspot_size=pick(1, 1, 3, 4),
+        shift_tokens=pick(False, True), reversible=pick(False, True), use_gate=pick(False, True),
+        use_local_conv=pick(False, True), local_conv_kernel=pick(2, 3, 4), attend_axially=pick(False, True),
+        feature_map=pick("softmax", "softmax", "elu", "relu"), kv_heads=pick(None, 2),
+        receives_context=pick(False, True),
+    )
+    positional = pick("axial", "rotary", "absolute")
+    cfg.update(use_rotary_emb=positional == "rotary", use_axial_pos_emb=positional == "axial")
+    return cfg
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_random_configurations_decode_exactly(seed):
+    cfg = random_config(torch.Generator().manual_seed(seed))
+    model = make(cfg, seed=seed)
+    x, mask, kw = inputs(cfg, n=17)
+    full = model(x, input_mask=mask, **kw)
+    prompt = int(torch.randint(0, 12, (1,), generator=torch.Generator().manual_seed(100 + seed)))
+    cached, _ = decode(model, x, mask, kw, prompt)
+    scale = full[mask].abs().max()
+    assert (cached - full)[mask].abs().max() <= 1e-9 * scale, cfg

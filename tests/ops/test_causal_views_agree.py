@@ -20,7 +20,7 @@ def ids(exp_features):
 @pytest.mark.parametrize("exp_features", EXP, ids=ids)
 @pytest.mark.parametrize("n", [1, 15, 16, 17, 100])
 @pytest.mark.parametrize("decay", [None, "scalar", "per_feature"])
-@pytest.mark.parametrize("blindspot, chunk", [(1, 16), (1, 7), (1, 1), (4, 16), (16, 16)])
+@pytest.mark.parametrize("blindspot, chunk", [(1, 16), (1, 48), (1, 7), (1, 1), (4, 16), (16, 16)])
 @pytest.mark.parametrize("masked", [False, True])
 def test_views_agree_for_lengths_around_the_block_size(exp_features, n, decay, blindspot, chunk, masked, helpers):
     """Lengths that are and are not multiples of the chunk / blindspot block, masks with

@@ -95,12 +95,12 @@ def test_gradcheck_noncausal_pipeline(kind, masked, helpers):
 
 
 @pytest.mark.parametrize("exp_features", EXP, ids=ids)
-@pytest.mark.parametrize("blindspot", [1, 4])
+@pytest.mark.parametrize("blindspot, chunk", [(1, 8), (1, 32), (4, 8)])
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
-def test_chunked_and_recurrent_gradients_equal_naive_gradients(exp_features, blindspot, dtype, helpers):
-    """Same function, same gradients: chunked (n = 37, chunk 8) and recurrent vs the explicit
-    matrix, with left padding, so the first queries see no key: output 0 and gradient 0,
-    never NaN (the naive form included)."""
+def test_chunked_and_recurrent_gradients_equal_naive_gradients(exp_features, blindspot, chunk, dtype, helpers):
+    """Same function, same gradients: chunked (n = 37) and recurrent vs the explicit matrix,
+    with per-feature decay and left padding, so the first queries see no key: output 0 and
+    gradient 0, never NaN (the naive form included)."""
     b, h, n, d, e = 2, 2, 37, 4, 3
     q, k, v = helpers.kernel_inputs(b, h, n, d, e, seed=4, exp_features=exp_features, dtype=dtype)
     log_decay = helpers.random_log_decay("per_feature", b, h, n, d, seed=4, dtype=dtype)
@@ -111,7 +111,7 @@ def test_chunked_and_recurrent_gradients_equal_naive_gradients(exp_features, bli
     grads = []
     for fn in (
         lambda *a: naive_causal_linear_attention(*a, **kw),
-        lambda *a: causal_linear_attention(*a, chunk_size=8, **kw),
+        lambda *a: causal_linear_attention(*a, chunk_size=chunk, **kw),
         lambda *a: recurrent_causal_linear_attention(*a, **kw)[0],
     ):
         inputs = [leaf(t) for t in (q, k, v, log_decay)]
