@@ -1,0 +1,265 @@
+#!/usr/bin/env python
+"""Cached decoding against recomputing the whole sequence at every step.
+
+The model, in eval mode, batch 1, fp32, greedy (temperature 0):
+
+    LinearAttentionTransformerLM(num_tokens=256, dim=256, depth=2, heads=4, n_local_attn_heads=2,
+                                 local_attn_window_size=64, blindspot_size=64, causal=True,
+                                 max_seq_len=2048)
+
+generates 1024 tokens after a 16-token prompt, with
+``AutoregressiveWrapper(model).generate(prompt, 1024, temperature=0, use_cache=...)``:
+
+1. check: cached and recompute paths produce the same tokens over a short run (64 tokens),
+   and the largest difference between their logits;
+2. cached path: the real total time of ``generate(..., use_cache=True)``; then the same
+   decoding driven step by step (``model(prompt, return_cache=True)``, then
+   ``model(token[:, None], cache=cache, return_cache=True)`` per token, each step timed) for
+   the per-token time over the first and the last 256 generated tokens (flat cost: ratio
+   near 1);
+3. recompute path (``use_cache=False``, each step a full forward over the sequence so far,
+   O(n^2) in all): single forwards timed at a few lengths, interpolated linearly in n and
+   summed over the steps to estimate the total; when that estimate is below
+   --max-recompute-seconds (or with --recompute full) the real generate() is timed too,
+   and the speed-up uses the real time; otherwise it uses the estimate and says so.
+
+The square matmul rate is measured at the start and at the end as the drift reference.
+
+Usage:  python benchmarks/bench_generate.py [--device cpu] [--threads 1] [--new-tokens 1024]
+See benchmarks/README.md for what each figure means and the targets.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import (  # noqa: E402  (the folder of this script, see common.py)
+    default_device,
+    default_matmul_size,
+    kwargs_text,
+    load_average,
+    print_header,
+    set_threads,
+    square_matmul_desc,
+    square_matmul_rate,
+    synchronize,
+    table,
+)
+
+MODEL = dict(num_tokens=256, dim=256, depth=2, heads=4, n_local_attn_heads=2, local_attn_window_size=64,
+             blindspot_size=64, causal=True, max_seq_len=2048)
+SPEEDUP_TARGET = 30.0  # recompute total / cached total
+FLAT_TARGET = 1.3  # per-token time, last 256 / first 256 generated tokens
+
+
+def build_model(device):
+    from linear_attention_transformer import LinearAttentionTransformerLM
+
+    torch.manual_seed(0)
+    return LinearAttentionTransformerLM(**MODEL).to(device).eval()
+
+
+def timed(fn, device):
+    synchronize(device)
+    t0 = time.perf_counter()
+    out = fn()
+    synchronize(device)
+    return out, time.perf_counter() - t0
+
+
+def greedy(logits):
+    """The token generate(temperature=0) picks from (b, n, vocab) logits."""
+    return logits[:, -1].float().argmax(dim=-1)
+
+
+@torch.no_grad()
+def stepwise_cached(model, prompt, new_tokens, device):
+    """Greedy decoding driven by hand with the model's cache, every step timed.
+
+    Returns (tokens (1, new_tokens), seconds of the prompt call, seconds per later step):
+    step i (i = 1 .. new_tokens - 1) feeds token i - 1 and yields token i."""
+    (logits, cache), t_prompt = timed(lambda: model(prompt, return_cache=True), device)
+    token = greedy(logits)
+    tokens, steps = [token], []
+    for _ in range(new_tokens - 1):
+        synchronize(device)
+        t0 = time.perf_counter()
+        logits, cache = model(token[:, None], cache=cache, return_cache=True)
+        token = greedy(logits)
+        synchronize(device)
+        steps.append(time.perf_counter() - t0)
+        tokens.append(token)
+    return torch.stack(tokens, dim=1), t_prompt, steps
+
+
+@torch.no_grad()
+def forward_seconds(model, seq, length, device, reps):
+    """Median seconds of one recompute step at ``length`` tokens: a full forward over them
+    and the greedy pick (what generate(use_cache=False) does per step)."""
+    x = seq[:, :length]
+    greedy(model(x))  # warm
+    return statistics.median(timed(lambda: greedy(model(x)), device)[1] for _ in range(reps))
+
+
+def estimate_recompute(points, prompt_len, new_tokens):
+    """Sum over the steps of the forward time at the step's length (prompt_len + i for step i),
+    interpolated linearly between the measured (length, seconds) points (and extrapolated
+    linearly from the last two beyond them)."""
+    points = sorted(points)
+
+    def at(n):
+        for (n0, t0), (n1, t1) in zip(points, points[1:]):
+            if n <= n1:
+                return t0 + (t1 - t0) * (n - n0) / (n1 - n0)
+        (n0, t0), (n1, t1) = points[-2:]
+        return t1 + (t1 - t0) * (n - n1) / (n1 - n0)
+
+    return sum(at(prompt_len + i) for i in range(new_tokens))
+
+
+def first_difference(a, b):
+    diff = (a != b).nonzero()
+    return None if diff.numel() == 0 else int(diff[0, -1])
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--device", default=default_device(), help="cpu, cuda, cuda:1 ... (default: %(default)s)")
+    p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: leave as is)")
+    p.add_argument("--prompt-len", type=int, default=16)
+    p.add_argument("--new-tokens", type=int, default=1024, help="tokens to generate (default: %(default)s)")
+    p.add_argument("--window", type=int, default=256,
+                   help="per-token times over the first and the last WINDOW generated tokens (default: %(default)s)")
+    p.add_argument("--check-tokens", type=int, default=64,
+                   help="length of the cached-vs-recompute identity check (default: %(default)s)")
+    p.add_argument("--recompute", choices=["auto", "full", "estimate"], default="auto",
+                   help="auto: time the real recompute generate() when its estimate is below "
+                        "--max-recompute-seconds; full: always; estimate: never (default: auto)")
+    p.add_argument("--max-recompute-seconds", type=float, default=180.0)
+    p.add_argument("--estimate-lengths", type=int, nargs="+", default=None,
+                   help="lengths of the timed single forwards (default: prompt, 256, 512, 768, prompt + new tokens)")
+    p.add_argument("--estimate-reps", type=int, default=3, help="timed forwards per length, median (default: 3)")
+    p.add_argument("--matmul-size", type=int, default=None, help="square matmul size (default 2048 cpu, 8192 cuda)")
+    args = p.parse_args(argv)
+    size = args.matmul_size or default_matmul_size(args.device)
+    device, P, N = args.device, args.prompt_len, args.new_tokens
+    if P + N > MODEL["max_seq_len"]:
+        p.error(f"prompt + new tokens ({P + N}) exceed max_seq_len={MODEL['max_seq_len']}")
+    W = min(args.window, (N - 1) // 2)
+
+    set_threads(args.threads)
+    print_header(device, args.threads, [
+        f"LinearAttentionTransformerLM({kwargs_text(MODEL)}), eval, batch 1, fp32",
+        f"AutoregressiveWrapper(model).generate(prompt ({P} tokens), {N}, temperature=0, use_cache=True/False)",
+    ])
+    t_start = time.perf_counter()
+    ref_start = square_matmul_rate(device, size)
+
+    from linear_attention_transformer import AutoregressiveWrapper
+
+    model = build_model(device)
+    wrapper = AutoregressiveWrapper(model)
+    g = torch.Generator(device="cpu").manual_seed(1)
+    prompt = torch.randint(0, MODEL["num_tokens"], (1, P), generator=g).to(device)
+
+    def generate(n, use_cache):
+        return wrapper.generate(prompt, n, temperature=0, use_cache=use_cache)
+
+    generate(8, True)  # warm both paths
+    generate(8, False)
+
+    # 1. identity check on a short run, and the logits of both paths side by side
+    short = min(args.check_tokens, N)
+    cached_short, recomputed_short = generate(short, True), generate(short, False)
+    same = torch.equal(cached_short, recomputed_short)
+    with torch.no_grad():  # the logits that chose each token: cached steps vs one full forward
+        logits, cache = model(prompt, return_cache=True)
+        step_logits = [logits[:, -1]]
+        for i in range(short - 1):
+            logits, cache = model(cached_short[:, i:i + 1], cache=cache, return_cache=True)
+            step_logits.append(logits[:, -1])
+        full_logits = model(torch.cat((prompt, cached_short[:, :-1]), dim=1))[:, P - 1:]
+        max_logit_diff = (torch.stack(step_logits, dim=1) - full_logits).abs().max().item()
+    print(f"check ({short} tokens): cached and recompute tokens "
+          + ("IDENTICAL" if same else f"DIFFER (first at generated token {first_difference(cached_short, recomputed_short)})")
+          + f"; max |logit difference| cached steps vs one full forward: {max_logit_diff:.2e}\n")
+
+    # 2. cached path: the real generate(), then the same decoding step by step
+    cached_tokens, t_cached = timed(lambda: generate(N, True), device)
+    step_tokens, t_prompt, steps = stepwise_cached(model, prompt, N, device)
+    t_stepwise = t_prompt + sum(steps)
+    stepwise_same = torch.equal(step_tokens, cached_tokens)
+    first, last = steps[:W], steps[-W:]  # generated tokens 1 .. W and N - W .. N - 1
+
+    # 3. recompute path: single forwards at a few lengths -> estimate; the real run if affordable
+    lengths = args.estimate_lengths or sorted({P, 256, 512, 768, P + N - 1})
+    lengths = [n for n in lengths if 1 <= n <= P + N - 1]
+    seq = torch.cat((prompt, cached_tokens), dim=1)
+    points = [(n, forward_seconds(model, seq, n, device, args.estimate_reps)) for n in lengths]
+    t_estimate = estimate_recompute(points, P, N)
+    run_full = args.recompute == "full" or (args.recompute == "auto" and t_estimate <= args.max_recompute_seconds)
+    t_recompute = recompute_same = None
+    if run_full:
+        recompute_tokens, t_recompute = timed(lambda: generate(N, False), device)
+        recompute_same = torch.equal(recompute_tokens, cached_tokens)
+    ref_end = square_matmul_rate(device, size)
+
+    print(f"matmul reference (drift): {square_matmul_desc(size)}, fp32, best of 5: "
+          f"{ref_start / 1e9:.1f} GFLOP/s at the start, {ref_end / 1e9:.1f} GFLOP/s at the end\n")
+
+    print(f"recompute step = one full forward over the sequence so far + greedy pick, median of {args.estimate_reps}:")
+    print(table(["length", "ms per step"], [[n, f"{1e3 * t:.1f}"] for n, t in points]))
+    print()
+
+    ms = lambda ts: f"{1e3 * statistics.mean(ts):.2f} / {1e3 * statistics.median(ts):.2f}"  # noqa: E731
+    print(f"generating {N} tokens after a {P}-token prompt, greedy:")
+    rows = [
+        ["cached: generate(use_cache=True)", f"{t_cached:.2f}", f"{1e3 * t_cached / N:.2f}", "measured"],
+        ["cached: stepwise (model(..., cache=...))", f"{t_stepwise:.2f}", f"{1e3 * t_stepwise / N:.2f}",
+         f"measured; tokens {'same as' if stepwise_same else 'DIFFER FROM'} generate()"],
+        ["recompute: generate(use_cache=False)", f"{t_estimate:.2f}", f"{1e3 * t_estimate / N:.2f}",
+         "ESTIMATE (forwards at the lengths above, interpolated)"],
+    ]
+    if t_recompute is not None:
+        rows.append(["recompute: generate(use_cache=False)", f"{t_recompute:.2f}", f"{1e3 * t_recompute / N:.2f}",
+                     f"measured; tokens {'same as' if recompute_same else 'DIFFER FROM'} cached"])
+    print(table(["path", "total s", "ms/token", "how"], rows))
+    print()
+
+    print(f"cached per-token time (stepwise; ms mean / median; prompt call {1e3 * t_prompt:.1f} ms, not included):")
+    print(table(["generated tokens", "ms mean / median"], [
+        [f"first {W} (1 .. {W})", ms(first)],
+        [f"last {W} ({N - W} .. {N - 1})", ms(last)],
+    ]))
+    flat_median = statistics.median(last) / statistics.median(first)
+    flat_mean = statistics.mean(last) / statistics.mean(first)
+    print()
+
+    measured = t_recompute is not None
+    t_re = t_recompute if measured else t_estimate
+    speedup = t_re / t_cached
+    print(f"speed-up, recompute / cached total: {speedup:.1f}x "
+          f"({'measured' if measured else 'recompute total is an ESTIMATE'}: {t_re:.2f} s / {t_cached:.2f} s; "
+          f"target >= {SPEEDUP_TARGET:.0f}x: {'ok' if speedup >= SPEEDUP_TARGET else 'BELOW TARGET'})")
+    if measured:
+        print(f"  (with the estimated recompute total instead: {t_estimate / t_cached:.1f}x; "
+              f"estimate / measured = {t_estimate / t_recompute:.2f})")
+    print(f"per-token ms, first {W} / last {W} generated: {1e3 * statistics.median(first):.2f} / "
+          f"{1e3 * statistics.median(last):.2f} (medians), ratio last/first {flat_median:.2f} "
+          f"(means: {flat_mean:.2f}; target <= {FLAT_TARGET}: {'ok' if flat_median <= FLAT_TARGET else 'ABOVE TARGET'})")
+    print(f"tokens: cached == recompute over {short} tokens: {'yes' if same else 'NO'}"
+          + ("" if recompute_same is None else f"; over all {N}: {'yes' if recompute_same else 'NO'}"))
+    print(f"matmul reference: {ref_start / 1e9:.1f} / {ref_end / 1e9:.1f} GFLOP/s (start / end)")
+    print(f"(total benchmark time {time.perf_counter() - t_start:.0f} s; {load_average()} at the end)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,237 @@
+"""Helpers shared by the benchmark scripts of this folder (bench_lm, bench_gate, bench_generate).
+
+Devices and threads, a description of the machine, peak memory over a baseline, the best
+time of a short call, the square matmul rate that every script prints as its drift reference,
+the header every script starts with, plain-text tables, and running one measurement in a
+fresh Python subprocess (so that its peak memory is its own) and reading back its result.
+
+The scripts import this file as ``common`` from their own folder: run them as
+``python benchmarks/<script>.py``.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import math
+import os
+import platform
+import subprocess
+import sys
+import time
+
+import torch
+
+GiB = 2 ** 30
+RESULT_TAG = "BENCH_RESULT "
+
+
+# ------------------------------------------------------------------------------ devices
+
+
+def default_device():
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def synchronize(device):
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def set_threads(threads):
+    if threads is not None:
+        torch.set_num_threads(threads)
+
+
+def cpu_name():
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown cpu"
+
+
+def load_average():
+    """1/5/15-minute load averages: above the thread count, other processes compete for the
+    cores and the timings (most of all those of many small ops) suffer."""
+    try:
+        return "1/5/15 min load average " + " ".join(f"{v:.2f}" for v in os.getloadavg())
+    except OSError:
+        return "unavailable"
+
+
+def device_name(device):
+    if torch.device(device).type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return f"cpu: {cpu_name()} ({os.cpu_count()} logical cores visible)"
+
+
+# ------------------------------------------------------------------ host memory (Linux)
+
+
+def _proc_status_kib(field):
+    """A 'VmXXX:  1234 kB' field of /proc/self/status in KiB, or None off Linux."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1])
+    except OSError:
+        pass
+    return None
+
+
+def _reset_peak_rss():
+    """Reset the process's peak RSS (VmHWM) to its current RSS (Linux >= 4.0). True if done."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def _maxrss_bytes():
+    import resource
+
+    r = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return r if sys.platform == "darwin" else r * 1024  # KiB on Linux, bytes on macOS
+
+
+class PeakMemory:
+    """Peak memory above a baseline taken at construction.
+
+    CUDA: torch.cuda.max_memory_allocated over memory_allocated at the baseline.
+    CPU: the peak resident set size (VmHWM, reset to the current RSS at the baseline through
+    /proc/self/clear_refs) over the RSS at the baseline. Without clear_refs, ru_maxrss is
+    the peak since the process started, so the increase is only a lower bound (flagged).
+    """
+
+    def __init__(self, device):
+        self.cuda = torch.device(device).type == "cuda"
+        self.device = device
+        self.exact = True
+        if self.cuda:
+            synchronize(device)
+            torch.cuda.reset_peak_memory_stats(device)
+            self.base = torch.cuda.memory_allocated(device)
+            self.method = "torch.cuda.max_memory_allocated"
+            return
+        rss = _proc_status_kib("VmRSS")
+        if rss is not None and _reset_peak_rss():
+            self.base = rss * 1024
+            self.method = "VmHWM - VmRSS at baseline"
+        else:
+            self.base = _maxrss_bytes()
+            self.exact = False
+            self.method = "ru_maxrss increase (lower bound)"
+
+    def increase(self):
+        if self.cuda:
+            synchronize(self.device)
+            return torch.cuda.max_memory_allocated(self.device) - self.base
+        if self.exact:
+            hwm = _proc_status_kib("VmHWM")
+            if hwm is not None:
+                return hwm * 1024 - self.base
+        return _maxrss_bytes() - self.base
+
+
+# --------------------------------------------------------------------- matmul reference
+
+
+def best_seconds(fn, device, reps, min_time=0.05):
+    """Best-of-``reps`` seconds per call of fn; each sample loops fn enough times to last
+    about ``min_time`` so that timer resolution and launch overhead do not count."""
+    fn()
+    synchronize(device)
+    t0 = time.perf_counter()
+    fn()
+    synchronize(device)
+    once = max(time.perf_counter() - t0, 1e-7)
+    inner = max(1, int(min_time / once))
+    best = math.inf
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        for _ in range(inner):
+            fn()
+        synchronize(device)
+        best = min(best, (time.perf_counter() - t0) / inner)
+    return best
+
+
+def default_matmul_size(device):
+    """Side of the square reference matmul: 2048 on CPU, 8192 on CUDA."""
+    return 8192 if torch.device(device).type == "cuda" else 2048
+
+
+def random_matrices(device, *shapes, seed=0):
+    """fp32 standard normal tensors of the given shapes, drawn on the CPU from ``seed``."""
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    return [torch.randn(*shape, generator=g).to(device) for shape in shapes]
+
+
+def square_matmul_rate(device, size=None, reps=5):
+    """fp32 FLOP/s of (size x size) @ (size x size), best of ``reps`` (2 size^3 FLOPs)."""
+    size = size or default_matmul_size(device)
+    a, b = random_matrices(device, (size, size), (size, size))
+    t = best_seconds(lambda: a @ b, device, reps)
+    return 2 * size ** 3 / t
+
+
+def square_matmul_desc(size):
+    return f"square matmul ({size} x {size}) @ ({size} x {size})"
+
+
+# -------------------------------------------------------------------------------- output
+
+
+def print_header(device, threads_arg, model_lines=()):
+    """Date, versions, device, threads (and whether --threads set them), load average, and
+    one 'model:' line per entry of ``model_lines`` (continuation lines indented)."""
+    print(f"date:    {datetime.datetime.now().astimezone().isoformat(timespec='seconds')}")
+    print(f"torch:   {torch.__version__}   python {platform.python_version()}")
+    print(f"device:  {device} ({device_name(device)})")
+    print(f"threads: {torch.get_num_threads()} (torch.get_num_threads)"
+          + ("" if threads_arg is None else f", set by --threads {threads_arg}"))
+    print(f"load:    {load_average()}")
+    for i, line in enumerate([model_lines] if isinstance(model_lines, str) else model_lines):
+        print(("model:   " if i == 0 else "         ") + line)
+    print()
+
+
+def table(headers, rows):
+    """Right-aligned plain-text table with a dashed rule under the headers."""
+    widths = [max(len(str(c)) for c in col) for col in zip(headers, *rows)]
+    fmt = lambda cells: "  ".join(str(c).rjust(w) for c, w in zip(cells, widths))  # noqa: E731
+    lines = [fmt(headers), fmt(["-" * w for w in widths])] + [fmt(r) for r in rows]
+    return "\n".join(lines)
+
+
+def kwargs_text(kwargs):
+    return ", ".join(f"{k}={v}" for k, v in kwargs.items())
+
+
+# ----------------------------------------------------------------------- subprocess runs
+
+
+def emit_result(result):
+    """Worker side: print ``result`` (JSON-serialisable) as the tagged line the driver reads."""
+    print(RESULT_TAG + json.dumps(result), flush=True)
+
+
+def run_in_subprocess(script, argv, label):
+    """Run ``python script *argv`` in a fresh process and read the result it emitted.
+
+    Returns (result dict, None), or (None, an error text naming ``label`` with the tail of
+    the worker's output) when the worker printed no result."""
+    cmd = [sys.executable, os.path.abspath(script)] + [str(a) for a in argv]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    for line in proc.stdout.splitlines():
+        if line.startswith(RESULT_TAG):
+            return json.loads(line[len(RESULT_TAG):]), None
+    tail = "\n".join((proc.stdout + proc.stderr).strip().splitlines()[-15:])
+    return None, f"worker for {label} failed (exit {proc.returncode}):\n{tail}"
