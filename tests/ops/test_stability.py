@@ -108,7 +108,8 @@ def test_exp_features_float32_exact_for_logits_up_to_std_20(std, blindspot, gate
         (causal_linear_attention, torch.float32),
         (lambda *a, **kw: recurrent_causal_linear_attention(*a, **kw)[0], torch.float32),
     ):
-        inputs = [t.to(dtype).detach().requires_grad_(True) for t in (q, k, v) + (() if log_decay is None else (log_decay,))]
+        given = (q, k, v) if log_decay is None else (q, k, v, log_decay)
+        inputs = [t.to(dtype).detach().requires_grad_(True) for t in given]
         out = fn(*inputs[:3], inputs[3] if gated else None, **kw)
         assert out.dtype == dtype
         (out * r.to(dtype)).sum().backward()
