@@ -33,11 +33,14 @@ class AxialPositionalEmbedding(nn.Module):
     def __init__(self, dim, max_seq_len, axial_width):
         super().__init__()
         rows = -(-max_seq_len // axial_width)
+        self.width = axial_width
         self.axial = _Axial(dim, axial_shape=(rows, axial_width))
 
     def forward(self, positions):
-        table = self.axial(positions.new_empty((1, self.axial.max_seq_len, 0), dtype=torch.float32))[0]
-        return table[positions]
+        # the table entry of t is row_emb[t // w] + column_emb[t % w]: gather the two rows
+        # directly rather than building the whole (max_seq_len, dim) table for a few positions
+        row_emb, col_emb = self.axial.weights
+        return row_emb[0, positions // self.width, 0] + col_emb[0, 0, positions % self.width]
 
 
 class RotaryEmbedding(nn.Module):

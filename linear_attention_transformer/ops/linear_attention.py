@@ -55,6 +55,7 @@ __all__ = [
 ]
 
 NEG_INF = float("-inf")
+PER_FEATURE_CHUNK, PER_FEATURE_SUB_CHUNK = 16, 4
 
 
 # --------------------------------------------------------------------------- helpers
@@ -457,7 +458,11 @@ def causal_linear_attention(
         v = _append_ones(v)
 
         blindspot = blindspot_size > 1
-        C = blindspot_size if blindspot else chunk_size
+        per_feature_decay = log_decay is not None and log_decay.ndim == 4
+        # a per-feature decay is formed pair by pair inside sub-chunks (see _two_level_weights):
+        # chunks of 16 in sub-chunks of 4 keep that elementwise work smallest (measured on CPU:
+        # 0.6 s vs 1.4 s for chunks of 64 in 16, n=4096, 8 heads of 64, forward + backward)
+        C = blindspot_size if blindspot else min(chunk_size, PER_FEATURE_CHUNK) if per_feature_decay else chunk_size
         pad = -n % C
         if pad:  # padded keys are invisible (zero features) and do not decay
             q, v = (F.pad(t, (0, 0, 0, pad)) for t in (q, v))
@@ -514,7 +519,7 @@ def causal_linear_attention(
         q_from_start = q if G is None else q * (G.exp() if G.ndim == 5 else G.exp()[..., None])
         out = torch.einsum("bhcld,bhcde->bhcle", q_from_start, states)
         if not blindspot:
-            out = out + _intra_chunk_weights(q, k, G) @ v
+            out = out + _intra_chunk_weights(q, k, G, PER_FEATURE_SUB_CHUNK) @ v
 
         out = _divide(rearrange(out, "b h c l e -> b h (c l) e")[:, :, :n])
 
