@@ -445,6 +445,9 @@ def causal_linear_attention(
     _check_mask(mask, b, n)
     if blindspot_size < 1 or chunk_size < 1:
         raise ValueError("blindspot_size and chunk_size must be >= 1")
+    if state is not None and n == 1:  # decoding one token: the recurrence is the cheapest form
+        out, state = recurrent_causal_linear_attention(q, k, v, log_decay, mask, blindspot_size, exp_features, state)
+        return (out, state) if return_state else out
     if state is not None and blindspot_size > 1 and state.position % blindspot_size:
         return _continue_inside_block(q, k, v, log_decay, mask, blindspot_size, chunk_size, exp_features, state,
                                       return_state)
