@@ -87,10 +87,10 @@ class Attention(nn.Module):
             heads are then global and non-causal with respect to the context.
         chunk_size: chunk length of the causal linear attention kernel.
         use_gate: seed 000's sigmoid gating (``gating.py``): a forget gate per global head and
-            key feature (rank ``gate_rank``, exponent 1 / ``gate_temperature``) decays the causal
+            key feature (rank ``gate_rank`` = 16, exponent 1 / ``gate_temperature``, 16) decays the causal
             state, or gates each key without a causal order; and a sigmoid output gate on
             every head's output.
-        use_local_conv: depthwise convolution of ``local_conv_kernel`` taps along the sequence
+        use_local_conv: depthwise convolution of ``local_conv_kernel`` (3) taps along the sequence
             on the global heads' q, k and v, before the feature map (causal: left-padded).
     Shapes:
         x (b, n, dim); input_mask (b, n) bool; context (b, m, dim); context_mask (b, m) bool;
@@ -114,10 +114,10 @@ class Attention(nn.Module):
         receives_context=False,
         chunk_size=64,
         use_gate=False,
-        gate_rank=16,
-        gate_temperature=16.0,
+        gate_rank=None,
+        gate_temperature=None,
         use_local_conv=False,
-        local_conv_kernel=3,
+        local_conv_kernel=None,
     ):
         super().__init__()
         dim_head, kv_heads = resolve_heads(dim, heads, dim_head, kv_heads, one_kv_head)
@@ -147,6 +147,14 @@ class Attention(nn.Module):
         n_global = heads - n_local_attn_heads
         if not isinstance(use_gate, bool) or not isinstance(use_local_conv, bool):
             raise ValueError("use_gate and use_local_conv must be True or False")
+        # a setting without its switch would be silently ignored: refuse it instead
+        if not use_gate and (gate_rank is not None or gate_temperature is not None):
+            raise ValueError("gate_rank / gate_temperature are settings of use_gate=True")
+        if not use_local_conv and local_conv_kernel is not None:
+            raise ValueError("local_conv_kernel is a setting of use_local_conv=True")
+        gate_rank = 16 if gate_rank is None else gate_rank
+        gate_temperature = 16.0 if gate_temperature is None else gate_temperature
+        local_conv_kernel = 3 if local_conv_kernel is None else local_conv_kernel
         self.forget_gate = self.output_gate = self.local_conv = None
         if use_gate:
             if n_global:

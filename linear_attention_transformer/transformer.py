@@ -279,7 +279,8 @@ class LinearAttentionTransformer(nn.Module):
             if receives_context:
                 if context_linformer_settings is None:
                     # the local convolution mixes along a layer's own sequence: not in cross-attention
-                    cross = Attention(dim, receives_context=True, **{**attn_kwargs, "use_local_conv": False})
+                    cross_kwargs = {k: v for k, v in attn_kwargs.items() if k != "local_conv_kernel"}
+                    cross = Attention(dim, receives_context=True, **{**cross_kwargs, "use_local_conv": False})
                 else:
                     s = context_linformer_settings
                     cross = LinformerSelfAttention(

@@ -174,6 +174,8 @@ def test_linear_self_attention_seed_api_and_psi_fn():
         (dict(dim=32, heads=4, use_gate=True, gate_temperature=-1.0), "gate_temperature"),
         (dict(dim=32, heads=4, use_gate="yes"), "use_gate"),
         (dict(dim=32, heads=4, receives_context=True, use_local_conv=True), "use_local_conv"),
+        (dict(dim=32, heads=4, gate_rank=8), "use_gate"),
+        (dict(dim=32, heads=4, local_conv_kernel=5), "use_local_conv"),
     ],
 )
 def test_bad_layer_arguments(kwargs, match):

@@ -226,6 +226,8 @@ def random_config(rng):
         feature_map=pick("softmax", "softmax", "elu", "relu"), kv_heads=pick(None, 2),
         receives_context=pick(False, True),
     )
+    if not cfg["use_local_conv"]:
+        del cfg["local_conv_kernel"]
     positional = pick("axial", "rotary", "absolute")
     cfg.update(use_rotary_emb=positional == "rotary", use_axial_pos_emb=positional == "axial")
     return cfg
