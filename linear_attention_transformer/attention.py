@@ -25,7 +25,7 @@ from .ops import (
     linear_attention_readout,
     linear_attention_summary,
 )
-from .ops.windowed_attention import causal_windowed_attention
+from .ops.windowed_attention import causal_windowed_attention, causal_windowed_attention_last
 from .positional import apply_rotary
 
 
@@ -282,10 +282,13 @@ class Attention(nn.Module):
         n = q.shape[2]
         keys, values = torch.cat((cache.keys, k), dim=2), torch.cat((cache.values, v), dim=2)
         key_mask = torch.cat((cache.mask, _mask_or_ones(mask, k)), dim=1)
-        device = q.device
-        q_pos = torch.arange(position, position + n, device=device)
-        k_pos = torch.arange(cache.start, position + n, device=device)
-        out = causal_windowed_attention(q, keys, values, q_pos, k_pos, self.window, key_mask)
+        if n == 1 and cache.start == max(0, (position // self.window - 1) * self.window):
+            # the cache keeps exactly the window of the next query: nothing else to mask
+            out = causal_windowed_attention_last(q, keys, values, key_mask)
+        else:
+            q_pos = torch.arange(position, position + n, device=q.device)
+            k_pos = torch.arange(cache.start, position + n, device=q.device)
+            out = causal_windowed_attention(q, keys, values, q_pos, k_pos, self.window, key_mask)
         return out, LocalCache(keys, values, key_mask, cache.start)
 
     def _cross_attention(self, x, context, context_mask, cache, return_cache):

@@ -26,6 +26,20 @@ def causal_windowed_attention(q, k, v, q_positions, k_positions, window, key_mas
     visible = (kp <= qp) & (kp // window >= qp // window - 1)
     if key_mask is not None:
         visible = visible & rearrange(key_mask, "b j -> b 1 1 j")
+    return _softmax_attend(sim, visible, v)
+
+
+def causal_windowed_attention_last(q, k, v, key_mask=None):
+    """The same for one query whose window holds exactly the keys given (what a decoder's
+    cache keeps): only the padding mask is left to apply. q (b, h, 1, d) -> (b, h, 1, d)."""
+    sim = torch.einsum("bhid,bhjd->bhij", q, k) * q.shape[-1] ** -0.5
+    visible = None if key_mask is None else rearrange(key_mask, "b j -> b 1 1 j")
+    return _softmax_attend(sim, visible, v)
+
+
+def _softmax_attend(sim, visible, v):
+    if visible is None:
+        return sim.softmax(dim=-1) @ v
     # the most negative finite value, as LocalAttention uses: a row with no visible key stays finite
     sim = sim.masked_fill(~visible, -torch.finfo(sim.dtype).max)
     return sim.softmax(dim=-1) @ v
