@@ -243,3 +243,15 @@ def test_random_configurations_decode_exactly(seed):
     cached, _ = decode(model, x, mask, kw, prompt)
     scale = full[mask].abs().max()
     assert (cached - full)[mask].abs().max() <= 1e-9 * scale, cfg
+
+
+def test_generated_tokens_can_be_trained_on():
+    """generate runs under inference mode; what it returns must still work with autograd."""
+    model = make(CONFIGS["exact global"], torch.float32)
+    wrapper = AutoregressiveWrapper(model)
+    tokens = wrapper.generate(torch.randint(0, 20, (1, 4)), 6)
+    assert not tokens.is_inference()
+    model.train()
+    loss = wrapper(torch.cat((torch.randint(0, 20, (1, 4)), tokens), dim=1), return_loss=True)
+    loss.backward()
+    assert model.token_emb.weight.grad is not None
