@@ -196,21 +196,30 @@ class Attention(nn.Module):
         out = self.local_attn(q, k, v, mask=mask)
         return out[:, :, :n]
 
-    def global_heads(self, q, k, v, mask, source, query_mask, cache=None, return_cache=False):
+    def noncausal_keys(self, k, mask, source):
+        """Key features without a causal order; with ``use_gate`` the forget gate's values,
+        computed from ``source``, gate each key's contribution (then rows need normalising).
+        Returns (features, normalize)."""
+        k, normalize = self.feature_map.noncausal_keys(k, mask)
+        if self.forget_gate is not None:
+            k, normalize = k * self.forget_gate(source).exp().to(k.dtype), True
+        return k, normalize
+
+    def global_heads(self, q, k, v, mask, x, cache=None, return_cache=False):
         """Linear attention over the global heads. With ``return_cache`` also returns the
         state a decoder continues from: (causal state, last inputs of the convolution)."""
         conv_cache = None
         if self.local_conv is not None:
             previous = (None,) * 3 if cache is None else cache.conv
-            masks, raw = (query_mask, mask, mask), (q, k, v)
+            masks, raw = (mask, mask, mask), (q, k, v)
             q, k, v = (conv(t, m, p) for conv, t, m, p in zip(self.local_conv, raw, masks, previous))
             if return_cache:
                 conv_cache = tuple(
                     _last_inputs(t, m, p, conv.kernel_size - 1) for conv, t, m, p in zip(self.local_conv, raw, masks, previous)
                 )
-        log_gate = None if self.forget_gate is None else self.forget_gate(source)
         fm = self.feature_map
         if self.causal:
+            log_gate = None if self.forget_gate is None else self.forget_gate(x)
             q, k, exp_features = fm.causal_features(q, k)
             out = causal_linear_attention(
                 q, k, v, log_gate, mask, blindspot_size=self.blindspot_size, chunk_size=self.chunk_size,
@@ -220,9 +229,7 @@ class Attention(nn.Module):
                 return out
             out, state = out
             return out, GlobalCache(state, conv_cache)
-        k, normalize = fm.noncausal_keys(k, mask)
-        if log_gate is not None:  # no order to forget along: gate each key's contribution
-            k, normalize = k * log_gate.exp().to(k.dtype), True
+        k, normalize = self.noncausal_keys(k, mask, x)
         return linear_attention(fm.queries(q), k, v, mask, normalize=normalize)
 
     # ------------------------------------------------------------------ forward
@@ -259,9 +266,7 @@ class Attention(nn.Module):
                 local_cache = local_cache.keep_from((position + x.shape[1]) // self.window * self.window - self.window)
         if self.n_local < self.heads:
             qg, kg, vg = (t[:, self.n_local :] for t in (q, k, v))
-            out = self.global_heads(
-                qg, kg, vg, input_mask, x, input_mask, None if cache is None else cache.global_, return_cache
-            )
+            out = self.global_heads(qg, kg, vg, input_mask, x, None if cache is None else cache.global_, return_cache)
             if return_cache:
                 out, global_cache = out
             outs.append(out)
@@ -302,9 +307,7 @@ class Attention(nn.Module):
                 )
             check_mask(context_mask, context, "context_mask")
             _, k, v = self.project(x[:, :0], context)
-            k, normalize = self.feature_map.noncausal_keys(k, context_mask)
-            if self.forget_gate is not None:  # gate each context key's contribution
-                k, normalize = k * self.forget_gate(context).exp().to(k.dtype), True
+            k, normalize = self.noncausal_keys(k, context_mask, context)
             summary = linear_attention_summary(k, v, context_mask, normalize)
         else:
             summary = cache.context

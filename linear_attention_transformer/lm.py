@@ -84,8 +84,6 @@ class LinearAttentionTransformerLM(nn.Module):
         n = x.shape[1]
         if start + n > self.max_seq_len:
             raise ValueError(f"sequence length {start + n} exceeds max_seq_len={self.max_seq_len}")
-        if cache is not None or return_cache:
-            self.transformer.check_cacheable()
         positions = torch.arange(start, start + n, device=x.device)
         h = self.token_emb(x)
         if self.pos_emb is not None:

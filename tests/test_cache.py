@@ -104,12 +104,15 @@ def test_cache_is_never_modified_and_can_branch():
     a2, _ = model(x[:, 10:11], cache=cache, return_cache=True)
     torch.testing.assert_close(a, a2, rtol=0, atol=0)
     assert not torch.equal(a, b)
-    same = []
-    map_tensors(map_tensors(cache, lambda t: t), lambda t: same.append(t) or t)
-    expected = []
-    map_tensors(snapshot, lambda t: expected.append(t) or t)
-    assert len(same) == len(expected) > 0
-    assert all(torch.equal(s, e) for s, e in zip(same, expected))
+    now, before = tensors_of(cache), tensors_of(snapshot)
+    assert len(now) == len(before) > 0
+    assert all(torch.equal(a, b) for a, b in zip(now, before))
+
+
+def tensors_of(cache):
+    found = []
+    map_tensors(cache, lambda t: found.append(t) or t)
+    return found
 
 
 def test_cache_moves_with_to():
@@ -118,8 +121,7 @@ def test_cache_moves_with_to():
     x, mask, kw = inputs(cfg, dtype=torch.float32)
     _, cache = model(x[:, :9], return_cache=True)
     moved = cache.to(torch.float64).to("cpu")
-    dtypes = []
-    map_tensors(moved, lambda t: dtypes.append(t.dtype) or t)
+    dtypes = [t.dtype for t in tensors_of(moved)]
     assert torch.float64 in dtypes and torch.float32 not in dtypes
     out_a, _ = model(x[:, 9:10], cache=cache, return_cache=True)
     out_b, _ = model.to(D)(x[:, 9:10], cache=moved, return_cache=True)

@@ -346,7 +346,7 @@ def recurrent_causal_linear_attention(
 # --------------------------------------------------------------------- causal: chunked
 
 
-def _intra_chunk_weights(q, k, G, sub_chunk=16):
+def _intra_chunk_weights(q, k, G, sub_chunk):
     """w_ij inside each chunk for j <= i.  q, k: (…, C, d) factors; G: (…, C) or (…, C, d) or None."""
     C = q.shape[-2]
     causal = torch.ones(C, C, dtype=torch.bool, device=q.device).tril()
