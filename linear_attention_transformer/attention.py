@@ -1,8 +1,8 @@
 """Attention layers: global linear heads, Q(KᵀV), side by side with local windowed softmax heads.
 
 Seed 000's layer: of ``heads`` heads, the first ``n_local_attn_heads`` attend with an exact
-softmax inside a sliding window (``local_attention.LocalAttention``: each window of w tokens
-looks at itself and the window before), the others attend to the whole sequence with linear
+softmax inside a sliding window (``ops/windowed_attention.py``: by default each window of w
+tokens looks at itself and the window before), the others attend to the whole sequence with linear
 attention (``ops``). Local heads see the neighbourhood sharply, global heads see everything
 at a cost linear in n.
 """
@@ -12,7 +12,6 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from einops import rearrange, repeat
-from local_attention import LocalAttention
 from torch import nn
 
 from .cache import AttentionCache, GlobalCache, LocalCache
@@ -25,7 +24,7 @@ from .ops import (
     linear_attention_readout,
     linear_attention_summary,
 )
-from .ops.windowed_attention import causal_windowed_attention, causal_windowed_attention_last
+from .ops.windowed_attention import Window, windowed_attention, windowed_attention_by_position, windowed_attention_last
 from .positional import apply_rotary
 
 
@@ -76,8 +75,14 @@ class Attention(nn.Module):
         causal: each position attends only to itself and the past.
         n_local_attn_heads: how many of the heads are local windowed softmax heads.
         local_attn_window_size: w; a local head sees its window of w tokens and the one before.
+        local_attn_look_backward: windows before its own a local head sees (default 1).
+        local_attn_look_forward: windows after its own (default 1, or 0 when causal; > 0 is
+            refused when causal).
+        local_attn_exact_windowsize: causal only: a query sees exactly the last
+            look_backward * w keys, itself included, instead of whole windows.
         blindspot_size: B; causal global heads see only keys in earlier blocks of B tokens
-            (to pair with local heads, which cover the rest). 1 = every key j <= i.
+            (to pair with local heads, which cover the rest). 1 (default) = every key j <= i.
+            Causal layers only.
         kv_heads: number of key/value heads, shared by groups of query heads.
             one_kv_head=True means kv_heads=1.
         feature_map: 'softmax' (default), 'elu', 'relu' or a callable, for global heads.
@@ -85,7 +90,7 @@ class Attention(nn.Module):
         dropout: dropout on the layer output.
         receives_context: keys and values come from ``context`` (cross-attention); all
             heads are then global and non-causal with respect to the context.
-        chunk_size: chunk length of the causal linear attention kernel.
+        chunk_size: chunk length of the causal linear attention kernel (default 64); causal only.
         use_gate: seed 000's sigmoid gating (``gating.py``): a forget gate per global head and
             key feature (rank ``gate_rank`` = 16, exponent 1 / ``gate_temperature``, 16) decays the causal
             state, or gates each key without a causal order; and a sigmoid output gate on
@@ -105,14 +110,17 @@ class Attention(nn.Module):
         causal=False,
         n_local_attn_heads=0,
         local_attn_window_size=128,
-        blindspot_size=1,
+        local_attn_look_backward=1,
+        local_attn_look_forward=None,
+        local_attn_exact_windowsize=False,
+        blindspot_size=None,
         kv_heads=None,
         one_kv_head=False,
         feature_map="softmax",
         attn_dropout=0.0,
         dropout=0.0,
         receives_context=False,
-        chunk_size=64,
+        chunk_size=None,
         use_gate=False,
         gate_rank=None,
         gate_temperature=None,
@@ -127,6 +135,12 @@ class Attention(nn.Module):
             raise ValueError("a layer with receives_context=True has no local heads (n_local_attn_heads must be 0)")
         if n_local_attn_heads and (not isinstance(local_attn_window_size, int) or local_attn_window_size < 1):
             raise ValueError(f"local_attn_window_size must be a positive int, got {local_attn_window_size!r}")
+        # both shape the causal kernel only: given to a layer without a causal order they would be ignored
+        for name, value in (("blindspot_size", blindspot_size), ("chunk_size", chunk_size)):
+            if value is not None and not (causal and not receives_context):
+                raise ValueError(f"{name} applies to causal self-attention; this layer is not causal")
+        blindspot_size = 1 if blindspot_size is None else blindspot_size
+        chunk_size = 64 if chunk_size is None else chunk_size
         if not isinstance(blindspot_size, int) or blindspot_size < 1:
             raise ValueError(f"blindspot_size must be a positive int, got {blindspot_size!r}")
 
@@ -134,7 +148,10 @@ class Attention(nn.Module):
         self.causal = causal and not receives_context
         self.receives_context = receives_context
         self.n_local = n_local_attn_heads
-        self.window = local_attn_window_size
+        self.local_window = _local_window(
+            local_attn_window_size, local_attn_look_backward, local_attn_look_forward, local_attn_exact_windowsize,
+            self.causal,
+        )
         self.blindspot_size = blindspot_size
         self.chunk_size = chunk_size
         self.feature_map = FeatureMap(feature_map)
@@ -168,13 +185,6 @@ class Attention(nn.Module):
             )
         elif use_local_conv:  # still check the argument: it must not be accepted silently
             LocalConv(1, local_conv_kernel, self.causal)
-        self.local_attn = None
-        if self.n_local:
-            # positions come from the model (rotary / absolute / axial), not from inside the window
-            self.local_attn = LocalAttention(
-                window_size=local_attn_window_size, causal=self.causal, look_backward=1,
-                look_forward=0 if self.causal else 1, use_rotary_pos_emb=False,
-            )
 
     # ------------------------------------------------------------------ pieces
 
@@ -187,14 +197,8 @@ class Attention(nn.Module):
         return q, k, v
 
     def local_heads(self, q, k, v, mask):
-        """Windowed softmax attention; pads to a multiple of the window and masks the padding."""
-        n = q.shape[2]
-        if n % self.window and (mask is not None or not self.causal):
-            mask = torch.ones(q.shape[0], n, dtype=torch.bool, device=q.device) if mask is None else mask
-            mask = _pad_to_multiple(mask, self.window, dim=1, value=False)
-        q, k, v = (_pad_to_multiple(t, self.window, dim=2) for t in (q, k, v))
-        out = self.local_attn(q, k, v, mask=mask)
-        return out[:, :, :n]
+        """Windowed softmax attention (positions come from the model, not from the window)."""
+        return windowed_attention(q, k, v, self.local_window, mask)
 
     def noncausal_keys(self, k, mask, source):
         """Key features without a causal order; with ``use_gate`` the forget gate's values,
@@ -263,7 +267,7 @@ class Attention(nn.Module):
                 out, local_cache = self._local_heads_cached(ql, kl, vl, input_mask, cache.local, position)
                 outs.append(out)
             if return_cache:
-                local_cache = local_cache.keep_from((position + x.shape[1]) // self.window * self.window - self.window)
+                local_cache = local_cache.keep_from(self.local_window.first_key(position + x.shape[1]))
         if self.n_local < self.heads:
             qg, kg, vg = (t[:, self.n_local :] for t in (q, k, v))
             out = self.global_heads(qg, kg, vg, input_mask, x, None if cache is None else cache.global_, return_cache)
@@ -287,13 +291,13 @@ class Attention(nn.Module):
         n = q.shape[2]
         keys, values = torch.cat((cache.keys, k), dim=2), torch.cat((cache.values, v), dim=2)
         key_mask = torch.cat((cache.mask, _mask_or_ones(mask, k)), dim=1)
-        if n == 1 and cache.start == max(0, (position // self.window - 1) * self.window):
+        if n == 1 and cache.start == self.local_window.first_key(position):
             # the cache keeps exactly the window of the next query: nothing else to mask
-            out = causal_windowed_attention_last(q, keys, values, key_mask)
+            out = windowed_attention_last(q, keys, values, key_mask)
         else:
             q_pos = torch.arange(position, position + n, device=q.device)
             k_pos = torch.arange(cache.start, position + n, device=q.device)
-            out = causal_windowed_attention(q, keys, values, q_pos, k_pos, self.window, key_mask)
+            out = windowed_attention_by_position(q, keys, values, q_pos, k_pos, self.local_window, key_mask)
         return out, LocalCache(keys, values, key_mask, cache.start)
 
     def _cross_attention(self, x, context, context_mask, cache, return_cache):
@@ -346,6 +350,23 @@ class Attention(nn.Module):
             raise ValueError("cached decoding needs eval mode: dropout is active (call model.eval())")
 
 
+def _local_window(size, look_backward, look_forward, exact, causal):
+    """Check the local window options (seed 004's meanings) and build the ``Window``."""
+    for name, value in (("local_attn_look_backward", look_backward), ("local_attn_look_forward", look_forward)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
+            raise ValueError(f"{name} must be an int >= 0, got {value!r}")
+    if not isinstance(exact, bool):
+        raise ValueError(f"local_attn_exact_windowsize must be True or False, got {exact!r}")
+    if causal and look_forward:
+        raise ValueError(f"local_attn_look_forward={look_forward}: a causal layer cannot look at later windows")
+    if exact and not causal:
+        raise ValueError("local_attn_exact_windowsize applies to causal layers (the window ends at the query)")
+    if exact and look_backward < 1:
+        raise ValueError("local_attn_exact_windowsize needs local_attn_look_backward >= 1 (it sees look_backward * w keys)")
+    look_forward = (0 if causal else 1) if look_forward is None else look_forward
+    return Window(size, look_backward, look_forward, causal, exact)
+
+
 def _mask_or_ones(mask, t):
     return torch.ones(t.shape[0], t.shape[2], dtype=torch.bool, device=t.device) if mask is None else mask
 
@@ -378,7 +399,7 @@ class LinearSelfAttention(Attention):
 
     def __init__(
         self, dim, heads=8, causal=False, dim_head=None, kv_heads=None, one_kv_head=False,
-        feature_map="softmax", psi_fn=None, dropout=0.0, blindspot_size=1, chunk_size=64, **improvements,
+        feature_map="softmax", psi_fn=None, dropout=0.0, blindspot_size=None, chunk_size=None, **improvements,
     ):
         if psi_fn is not None:
             if feature_map != "softmax":

@@ -6,25 +6,35 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+_ACTIVATIONS = {"gelu": F.gelu, "relu": F.relu}
+
 
 class FeedForward(nn.Module):
-    """Linear -> GELU (or GEGLU) -> dropout -> Linear, applied to each position.
+    """Linear -> activation (or its GLU form) -> dropout -> Linear, applied to each position.
+
+    A model passes its ``ff_*`` keywords here with the prefix removed (``ff_mult`` -> ``mult``).
 
     Args:
-        dim: model width. mult: hidden width = dim * mult.
+        dim: model width. mult: hidden width = dim * mult (a positive int).
         dropout: dropout on the hidden activations.
-        glu: use the GLU variant (Shazeer 2020): hidden = gelu(gate) * value.
+        glu: use the GLU variant (Shazeer 2020): hidden = act(gate) * value.
+        activation: 'gelu' (default) or 'relu' (seed 002's two choices).
         chunks: apply the network to this many slices of the sequence in turn, so the
             (n, dim * mult) hidden activations of only one slice exist at a time.
     Shapes: x (b, n, dim) -> (b, n, dim).
     """
 
-    def __init__(self, dim, mult=4, dropout=0.0, glu=False, chunks=1):
+    def __init__(self, dim, mult=4, dropout=0.0, glu=False, chunks=1, activation="gelu"):
         super().__init__()
         if int(chunks) != chunks or chunks < 1:
             raise ValueError(f"ff_chunks must be a positive integer, got {chunks!r}")
+        if isinstance(mult, bool) or not isinstance(mult, int) or mult < 1:
+            raise ValueError(f"ff_mult must be a positive int, got {mult!r}")
+        if activation not in _ACTIVATIONS:
+            raise ValueError(f"ff_activation must be one of {sorted(_ACTIVATIONS)}, got {activation!r}")
         hidden = dim * mult
         self.glu = glu
+        self.activation = _ACTIVATIONS[activation]
         self.chunks = int(chunks)
         self.proj_in = nn.Linear(dim, hidden * (2 if glu else 1))
         self.dropout = nn.Dropout(dropout)
@@ -34,9 +44,9 @@ class FeedForward(nn.Module):
         h = self.proj_in(x)
         if self.glu:
             h, gate = h.chunk(2, dim=-1)
-            h = h * F.gelu(gate)
+            h = h * self.activation(gate)
         else:
-            h = F.gelu(h)
+            h = self.activation(h)
         return self.proj_out(self.dropout(h))
 
     def forward(self, x, **kwargs):

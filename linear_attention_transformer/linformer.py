@@ -29,7 +29,7 @@ import torch
 from einops import rearrange
 from torch import nn
 
-__all__ = ["LinformerSettings", "LinformerContextSettings", "LinformerSelfAttention"]
+__all__ = ["LinformerSettings", "LinformerContextSettings", "LinformerSelfAttention", "linformer_layers"]
 
 
 # --------------------------------------------------------------------------- validation
@@ -203,22 +203,7 @@ class LinformerSelfAttention(nn.Module):
     def from_settings(cls, dim, seq_len, settings, heads=8, dim_head=None, dropout=0.0):
         """Build from a ``LinformerSettings`` (give the model's max_seq_len as ``seq_len``) or a
         ``LinformerContextSettings`` (its own ``seq_len`` wins; pass ``seq_len=None``)."""
-        if isinstance(settings, LinformerContextSettings):
-            seq_len = settings.seq_len
-        elif not isinstance(settings, LinformerSettings):
-            raise TypeError(
-                f"settings must be LinformerSettings or LinformerContextSettings, got {type(settings).__name__}"
-            )
-        return cls(
-            dim,
-            seq_len,
-            k=settings.k,
-            heads=heads,
-            dim_head=dim_head,
-            one_kv_head=settings.one_kv_head,
-            share_kv=settings.share_kv,
-            dropout=dropout,
-        )
+        return linformer_layers(settings, dim, seq_len, 1, heads=heads, dim_head=dim_head, attn_dropout=dropout)[0]
 
     def reset_projections(self):
         bound = 1.0 / math.sqrt(self.seq_len)
@@ -279,3 +264,34 @@ class LinformerSelfAttention(nn.Module):
             out = attn @ values  # (b, h, n, d)
         out = rearrange(out.to(out_dtype), "b h n d -> b n (h d)")
         return self.to_out(out)
+
+
+# --------------------------------------------------------------------------- a model's layers
+
+
+def linformer_layers(settings, dim, seq_len, depth, heads=8, dim_head=None, attn_dropout=0.0):
+    """The ``depth`` Linformer layers of a model, built from its settings.
+
+    This is the Linformer layer kind's whole hand-off from ``LinearAttentionTransformer``:
+    its keyword arguments are exactly the model options a Linformer layer honours.
+
+    Args:
+        settings: ``LinformerSettings`` (keys/values from the layer's own input, of length
+            <= ``seq_len``, the model's max_seq_len) or ``LinformerContextSettings`` (from a
+            context of length <= ``settings.seq_len``; ``seq_len`` is then not used).
+        dim, depth, heads, dim_head: the model's.
+        attn_dropout: dropout on the attention weights.
+    Returns:
+        list of ``depth`` ``LinformerSelfAttention``.
+    """
+    if isinstance(settings, LinformerContextSettings):
+        seq_len = settings.seq_len
+    elif not isinstance(settings, LinformerSettings):
+        raise TypeError(f"settings must be LinformerSettings or LinformerContextSettings, got {type(settings).__name__}")
+    return [
+        LinformerSelfAttention(
+            dim, seq_len, k=settings.k, heads=heads, dim_head=dim_head, one_kv_head=settings.one_kv_head,
+            share_kv=settings.share_kv, dropout=attn_dropout,
+        )
+        for _ in range(depth)
+    ]

@@ -19,10 +19,11 @@ class LinearAttentionTransformerLM(nn.Module):
             factorisation: a small table for a large vocabulary).
         return_embeddings: return the final hidden states (b, n, dim) instead of logits,
             e.g. for an encoder whose output is a decoder's context.
-        use_axial_pos_emb: axial position embedding (the default), of shape
-            (ceil(max_seq_len / w), w) with w = local_attn_window_size.
-        use_rotary_emb: rotary embeddings in attention instead of an added embedding.
-            With both off, a learned absolute embedding is added.
+        use_axial_pos_emb: axial position embedding (the default unless use_rotary_emb), of
+            shape (ceil(max_seq_len / w), w) with w = local_attn_window_size.
+        use_rotary_emb: rotary embeddings in attention instead of an added embedding (True
+            together with use_axial_pos_emb=True is refused). With both off, a learned
+            absolute embedding is added.
         **kwargs: every other ``LinearAttentionTransformer`` option (causal, reversible,
             n_local_attn_heads, blindspot_size, shift_tokens, ...).
     Shapes:
@@ -40,7 +41,7 @@ class LinearAttentionTransformerLM(nn.Module):
         heads=8,
         emb_dim=None,
         return_embeddings=False,
-        use_axial_pos_emb=True,
+        use_axial_pos_emb=None,
         use_rotary_emb=False,
         **kwargs,
     ):
@@ -51,6 +52,8 @@ class LinearAttentionTransformerLM(nn.Module):
         self.num_tokens, self.max_seq_len = num_tokens, max_seq_len
         self.token_emb = nn.Embedding(num_tokens, emb_dim)
         nn.init.normal_(self.token_emb.weight, std=0.02)
+        if use_rotary_emb and use_axial_pos_emb:
+            raise ValueError("use_axial_pos_emb and use_rotary_emb are two position schemes: choose one")
         if use_rotary_emb:
             self.pos_emb = None
         elif use_axial_pos_emb:

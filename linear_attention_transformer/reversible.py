@@ -34,6 +34,7 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 import torch
+import torch.utils.checkpoint
 from torch import nn
 from torch.autograd.function import once_differentiable
 
@@ -81,6 +82,9 @@ class SequentialSequence(nn.Module):
         blocks: sequence of ``(f, g)`` pairs of ``nn.Module``. ``f(x, **kwargs)`` and
             ``g(x, **kwargs)`` take ``x`` of shape ``(batch, seq, dim)`` (any shape
             works) and return a tensor of the same shape.
+        checkpoint: gradient checkpointing: when gradients are needed, each block keeps
+            only its input and is run again in backward (``torch.utils.checkpoint``,
+            non-reentrant, RNG state preserved); the gradients are those without it.
 
     Attributes:
         blocks: ``nn.ModuleList`` of ``nn.ModuleList([f, g])``.
@@ -93,15 +97,29 @@ class SequentialSequence(nn.Module):
         Returns ``(batch, seq, dim)``: for each block, ``x = x + f(x); x = x + g(x)``.
     """
 
-    def __init__(self, blocks):
+    def __init__(self, blocks, checkpoint=False):
         super().__init__()
+        if not isinstance(checkpoint, bool):
+            raise TypeError(f"checkpoint must be True or False, got {checkpoint!r}")
         self.blocks = _build_blocks(blocks)
+        self.checkpoint = checkpoint
+
+    @staticmethod
+    def _block(f, g, x, **kwargs):
+        x = x + f(x, **kwargs)
+        return x + g(x, **kwargs)
 
     def forward(self, x: torch.Tensor, **kwargs) -> torch.Tensor:
         _check_input(x)
         for f, g in self.blocks:
-            x = x + f(x, **kwargs)
-            x = x + g(x, **kwargs)
+            if self.checkpoint and torch.is_grad_enabled():
+                # keep only the block's input; backward runs the block again under the same
+                # RNG state (dropout masks replay) and autocast state
+                x = torch.utils.checkpoint.checkpoint(
+                    self._block, f, g, x, use_reentrant=False, preserve_rng_state=True, **kwargs
+                )
+            else:
+                x = self._block(f, g, x, **kwargs)
         return x
 
 

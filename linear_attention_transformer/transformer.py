@@ -8,7 +8,8 @@ its input first and may shift tokens (``token_shift.py``).
 
 from __future__ import annotations
 
-from typing import Optional, Sequence, Union
+import inspect
+from typing import Optional
 
 import torch
 from einops import rearrange
@@ -18,7 +19,7 @@ from torch import nn
 from .attention import Attention, _pad_to_multiple, check_mask, resolve_heads
 from .cache import AxialCache, BranchCache, DecodingCache, map_tensors, zip_tensors
 from .feedforward import FeedForward
-from .linformer import LinformerContextSettings, LinformerSelfAttention, LinformerSettings
+from .linformer import LinformerContextSettings, LinformerSettings, linformer_layers
 from .positional import RotaryEmbedding
 from .reversible import ReversibleSequence, SequentialSequence
 from .token_shift import shift_tokens, token_shifts
@@ -28,19 +29,20 @@ class Branch(nn.Module):
     """One residual branch: LayerNorm, optional token shift, then ``fn``.
 
     Args:
-        dim: width. fn: the module. shifts: token shifts or None.
+        dim: width. fn: the module. shifts: token shifts or None. dropout: on fn's output.
         routes: names of the model's keyword arguments that ``fn`` takes (self-attention
             takes input_mask and rotary, cross-attention context and context_mask, a
             feed-forward none).
     x (b, n, dim) -> (b, n, dim).
     """
 
-    def __init__(self, dim, fn, shifts=None, routes=()):
+    def __init__(self, dim, fn, shifts=None, routes=(), dropout=0.0):
         super().__init__()
         self.norm = nn.LayerNorm(dim)
         self.fn = fn
         self.shifts = shifts
         self.routes = tuple(routes)
+        self.dropout = nn.Dropout(dropout)
 
     @property
     def stateful(self):
@@ -58,11 +60,11 @@ class Branch(nn.Module):
             h = shift_tokens(h, self.shifts, mask, previous=None if cache is None else cache.shift)
         routed = {name: kwargs.get(name) for name in self.routes}
         if not return_cache:
-            return self.fn(h, **routed)
+            return self.dropout(self.fn(h, **routed))
         if not self.stateful:  # a feed-forward: nothing to remember
-            return self.fn(h, **routed), BranchCache(shift, None)
+            return self.dropout(self.fn(h, **routed)), BranchCache(shift, None)
         out, fn_cache = self.fn(h, cache=None if cache is None else cache.fn, return_cache=True, **routed)
-        return out, BranchCache(shift, fn_cache)
+        return self.dropout(out), BranchCache(shift, fn_cache)
 
 
 class FoldAxially(nn.Module):
@@ -149,19 +151,62 @@ def _per_layer(value, depth, name):
     return (value,) * depth
 
 
+def _parameters(factory):
+    """The keyword names ``factory`` accepts."""
+    kinds = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    return {name for name, p in inspect.signature(factory).parameters.items() if p.kind in kinds}
+
+
+# Attention options about a layer's own sequence. The strided axial layers have no local heads
+# or blindspot; a cross-attention layer (its keys come from a context) has none of these.
+_LOCAL_OPTIONS = frozenset({"n_local_attn_heads", "blindspot_size"}) | {
+    name for name in _parameters(Attention) if name.startswith("local_attn_") and name != "local_attn_window_size"
+}
+_SEQUENCE_OPTIONS = _LOCAL_OPTIONS | {"chunk_size", "use_local_conv", "local_conv_kernel"}
+# what the model itself decides for every attention layer: not options to hand over
+_SET_BY_MODEL = frozenset({"dim", "heads", "dim_head", "causal", "receives_context", "local_attn_window_size", "dropout"})
+
+
+class _AttentionOptions:
+    """The attention keywords a model was given. Each layer kind takes those it honours (its
+    constructor's own keywords, so no list is written twice); what no layer took is refused."""
+
+    def __init__(self, options):
+        self.given, self.taken, self.kinds = dict(options), set(), []
+
+    def take(self, kind, factory, excluded=frozenset()):
+        names = _parameters(factory) - _SET_BY_MODEL - set(excluded)
+        taken = {name: value for name, value in self.given.items() if name in names}
+        self.taken |= taken.keys()
+        self.kinds.append(kind)
+        return taken
+
+    def check_all_taken(self):
+        left = [name for name in self.given if name not in self.taken]
+        known = (_parameters(Attention) | _parameters(linformer_layers)) - _SET_BY_MODEL
+        unknown = [name for name in left if name not in known]
+        if unknown:
+            raise TypeError(f"LinearAttentionTransformer got unexpected keyword arguments: {', '.join(unknown)}")
+        if left:
+            raise ValueError(
+                f"{', '.join(left)}: no layer of this model can honour these options; its attention layers are "
+                f"{', '.join(dict.fromkeys(self.kinds))} (Linformer layers take their own options from "
+                "LinformerSettings; cross-attention has no local heads, blindspot, chunking or convolution)"
+            )
+
+
 class LinearAttentionTransformer(nn.Module):
     """A stack of linear-attention layers on continuous inputs.
 
     Args:
         dim, depth, max_seq_len: width, number of layers, longest accepted sequence.
-        heads, dim_head, causal, blindspot_size, kv_heads, one_kv_head, feature_map,
-        local_attn_window_size, chunk_size: see ``attention.Attention``.
-        n_local_attn_heads: local heads per layer: an int, or a tuple with one int per layer.
-        ff_chunks, ff_glu, ff_dropout: feed-forward options (``FeedForward``), on every
-            feed-forward of the model.
+        heads, dim_head: heads of every attention layer and their size (default dim // heads).
+        causal: each position sees only itself and the past.
+        local_attn_window_size: w of the local heads, and the stride of ``attend_axially``.
         attn_layer_dropout: dropout on each attention layer's output.
-        attn_dropout: dropout on the attention heads' output, before the output projection.
         reversible: reversible residual pairs (activations recomputed in backward).
+        checkpoint: gradient checkpointing: each layer keeps only its input and is run again
+            in backward (same gradients, dropout replayed); not with ``reversible``.
         receives_context: add a cross-attention pair per layer (decoder); forward then
             needs ``context``.
         attend_axially: add a strided global attention pair per layer, over positions that
@@ -173,9 +218,14 @@ class LinearAttentionTransformer(nn.Module):
         context_linformer_settings: ``LinformerContextSettings`` -> Linformer cross-attention.
         shift_tokens: shift a slice of the features by one token in every branch.
         use_rotary_emb: rotary position embeddings on queries and keys of self-attention.
-        use_gate, use_local_conv (and gate_rank, gate_temperature, local_conv_kernel): seed
-            000's sigmoid gating and local convolution in every linear attention layer, see
-            ``attention.Attention``.
+        ff_*: the feed-forward's options without the prefix (``FeedForward``): ff_mult,
+            ff_activation ('gelu' | 'relu'), ff_glu, ff_dropout, ff_chunks.
+        **attention_options: the attention layers' options, each handed to the layer kinds
+            that honour it (``attention.Attention``: n_local_attn_heads (an int, or one per
+            layer), blindspot_size, kv_heads, one_kv_head, feature_map, attn_dropout,
+            chunk_size, use_gate, use_local_conv and their settings; Linformer layers:
+            attn_dropout). An unknown keyword raises TypeError; one that no layer of this
+            model can honour raises ValueError.
     Shapes:
         x (b, n, dim) with n <= max_seq_len; input_mask (b, n) bool; context (b, m, dim);
         context_mask (b, m) bool. Returns (b, n, dim).
@@ -189,15 +239,10 @@ class LinearAttentionTransformer(nn.Module):
         heads=8,
         dim_head=None,
         causal=False,
-        ff_chunks=1,
-        ff_glu=False,
-        ff_dropout=0.0,
-        attn_layer_dropout=0.0,
-        attn_dropout=0.0,
-        reversible=False,
-        blindspot_size=1,
-        n_local_attn_heads=0,
         local_attn_window_size=128,
+        attn_layer_dropout=0.0,
+        reversible=False,
+        checkpoint=False,
         receives_context=False,
         attend_axially=False,
         pkm_layers=(),
@@ -206,13 +251,7 @@ class LinearAttentionTransformer(nn.Module):
         context_linformer_settings: Optional[LinformerContextSettings] = None,
         shift_tokens=False,
         use_rotary_emb=False,
-        kv_heads=None,
-        one_kv_head=False,
-        feature_map="softmax",
-        chunk_size=64,
-        use_gate=False,
-        use_local_conv=False,
-        **gate_and_conv_settings,
+        **options,
     ):
         super().__init__()
         if not isinstance(depth, int) or depth < 1:
@@ -224,10 +263,10 @@ class LinearAttentionTransformer(nn.Module):
                 raise TypeError("linformer_settings must be a LinformerSettings")
             if causal:
                 raise ValueError("Linformer (linformer_settings) cannot be causal: it mixes all positions")
-            if use_gate or use_local_conv:
-                raise ValueError("use_gate and use_local_conv belong to linear attention, not to linformer_settings")
-        if use_rotary_emb and linformer_settings is not None:
-            raise ValueError("use_rotary_emb is not supported with linformer_settings")
+            if use_rotary_emb:
+                raise ValueError("use_rotary_emb is not supported with linformer_settings")
+            if attend_axially:
+                raise ValueError("attend_axially is linear attention over strided positions: not with linformer_settings")
         if context_linformer_settings is not None and not isinstance(context_linformer_settings, LinformerContextSettings):
             raise TypeError("context_linformer_settings must be a LinformerContextSettings")
         if context_linformer_settings is not None and not receives_context:
@@ -239,58 +278,70 @@ class LinearAttentionTransformer(nn.Module):
         self.dim, self.max_seq_len, self.causal = dim, max_seq_len, causal
         self.linformer = linformer_settings is not None
         self.receives_context = receives_context
-        local_heads = _per_layer(n_local_attn_heads, depth, "n_local_attn_heads")
         shifts = token_shifts(causal) if shift_tokens else None
+        ff_options = {name[3:]: options.pop(name) for name in list(options) if name.startswith("ff_")}
+        unknown_ff = ["ff_" + name for name in ff_options if name not in _parameters(FeedForward) - {"dim"}]
+        if unknown_ff:
+            raise TypeError(f"LinearAttentionTransformer got unexpected keyword arguments: {', '.join(unknown_ff)}")
+        options = _AttentionOptions(options)
+        shared = dict(heads=heads, dim_head=dim_head)
 
-        attn_kwargs = dict(
-            heads=heads, dim_head=dim_head, kv_heads=kv_heads, one_kv_head=one_kv_head,
-            feature_map=feature_map, attn_dropout=attn_dropout, dropout=attn_layer_dropout,
-            chunk_size=chunk_size, use_gate=use_gate, use_local_conv=use_local_conv, **gate_and_conv_settings,
-        )
+        # each layer kind takes its options once, here
+        if linformer_settings is None:
+            local = options.take("linear attention", Attention)
+            local_heads = _per_layer(local.pop("n_local_attn_heads", 0), depth, "n_local_attn_heads")
+            window_options = [name for name in local if name.startswith("local_attn_")]
+            if window_options and not any(local_heads):
+                raise ValueError(f"{', '.join(window_options)}: settings of local heads, and n_local_attn_heads is 0")
+            self_attention = [
+                Attention(dim, causal=causal, n_local_attn_heads=n, local_attn_window_size=local_attn_window_size,
+                          **shared, **local)
+                for n in local_heads
+            ]
+        else:
+            taken = options.take("Linformer self-attention", linformer_layers)
+            self_attention = linformer_layers(linformer_settings, dim, max_seq_len, depth, **shared, **taken)
+        if attend_axially:
+            axial_options = options.take("axial linear attention", Attention, _LOCAL_OPTIONS)
+        if receives_context and context_linformer_settings is None:
+            cross_options = options.take("linear cross-attention", Attention, _SEQUENCE_OPTIONS)
+        elif receives_context:
+            taken = options.take("Linformer cross-attention", linformer_layers)
+            cross_attention = linformer_layers(context_linformer_settings, dim, None, depth, **shared, **taken)
+        options.check_all_taken()
 
         def feedforward(layer):
             if layer + 1 in pkm_layers:
                 return ProductKeyMemory(dim, pkm_num_keys)
-            return FeedForward(dim, dropout=ff_dropout, glu=ff_glu, chunks=ff_chunks)
+            return FeedForward(dim, **ff_options)
 
         def branch(fn, *routes):
             return Branch(dim, fn, shifts, routes)
 
+        def attention_branch(fn, *routes, shifts=shifts):
+            return Branch(dim, fn, shifts, routes, dropout=attn_layer_dropout)
+
         blocks = []
         for layer in range(depth):
-            if linformer_settings is None:
-                attn = Attention(
-                    dim, causal=causal, n_local_attn_heads=local_heads[layer],
-                    local_attn_window_size=local_attn_window_size, blindspot_size=blindspot_size, **attn_kwargs,
-                )
-            else:
-                attn = LinformerSelfAttention(
-                    dim, max_seq_len, k=linformer_settings.k, heads=heads, dim_head=dim_head,
-                    one_kv_head=linformer_settings.one_kv_head, share_kv=linformer_settings.share_kv,
-                    dropout=attn_dropout,
-                )
-            self_routes = ("input_mask", "rotary") if linformer_settings is None else ("input_mask",)
-            blocks.append((branch(attn, *self_routes), branch(feedforward(layer))))
+            self_routes = ("input_mask",) if self.linformer else ("input_mask", "rotary")
+            blocks.append((attention_branch(self_attention[layer], *self_routes), branch(feedforward(layer))))
 
             if attend_axially:
-                axial = Attention(dim, causal=causal, **attn_kwargs)
-                blocks.append((branch(FoldAxially(local_attn_window_size, axial), "input_mask"), branch(feedforward(layer))))
+                axial = Attention(dim, causal=causal, **shared, **axial_options)
+                fold = FoldAxially(local_attn_window_size, axial)
+                blocks.append((attention_branch(fold, "input_mask"), branch(feedforward(layer))))
 
             if receives_context:
                 if context_linformer_settings is None:
-                    # the local convolution mixes along a layer's own sequence: not in cross-attention
-                    cross_kwargs = {k: v for k, v in attn_kwargs.items() if k != "local_conv_kernel"}
-                    cross = Attention(dim, receives_context=True, **{**cross_kwargs, "use_local_conv": False})
+                    cross = Attention(dim, receives_context=True, **shared, **cross_options)
                 else:
-                    s = context_linformer_settings
-                    cross = LinformerSelfAttention(
-                        dim, s.seq_len, k=s.k, heads=heads, dim_head=dim_head, one_kv_head=s.one_kv_head,
-                        share_kv=s.share_kv, dropout=attn_dropout,
-                    )
+                    cross = cross_attention[layer]
                 # the context is fixed for the whole sequence: no token shift in this branch
-                blocks.append((Branch(dim, cross, None, ("context", "context_mask")), branch(feedforward(layer))))
+                blocks.append((attention_branch(cross, "context", "context_mask", shifts=None), branch(feedforward(layer))))
 
-        self.layers = (ReversibleSequence if reversible else SequentialSequence)(blocks)
+        if reversible and checkpoint:
+            raise ValueError("reversible=True and checkpoint=True are two ways to trade compute for memory: choose one")
+        self.layers = ReversibleSequence(blocks) if reversible else SequentialSequence(blocks, checkpoint=checkpoint)
         self.rotary = RotaryEmbedding(resolve_heads(dim, heads, dim_head)[0]) if use_rotary_emb else None
 
     def forward(self, x, input_mask=None, context=None, context_mask=None, positions=None, cache=None,

@@ -12,7 +12,7 @@ from linear_attention_transformer import (
 )
 from linear_attention_transformer.autoregressive import top_k, top_p
 from linear_attention_transformer.cache import map_tensors
-from linear_attention_transformer.ops.windowed_attention import causal_windowed_attention
+from linear_attention_transformer.ops.windowed_attention import Window, windowed_attention_by_position
 
 D = torch.float64
 
@@ -152,7 +152,7 @@ def test_windowed_attention_equals_local_attention():
         attn = LocalAttention(window_size=w, causal=True, use_rotary_pos_emb=False, autopad=True)
         ref = attn(q, k, v, mask=mask)
         pos = torch.arange(n)
-        out = causal_windowed_attention(q, k, v, pos, pos, w, mask)
+        out = windowed_attention_by_position(q, k, v, pos, pos, Window(w), mask)
         torch.testing.assert_close(out, ref, rtol=1e-12, atol=1e-12)
 
 

@@ -31,7 +31,8 @@ CAUSAL_CONFIGS = {
 
 
 def transformer(**kw):
-    kw = dict(dim=16, depth=2, heads=4, max_seq_len=64, chunk_size=4, **kw)
+    chunking = dict(chunk_size=4) if kw.get("causal") else {}  # a non-causal model refuses chunk_size
+    kw = dict(dim=16, depth=2, heads=4, max_seq_len=64, **chunking, **kw)
     return LinearAttentionTransformer(**kw).to(D).eval()
 
 

@@ -1,37 +1,102 @@
-"""Causal windowed softmax attention by absolute position: what a local head computes.
+"""Windowed softmax attention by absolute position: what a local head computes.
 
-``local_attention.LocalAttention`` (look_backward=1) splits the sequence into windows of w
-tokens; a query in window u sees the keys of windows u - 1 and u up to itself. Written by
-positions: key j is visible to query i when j <= i and j // w >= i // w - 1. The model's
-full forward uses ``LocalAttention``; cached decoding, which holds only the last keys, uses
-this function, and the tests hold the two equal.
+The sequence is cut into windows of w tokens; window u = i // w holds query i. Seed 004's
+rule (``local_attention.LocalAttention``): query i sees key j when j's window lies between L
+windows before and F windows after its own (L = look_backward, F = look_forward),
+
+    i // w - L  <=  j // w  <=  i // w + F,     and j <= i when causal (then F = 0).
+
+With ``exact`` (causal only) the window slides with the query instead of jumping by blocks:
+query i sees exactly the last L * w keys, itself included,
+
+    i - L * w  <  j  <=  i.
+
+``Window.visible`` states the rule once. ``windowed_attention_by_position`` is its plain
+O(n m) masked softmax (it also serves cached decoding, whose keys start past position 0);
+``windowed_attention`` is the blocked form used by the full forward, O(n (L + F + 1) w):
+each window of queries meets only the L + F + 1 windows of keys around it, and the same
+rule masks inside them. The tests hold the two equal.
 """
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
+import torch.nn.functional as F
 from einops import rearrange
 
 
-def causal_windowed_attention(q, k, v, q_positions, k_positions, window, key_mask=None):
-    """Args:
+class Window(NamedTuple):
+    """A local head's window: size w, look_backward L, look_forward F, causal, exact."""
+
+    size: int
+    look_backward: int = 1
+    look_forward: int = 0
+    causal: bool = True
+    exact: bool = False
+
+    def visible(self, q_positions, k_positions):
+        """Bool, broadcast of the two position tensors: key visible to query."""
+        w = self.size
+        if self.exact:
+            return (k_positions <= q_positions) & (k_positions > q_positions - self.look_backward * w)
+        qw, kw = q_positions // w, k_positions // w
+        visible = (kw >= qw - self.look_backward) & (kw <= qw + self.look_forward)
+        return visible & (k_positions <= q_positions) if self.causal else visible
+
+    def first_key(self, position):
+        """The first key position a (causal) query at ``position`` or later can still see."""
+        w, L = self.size, self.look_backward
+        return max(0, position - L * w + 1) if self.exact else max(0, (position // w - L) * w)
+
+
+def windowed_attention_by_position(q, k, v, q_positions, k_positions, window, key_mask=None):
+    """The explicit form. Args:
         q: (b, h, n, d) queries at absolute positions ``q_positions`` (n,).
         k, v: (b, h, m, d) keys/values at absolute positions ``k_positions`` (m,).
-        window: w. key_mask: optional (b, m) bool, True for real keys.
+        window: ``Window``. key_mask: optional (b, m) bool, True for real keys.
     Returns:
         (b, h, n, d)
     """
     sim = torch.einsum("bhid,bhjd->bhij", q, k) * q.shape[-1] ** -0.5
-    qp, kp = q_positions[:, None], k_positions[None, :]
-    visible = (kp <= qp) & (kp // window >= qp // window - 1)
+    visible = window.visible(q_positions[:, None], k_positions[None, :])
     if key_mask is not None:
         visible = visible & rearrange(key_mask, "b j -> b 1 1 j")
     return _softmax_attend(sim, visible, v)
 
 
-def causal_windowed_attention_last(q, k, v, key_mask=None):
-    """The same for one query whose window holds exactly the keys given (what a decoder's
-    cache keeps): only the padding mask is left to apply. q (b, h, 1, d) -> (b, h, 1, d)."""
+def windowed_attention(q, k, v, window, key_mask=None):
+    """The blocked form, for a whole sequence at positions 0 .. n - 1. Args:
+        q, k, v: (b, h, n, d). window: ``Window``. key_mask: optional (b, n) bool.
+    Returns:
+        (b, h, n, d)
+    """
+    b, _, n, _ = q.shape
+    w, before, after = window.size, window.look_backward, window.look_forward
+    if key_mask is None:
+        key_mask = torch.ones(b, n, dtype=torch.bool, device=q.device)
+    pad = -n % w
+    span = (before + 1 + after) * w
+    # keys (and their mask) padded by whole windows on both sides, then viewed as the span of
+    # windows around each query window; the padding is masked out
+    q = F.pad(q, (0, 0, 0, pad))
+    k, v = (F.pad(t, (0, 0, before * w, pad + after * w)) for t in (k, v))
+    key_mask = F.pad(key_mask, (before * w, pad + after * w), value=False)
+    k, v = (rearrange(t.unfold(2, span, w), "b h u d j -> b h u j d") for t in (k, v))
+    key_mask = rearrange(key_mask.unfold(1, span, w), "b u j -> b 1 u 1 j")
+    q = rearrange(q, "b h (u i) d -> b h u i d", i=w)
+    q_positions = torch.arange(n + pad, device=q.device).view(-1, w, 1)
+    k_positions = torch.arange(-before * w, n + pad + after * w, device=q.device).unfold(0, span, w)
+    visible = window.visible(q_positions, k_positions[:, None, :]) & key_mask  # (b, 1, u, i, j)
+    sim = torch.einsum("bhuid,bhujd->bhuij", q, k) * q.shape[-1] ** -0.5
+    out = _softmax_attend(sim, visible, v)
+    return rearrange(out, "b h u i d -> b h (u i) d")[:, :, :n]
+
+
+def windowed_attention_last(q, k, v, key_mask=None):
+    """One query whose window holds exactly the keys given (what a decoder's cache keeps):
+    only the padding mask is left to apply. q (b, h, 1, d) -> (b, h, 1, d)."""
     sim = torch.einsum("bhid,bhjd->bhij", q, k) * q.shape[-1] ** -0.5
     visible = None if key_mask is None else rearrange(key_mask, "b j -> b 1 1 j")
     return _softmax_attend(sim, visible, v)
