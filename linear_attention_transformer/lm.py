@@ -15,8 +15,12 @@ class LinearAttentionTransformerLM(nn.Module):
     Args:
         num_tokens: vocabulary size. dim: model width. depth, max_seq_len, heads: as in
             ``LinearAttentionTransformer``.
-        emb_dim: embedding width, projected to ``dim`` when different (embedding
-            factorisation: a small table for a large vocabulary).
+        emb_dim: embedding width (embedding factorisation, to save on memory): tokens are
+            embedded in emb_dim and projected up to ``dim``, and the logits are read from
+            emb_dim too (norm -> Linear(dim, emb_dim) -> Linear(emb_dim, num_tokens)), so no
+            (num_tokens x dim) matrix exists when emb_dim < dim. Default: dim.
+        tie_embedding: the output projection's weight is the token embedding matrix
+            (num_tokens, emb_dim): one tensor, trained by both uses (the output keeps its own bias).
         return_embeddings: return the final hidden states (b, n, dim) instead of logits,
             e.g. for an encoder whose output is a decoder's context.
         use_axial_pos_emb: axial position embedding (the default unless use_rotary_emb), of
@@ -29,7 +33,9 @@ class LinearAttentionTransformerLM(nn.Module):
     Shapes:
         x (b, n) integer tokens, n <= max_seq_len; input_mask (b, n) bool; context
         (b, m, dim) and context_mask (b, m) for a decoder. Returns logits (b, n, num_tokens),
-        or (b, n, dim) with return_embeddings.
+        or (b, n, dim) with return_embeddings. Parameters: token_emb (num_tokens, emb_dim),
+        project_in (dim, emb_dim), project_out (emb_dim, dim), to_logits (num_tokens, emb_dim)
+        (the projections are Identity when emb_dim == dim).
     """
 
     def __init__(
@@ -40,6 +46,7 @@ class LinearAttentionTransformerLM(nn.Module):
         max_seq_len,
         heads=8,
         emb_dim=None,
+        tie_embedding=False,
         return_embeddings=False,
         use_axial_pos_emb=None,
         use_rotary_emb=False,
@@ -49,6 +56,12 @@ class LinearAttentionTransformerLM(nn.Module):
         if not isinstance(num_tokens, int) or num_tokens < 1:
             raise ValueError(f"num_tokens must be a positive int, got {num_tokens!r}")
         emb_dim = dim if emb_dim is None else emb_dim
+        if isinstance(emb_dim, bool) or not isinstance(emb_dim, int) or emb_dim < 1:
+            raise ValueError(f"emb_dim must be a positive int, got {emb_dim!r}")
+        if not isinstance(tie_embedding, bool):
+            raise TypeError(f"tie_embedding must be True or False, got {tie_embedding!r}")
+        if tie_embedding and return_embeddings:
+            raise ValueError("tie_embedding=True ties the output projection, which return_embeddings=True does not have")
         self.num_tokens, self.max_seq_len = num_tokens, max_seq_len
         self.token_emb = nn.Embedding(num_tokens, emb_dim)
         nn.init.normal_(self.token_emb.weight, std=0.02)
@@ -66,7 +79,12 @@ class LinearAttentionTransformerLM(nn.Module):
         )
         self.norm = nn.LayerNorm(dim)
         self.return_embeddings = return_embeddings
-        self.to_logits = nn.Identity() if return_embeddings else nn.Linear(dim, num_tokens)
+        self.project_out = self.to_logits = None
+        if not return_embeddings:
+            self.project_out = nn.Linear(dim, emb_dim) if emb_dim != dim else nn.Identity()
+            self.to_logits = nn.Linear(emb_dim, num_tokens)
+            if tie_embedding:  # one Parameter in two modules: state_dict round trips keep it shared
+                self.to_logits.weight = self.token_emb.weight
 
     @property
     def supports_cache(self):
@@ -79,6 +97,27 @@ class LinearAttentionTransformerLM(nn.Module):
         Given ``cache``, x holds only the new tokens (one or more) that continue that
         sequence, and ``input_mask`` (if any) covers only them; a cross-attention layer reuses
         the context it reduced on the first call. The cache is never modified in place."""
+        out = self._body(x, input_mask, context, context_mask, cache, return_cache)
+        if not return_cache:
+            return self._output(out)
+        out, cache = out
+        return self._output(out), cache
+
+    def output_features(self, x, input_mask=None, context=None, context_mask=None):
+        """What the logits are read from: (b, n, emb_dim), with
+        ``forward(x, ...) == output_layer(output_features(x, ...))``. ``AutoregressiveWrapper``
+        takes its loss from these chunk by chunk, so that the (b, n, num_tokens) logits never
+        exist at once."""
+        if self.return_embeddings:
+            raise ValueError("a model with return_embeddings=True has no output layer")
+        return self.project_out(self.norm(self._body(x, input_mask, context, context_mask, None, False)))
+
+    @property
+    def output_layer(self):
+        """The last Linear(emb_dim, num_tokens) (None with return_embeddings)."""
+        return self.to_logits
+
+    def _body(self, x, input_mask, context, context_mask, cache, return_cache):
         if not torch.is_tensor(x) or x.dtype.is_floating_point or x.dtype.is_complex or x.dtype == torch.bool:
             raise TypeError(f"x must be a tensor of integer token ids, got {getattr(x, 'dtype', type(x))}")
         if x.ndim != 2:
@@ -92,11 +131,13 @@ class LinearAttentionTransformerLM(nn.Module):
         if self.pos_emb is not None:
             h = h + self.pos_emb(positions).to(h.dtype)
         h = self.project_in(h)
-        out = self.transformer(
+        return self.transformer(
             h, input_mask=input_mask, context=context, context_mask=context_mask, positions=positions,
             cache=cache, return_cache=return_cache,
         )
-        if not return_cache:
-            return self.to_logits(self.norm(out))
-        out, cache = out
-        return self.to_logits(self.norm(out)), cache
+
+    def _output(self, out):
+        out = self.norm(out)
+        if self.return_embeddings:
+            return out
+        return self.to_logits(self.project_out(out))

@@ -223,3 +223,74 @@ def test_context_errors():
         dec(x)
     with pytest.raises(ValueError, match="context"):
         dec(x, context=torch.randn(1, 5, 12))
+
+
+# ------------------------------------------------------- factorised output, tied embedding
+
+
+def factorised(tie=False, **kw):
+    # rotary positions: no position table, so the hand count below is the whole model
+    kw = {**dict(num_tokens=50, dim=16, emb_dim=6, depth=1, heads=4, max_seq_len=32, use_rotary_emb=True), **kw}
+    return LinearAttentionTransformerLM(tie_embedding=tie, **kw)
+
+
+@pytest.mark.parametrize("tie", [False, True])
+def test_factorised_output_shapes_and_parameter_count(tie):
+    torch.manual_seed(5)
+    model = factorised(tie)
+    V, D_, E = 50, 16, 6
+    x = torch.randint(0, V, (3, 11))
+    assert model(x).shape == (3, 11, V)
+    assert model.token_emb.weight.shape == (V, E) and model.to_logits.weight.shape == (V, E)
+    assert model.project_in.weight.shape == (D_, E) and model.project_out.weight.shape == (E, D_)
+    # no (num_tokens x dim) matrix anywhere
+    assert all(set(p.shape) != {V, D_} for p in model.parameters())
+    body = sum(p.numel() for p in model.transformer.parameters())
+    by_hand = (V * E                     # token embedding
+               + E * D_ + D_             # project_in
+               + body
+               + 2 * D_                  # final LayerNorm
+               + D_ * E + E              # project_out
+               + (0 if tie else V * E)   # to_logits weight (shared when tied)
+               + V)                      # to_logits bias
+    assert sum(p.numel() for p in model.parameters()) == by_hand
+    # the logits are the composition the docstring names
+    h = model.transformer(model.project_in(model.token_emb(x)), positions=torch.arange(11))
+    expected = model.to_logits(model.project_out(model.norm(h)))
+    torch.testing.assert_close(model(x), expected, rtol=0, atol=0)
+
+
+def test_return_embeddings_gives_dim_and_has_no_output_layers():
+    model = factorised(return_embeddings=True)
+    assert model(torch.randint(0, 50, (2, 7))).shape == (2, 7, 16)
+    assert model.to_logits is None and model.project_out is None
+
+
+def test_tied_embedding_is_one_tensor_trained_by_both_uses_and_survives_state_dict():
+    torch.manual_seed(6)
+    model = factorised(tie=True)
+    assert model.to_logits.weight is model.token_emb.weight
+    assert len([p for p in model.parameters() if p.shape == (50, 6)]) == 1
+    # token 49 never appears in the input: its row's gradient comes only from the output use
+    x = torch.randint(0, 40, (2, 9))
+    model(x)[..., 49].sum().backward()
+    assert model.token_emb.weight.grad[49].abs().sum() > 0
+
+    fresh = factorised(tie=True)
+    fresh.load_state_dict(model.state_dict())
+    assert fresh.to_logits.weight is fresh.token_emb.weight
+    assert torch.equal(fresh.token_emb.weight, model.token_emb.weight)
+    torch.testing.assert_close(fresh(x), model(x), rtol=0, atol=0)
+    # changing the embedding changes the output projection: they are one tensor
+    with torch.no_grad():
+        fresh.token_emb.weight[3] += 1.0
+    assert torch.equal(fresh.to_logits.weight[3], fresh.token_emb.weight[3])
+
+
+def test_tie_embedding_bad_arguments():
+    with pytest.raises(TypeError, match="tie_embedding"):
+        factorised(tie="yes")
+    with pytest.raises(ValueError, match="tie_embedding"):
+        factorised(tie=True, return_embeddings=True)
+    with pytest.raises(ValueError, match="emb_dim"):
+        factorised(emb_dim=0)
