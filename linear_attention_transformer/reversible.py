@@ -123,6 +123,16 @@ class SequentialSequence(nn.Module):
         return x
 
 
+def _sharded_inside(blocks: nn.Module) -> bool:
+    """Whether FSDP (``fully_shard`` or the wrapper class) wraps a module inside ``blocks``."""
+    if not torch.distributed.is_available():
+        return False
+    import torch.distributed.fsdp as fsdp
+
+    kinds = tuple(getattr(fsdp, name) for name in ("FSDPModule", "FullyShardedDataParallel") if hasattr(fsdp, name))
+    return any(isinstance(m, kinds) for m in blocks.modules())
+
+
 # --------------------------------------------------------------------------- replay state
 
 
@@ -453,6 +463,12 @@ class ReversibleSequence(nn.Module):
         if not (x.requires_grad or params or any(t.requires_grad for t in kwarg_tensors)):
             return self._compose(x, **kwargs)
 
+        if _sharded_inside(self.blocks):
+            raise TypeError(
+                "a ReversibleSequence cannot hold FSDP units: its backward recomputes the blocks "
+                "outside FSDP's hooks, so their gradients would be lost; apply fully_shard to the "
+                "reversible stack (or a module around it) as one unit"
+            )
         spec = (tuple(names), static_kwargs)
         y1, y2 = _ReversibleFunction.apply(self.blocks, spec, x, *kwarg_tensors, *params)
         return (y1 + y2) / 2
