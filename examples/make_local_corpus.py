@@ -118,6 +118,16 @@ def build_corpus(max_bytes, seed):
     return docs, per_source
 
 
+def join_documents(docs):
+    """(name, text) documents as one UTF-8 text, separated by blank lines."""
+    return SEPARATOR.join(text.strip() for _, text in docs).encode("utf-8") + b"\n"
+
+
+def corpus_bytes(max_bytes, seed):
+    """The corpus as bytes (what ``main`` writes), for train_enwik8.py's built-in corpus."""
+    return join_documents(build_corpus(max_bytes, seed)[0])
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default="/tmp/corpus.txt", help="where to write the corpus (default %(default)s)")
@@ -127,7 +137,7 @@ def main(argv=None):
     args = parser.parse_args(argv)
 
     docs, per_source = build_corpus(args.max_bytes, args.seed)
-    data = SEPARATOR.join(text.strip() for _, text in docs).encode("utf-8") + b"\n"
+    data = join_documents(docs)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_bytes(data)
