@@ -16,6 +16,8 @@ Variants (``--variants``):
     conv_only             use_local_conv=True
     full_improved         use_gate=True, use_local_conv=True
     gate_only             use_gate=True (an ablation)
+    conv_v, conv_kv       conv_only with the convolution on v only / on k and v only (a design
+                          probe: the others bypassed by hooks, see train_enwik8.restrict_conv)
     gate_feature          full_improved with gate_granularity='feature'  } only where the installed
     gate_head             full_improved with gate_granularity='head'     } package has the option
 
@@ -43,6 +45,8 @@ VARIANTS = {
     "conv_only": {"variant": "conv_only"},
     "full_improved": {"variant": "full_improved"},
     "gate_only": {"variant": "gate_only"},
+    "conv_v": {"variant": "conv_only", "conv_on": "v"},
+    "conv_kv": {"variant": "conv_only", "conv_on": "kv"},
     "gate_feature": {"variant": "full_improved", "gate_granularity": "feature"},
     "gate_head": {"variant": "full_improved", "gate_granularity": "head"},
 }

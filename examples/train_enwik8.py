@@ -178,6 +178,28 @@ def apply_conv_activation(model, activation):
     return len(convs)
 
 
+def restrict_conv(model, tensors):
+    """Keep the local convolution only on ``tensors`` (a subset of 'qkv', e.g. 'v'): the
+    convolutions of the others are bypassed by forward hooks that return their input, so the
+    package is unchanged. Returns the number of convolutions bypassed.
+
+    A design probe: the library convolves q, k and v before the exponential feature map, so a
+    convolved key or query enters exp() as a weighted sum of neighbours; on v alone the
+    convolution mixes what is read, not how the neighbours are matched."""
+    if tensors == "qkv":
+        return 0
+    layers = [m.local_conv for m in model.modules() if isinstance(getattr(m, "local_conv", None), torch.nn.ModuleList)]
+    if not layers:
+        raise SystemExit("--conv-on needs a variant with the local convolution (conv_only or full_improved)")
+    bypassed = 0
+    for convs in layers:
+        for name, conv in zip("qkv", convs):
+            if name not in tensors:
+                conv.register_forward_hook(lambda module, inputs, output: inputs[0])
+                bypassed += 1
+    return bypassed
+
+
 def keep_gate_parts(model, parts):
     """Ablation of the gate: 'forget' removes every output gate, 'output' every forget gate,
     'both' keeps them. The library builds both with use_gate=True and skips a gate that is
@@ -240,6 +262,7 @@ def build_model(args):
         **extra,
     )
     apply_conv_activation(net, args.conv_activation)
+    restrict_conv(net, args.conv_on)
     keep_gate_parts(net, args.gate_parts)
     return AutoregressiveWrapper(net)
 
@@ -569,6 +592,8 @@ def build_parser():
     m.add_argument("--gate-parts", choices=("both", "forget", "output"), default="both",
                    help="ablation: keep only the forget gate or only the output gate")
     m.add_argument("--local-conv-kernel", type=int, default=3, help="taps of the local convolution")
+    m.add_argument("--conv-on", choices=("qkv", "kv", "v"), default="qkv",
+                   help="which of q, k, v the local convolution acts on (kv, v: the others bypassed by hooks)")
     m.add_argument("--conv-activation", choices=("none", "silu"), default="none",
                    help="activation after the local convolution (implemented here by forward hooks)")
     return p

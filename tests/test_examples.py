@@ -119,3 +119,34 @@ def test_image_attention_loss_falls():
     loss_after, accuracy_after = result["held_out_after"]
     assert loss_after < loss_before - 0.3
     assert accuracy_after > 0.8  # chance is 0.5
+
+
+def test_conv_on_v_bypasses_the_query_and_key_convolutions():
+    import torch
+
+    args = train_enwik8.build_parser().parse_args([*TINY, "--variant", "conv_only", "--conv-on", "v"])
+    torch.manual_seed(0)
+    probe = train_enwik8.build_model(args)
+    args.conv_on = "qkv"
+    torch.manual_seed(0)
+    plain = train_enwik8.build_model(args)
+    with torch.no_grad():
+        for conv in (m for m in probe.modules() if isinstance(m, train_enwik8.LocalConv)):
+            conv.conv_weight.normal_()  # far from the identity start
+        plain.load_state_dict(probe.state_dict())
+        x = torch.randint(0, 256, (2, 32))
+        convolving_qkv = plain.net(x)
+        for layer in (m for m in plain.modules() if isinstance(getattr(m, "local_conv", None), torch.nn.ModuleList)):
+            for conv in layer.local_conv[:2]:  # q and k back to the identity by hand
+                conv.conv_weight.zero_()
+                conv.conv_weight[:, 0, -1] = 1.0
+    torch.testing.assert_close(probe.net(x), plain.net(x))
+    assert not torch.allclose(probe.net(x), convolving_qkv, atol=1e-3)  # the bypass does change the model
+
+
+def test_manpage_text_keeps_the_words_and_drops_the_markup():
+    import make_local_corpus
+
+    troff = ('.\\" Copyright line\n.TH glob 7 2023-02-05 "Linux man-pages 6.03"\n.SH NAME\nglob \\- globbing\n'
+             '.PP\nSee\n.BR glob (3)\nfor \\fBmore\\fP, \\[aq]?\\[aq] matches.\n.nr X 2\n')
+    assert make_local_corpus.manpage_text(troff) == "NAME\nglob - globbing\nSee\nglob (3)\nfor more, '?' matches."
