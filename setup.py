@@ -1,5 +1,7 @@
 from setuptools import find_packages, setup
 
+EXAMPLES_EXTRA = ["tqdm>=4.60", "matplotlib>=3.5"]
+
 setup(
     name="linear-attention-transformer",
     version="0.1.0",
@@ -16,7 +18,8 @@ setup(
         "axial-positional-embedding>=0.3",
         "product-key-memory>=0.2",
     ],
-    extras_require={"test": ["pytest>=7"]},
+    # what examples/ imports besides the package (the tests run the examples too)
+    extras_require={"test": ["pytest>=7", *EXAMPLES_EXTRA], "examples": EXAMPLES_EXTRA},
     classifiers=[
         "License :: OSI Approved :: MIT License",
         "Programming Language :: Python :: 3",

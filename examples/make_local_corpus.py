@@ -25,12 +25,17 @@ from __future__ import annotations
 
 import argparse
 import ast
+import gzip
 import random
+import re
 import sys
 import sysconfig
 from pathlib import Path
 
 LICENSE_DIR = Path("/usr/share/common-licenses")
+MAN7_DIR = Path("/usr/share/man/man7")
+# man macros whose arguments are text (headings, fonts, tags); every other request is dropped
+TEXT_MACROS = {"SH", "SS", "B", "I", "BR", "BI", "IB", "IR", "RB", "RI", "IP", "TQ"}
 # Near-verbatim earlier versions of licenses that are kept in their newer form.
 NEAR_DUPLICATE_LICENSES = {"GFDL-1.2", "LGPL-2"}
 # Parts of the standard library that are test data or vendored code, not documentation.
@@ -99,14 +104,58 @@ def stdlib_docstring_documents(budget):
     return docs
 
 
-def build_corpus(max_bytes, seed):
-    """Collect the documents of every source and shuffle them with ``seed``.
+def manpage_text(troff):
+    """Readable text of a man page's troff source: comments and bare requests dropped, the
+    words of macro lines (``.BR glob (3)`` -> ``glob (3)``) kept, font and character escapes
+    replaced. Rough, but plain English prose and nothing of the examples' own corpus."""
+    lines = []
+    for line in troff.splitlines():
+        if line.startswith(('.\\"', "'\\\"", '.\\}')):
+            continue
+        if line.startswith((".", "'")):
+            words = line[1:].split(None, 1)
+            if len(words) < 2 or words[0] not in TEXT_MACROS:  # layout requests, definitions
+                continue
+            line = words[1].replace('"', "")
+        line = re.sub(r"\\f(\[[A-Z]*\]|[A-Z0-9])", "", line)
+        line = re.sub(r"\\\[aq\]|\\\(aq", "'", line)
+        line = re.sub(r"\\\[(dq|lq|rq)\]|\\\((dq|lq|rq)", '"', line)
+        line = line.replace("\\-", "-").replace("\\ ", " ").replace("\\&", "").replace("\\e", "\\")
+        lines.append(line)
+    return "\n".join(lines)
+
+
+def manpage_documents(budget):
+    """(name, text) for the section-7 pages of the Linux man-pages project (overviews,
+    conventions), sorted by name,
+    until ``budget`` characters: a second, independent English corpus (``--source man7``)."""
+    docs, total = [], 0
+    for path in sorted(MAN7_DIR.glob("*.7*")) if MAN7_DIR.is_dir() else []:
+        if total >= budget:
+            break
+        opener = gzip.open if path.suffix == ".gz" else open
+        with opener(path, "rt", encoding="utf-8", errors="replace") as f:
+            troff = f.read()
+        text = manpage_text(troff) if "Linux man-pages" in troff[:2000] else ""
+        if len(text) < 500:  # other projects' pages (pod2man preambles), redirections, stubs
+            continue
+        docs.append((f"man7:{path.name}", text))
+        total += len(text)
+    return docs
+
+
+def build_corpus(max_bytes, seed, source="python"):
+    """Collect the documents of ``source`` ('python': the four sources above, the default;
+    'man7': the section-7 man pages) and shuffle them with ``seed``.
 
     Returns (documents, per_source) where documents is a list of (name, text) and
     per_source maps a source label to [document count, characters]."""
-    docs = license_documents() + python_reference_documents() + idle_text_documents()
-    fixed = sum(len(text) + len(SEPARATOR) for _, text in docs)
-    docs += stdlib_docstring_documents(max(max_bytes - fixed, 0))
+    if source == "man7":
+        docs = manpage_documents(max_bytes)
+    else:
+        docs = license_documents() + python_reference_documents() + idle_text_documents()
+        fixed = sum(len(text) + len(SEPARATOR) for _, text in docs)
+        docs += stdlib_docstring_documents(max(max_bytes - fixed, 0))
     if not docs:
         raise SystemExit("no source text found on this machine: nothing to build")
     per_source = {}
@@ -118,16 +167,28 @@ def build_corpus(max_bytes, seed):
     return docs, per_source
 
 
+def join_documents(docs):
+    """(name, text) documents as one UTF-8 text, separated by blank lines."""
+    return SEPARATOR.join(text.strip() for _, text in docs).encode("utf-8") + b"\n"
+
+
+def corpus_bytes(max_bytes, seed, source="python"):
+    """The corpus as bytes (what ``main`` writes), for train_enwik8.py's built-in corpus."""
+    return join_documents(build_corpus(max_bytes, seed, source)[0])
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default="/tmp/corpus.txt", help="where to write the corpus (default %(default)s)")
     parser.add_argument("--max-bytes", type=int, default=2_000_000,
                         help="stop adding stdlib docstrings once the corpus reaches this size (default %(default)s)")
+    parser.add_argument("--source", choices=("python", "man7"), default="python",
+                        help="python: the four sources above; man7: the section-7 man pages (a second corpus)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the document shuffle (default %(default)s)")
     args = parser.parse_args(argv)
 
-    docs, per_source = build_corpus(args.max_bytes, args.seed)
-    data = SEPARATOR.join(text.strip() for _, text in docs).encode("utf-8") + b"\n"
+    docs, per_source = build_corpus(args.max_bytes, args.seed, args.source)
+    data = join_documents(docs)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_bytes(data)

@@ -1,12 +1,16 @@
-"""Train a byte-level language model on enwik8 (or any file) and report bits per character.
+"""Train a byte-level language model on enwik8 (or any file, or a built-in corpus) and report bits per character.
 
-    python examples/train_enwik8.py --data /path/to/enwik8 --variant full_improved
-    python examples/train_enwik8.py --data /tmp/corpus.txt --variant baseline --steps 300 --log run.json
+    python examples/train_enwik8.py                      # small model, built-in corpus, a few minutes on a laptop CPU
+    python examples/train_enwik8.py --data /path/to/enwik8 --dim 512 --depth 6 --seq-len 1024 --steps 100000
+    torchrun --nproc_per_node 2 examples/train_enwik8.py --data /path/to/enwik8     # data-parallel (DDP)
 
-The file is read as raw bytes: every byte is a token (vocabulary 0..255). A file of exactly
-100,000,000 bytes (enwik8) is split 90M / 5M / 5M as usual; any other file 90% / 5% / 5%,
-contiguously. ``--data`` may also be a ``.gz`` or a single-member ``.zip`` (as enwik8 is
-distributed). Nothing is ever downloaded: a missing file is an error.
+Without ``--data`` the script trains on a ~1 MB English corpus built from text every Python
+installation has (``make_local_corpus.py``'s sources: license texts, the Python Language
+Reference, IDLE's text files, standard-library docstrings), built once into a cache file
+(``--corpus-cache``). With ``--data`` the file is read as raw bytes: every byte is a token
+(vocabulary 0..255). A file of exactly 100,000,000 bytes (enwik8) is split 90M / 5M / 5M as
+usual; any other file 90% / 5% / 5%, contiguously. ``--data`` may also be a ``.gz`` or a
+single-member ``.zip`` (as enwik8 is distributed). Nothing is ever downloaded.
 
 Variants (seed 000's experiment):
 
@@ -15,16 +19,18 @@ Variants (seed 000's experiment):
     full_improved   + sigmoid forget/output gates and convolution  (use_gate=True, use_local_conv=True)
     gate_only       the gates without the convolution (an ablation) (use_gate=True)
 
-Two design choices of the improvements can be varied: ``--conv-activation silu`` applies SiLU
-to the output of every ``LocalConv`` (as the short convolution of flash-linear-attention's GLA
-does), through forward hooks installed here, without touching the package; ``--gate-temperature``
-is the library's ``gate_temperature`` (tau in a_t = sigmoid(.) ** (1 / tau)). ``--gate-parts``
-is an ablation that keeps only the forget gate or only the output gate.
+Design choices of the improvements that can be varied: ``--gate-temperature`` and
+``--gate-granularity`` (settings of ``use_gate``; the latter only where the installed package
+has it), ``--conv-activation silu`` (SiLU after every ``LocalConv``, through forward hooks
+installed here, as GLA's short convolution does), ``--gate-parts`` (keep only one of the gates).
 
-Positions are rotary by default (``--pos-emb``). The library's default, an axial embedding,
-is initialised N(0, 1) per entry while the token embedding starts at std 0.02, so the tokens are
-drowned at the start: with it, this small model sat at the unigram entropy (~4.7 bpc) for ~200
-steps on the local corpus; ``--pos-emb axial`` restores it.
+Training shows a progress bar (loss, BPC, tokens/s), validates every ``--eval-every`` steps,
+prints a sample from the cached generator every ``--sample-every`` steps and the test BPC at the
+end. ``--save ckpt.pt`` writes a checkpoint every ``--save-every`` steps and at the end;
+``--resume ckpt.pt`` continues exactly where it stopped (model, optimizer, learning-rate
+schedule, step, the position in the batch order, the random state): the losses after resuming
+are those of an uninterrupted run. ``--log run.json`` writes the history, ``--plot curve.png``
+training and validation BPC against steps (needs matplotlib, ``pip install -e ".[examples]"``).
 
 The loss is ``AutoregressiveWrapper``'s next-byte cross-entropy in nats; BPC = loss / ln 2.
 Validation BPC is the mean over a fixed set of windows evenly spaced over the validation split
@@ -39,22 +45,25 @@ import json
 import math
 import os
 import platform
+import statistics
 import sys
 import time
 import zipfile
+from contextlib import nullcontext
 from datetime import datetime, timezone
 from pathlib import Path
 
-import numpy as np
 import torch
 import torch.nn.functional as F
+from tqdm import tqdm
 
-from linear_attention_transformer import AutoregressiveWrapper, LinearAttentionTransformerLM
+from linear_attention_transformer import AutoregressiveWrapper, LinearAttentionTransformerLM, LinearSelfAttention
 from linear_attention_transformer.autoregressive import top_k
 from linear_attention_transformer.gating import LocalConv
 
 ENWIK8_BYTES = 100_000_000
 ENWIK8_SPLIT = (90_000_000, 5_000_000, 5_000_000)
+BUILTIN_CORPUS_BYTES = 1_000_000
 
 VARIANTS = {
     "baseline": {"use_gate": False, "use_local_conv": False},
@@ -91,7 +100,30 @@ def load_bytes(path):
         raw = path.read_bytes()
     if not raw:
         raise SystemExit(f"--data {path}: the file is empty")
-    return torch.from_numpy(np.frombuffer(raw, dtype=np.uint8).copy())
+    return torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+
+
+def default_corpus_cache():
+    """Where the built-in corpus is kept: $XDG_CACHE_HOME (or ~/.cache)/linear_attention_transformer/."""
+    root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(root) / "linear_attention_transformer" / "local_corpus.txt"
+
+
+def builtin_corpus(cache, max_bytes=BUILTIN_CORPUS_BYTES, say=print):
+    """The path of the built-in corpus (``make_local_corpus.py``'s sources, shuffled with seed
+    0), built into ``cache`` on first use and read from there afterwards."""
+    cache = Path(cache)
+    if cache.is_file() and cache.stat().st_size > 0:
+        return cache
+    from make_local_corpus import corpus_bytes  # beside this script
+
+    say(f"building the built-in corpus into {cache} (once) ...")
+    data = corpus_bytes(max_bytes, seed=0)
+    cache.parent.mkdir(parents=True, exist_ok=True)
+    partial = cache.with_name(cache.name + f".{os.getpid()}.part")
+    partial.write_bytes(data)
+    partial.replace(cache)  # atomic: a concurrent run never reads half a file
+    return cache
 
 
 def split_data(data):
@@ -146,6 +178,28 @@ def apply_conv_activation(model, activation):
     return len(convs)
 
 
+def restrict_conv(model, tensors):
+    """Keep the local convolution only on ``tensors`` (a subset of 'qkv', e.g. 'v'): the
+    convolutions of the others are bypassed by forward hooks that return their input, so the
+    package is unchanged. Returns the number of convolutions bypassed.
+
+    A design probe: the library convolves q, k and v before the exponential feature map, so a
+    convolved key or query enters exp() as a weighted sum of neighbours; on v alone the
+    convolution mixes what is read, not how the neighbours are matched."""
+    if tensors == "qkv":
+        return 0
+    layers = [m.local_conv for m in model.modules() if isinstance(getattr(m, "local_conv", None), torch.nn.ModuleList)]
+    if not layers:
+        raise SystemExit("--conv-on needs a variant with the local convolution (conv_only or full_improved)")
+    bypassed = 0
+    for convs in layers:
+        for name, conv in zip("qkv", convs):
+            if name not in tensors:
+                conv.register_forward_hook(lambda module, inputs, output: inputs[0])
+                bypassed += 1
+    return bypassed
+
+
 def keep_gate_parts(model, parts):
     """Ablation of the gate: 'forget' removes every output gate, 'output' every forget gate,
     'both' keeps them. The library builds both with use_gate=True and skips a gate that is
@@ -160,6 +214,16 @@ def keep_gate_parts(model, parts):
         setattr(layer, drop, None)
 
 
+def gate_granularity_supported():
+    """Whether the installed package accepts ``gate_granularity`` (a setting of ``use_gate``,
+    'feature' or 'head'): tried on a tiny layer, since older versions refuse the keyword."""
+    try:
+        LinearSelfAttention(dim=8, heads=1, causal=True, use_gate=True, gate_granularity="head")
+    except (TypeError, ValueError):
+        return False
+    return True
+
+
 def build_model(args):
     """The ``AutoregressiveWrapper`` around a causal byte-level ``LinearAttentionTransformerLM``
     configured from ``args`` (see ``build_parser``)."""
@@ -167,6 +231,13 @@ def build_model(args):
     extra = {}
     if switches["use_gate"]:
         extra.update(gate_temperature=args.gate_temperature, gate_rank=args.gate_rank)
+        if args.gate_granularity != "default":
+            if not gate_granularity_supported():
+                raise SystemExit("--gate-granularity: the installed linear_attention_transformer has no "
+                                 "gate_granularity option (use_gate's setting); leave it at 'default'")
+            extra.update(gate_granularity=args.gate_granularity)
+    elif args.gate_granularity != "default":
+        raise SystemExit("--gate-granularity is a setting of the gate: it needs full_improved or gate_only")
     if switches["use_local_conv"]:
         extra.update(local_conv_kernel=args.local_conv_kernel)
     net = LinearAttentionTransformerLM(
@@ -191,6 +262,7 @@ def build_model(args):
         **extra,
     )
     apply_conv_activation(net, args.conv_activation)
+    restrict_conv(net, args.conv_on)
     keep_gate_parts(net, args.gate_parts)
     return AutoregressiveWrapper(net)
 
@@ -214,13 +286,6 @@ def bpc(loss):
     return loss / math.log(2)
 
 
-def learning_rate(step, args):
-    """Linear warmup over ``args.warmup_steps`` then constant ``args.lr``."""
-    if args.warmup_steps and step < args.warmup_steps:
-        return args.lr * (step + 1) / args.warmup_steps
-    return args.lr
-
-
 def resolve_device(name):
     """'auto' -> cuda when available, else cpu."""
     if name == "auto":
@@ -236,15 +301,84 @@ def generate_sample(model, prime, length, device, temperature=1.0):
     return bytes(out.tolist()).decode("utf-8", errors="replace")
 
 
+def warmup_factor(warmup_steps):
+    """The learning-rate factor of step s (0-based): linear warmup over ``warmup_steps``, then 1."""
+    return lambda s: (s + 1) / warmup_steps if warmup_steps and s < warmup_steps else 1.0
+
+
+def setup_distributed(device):
+    """(rank, world size, device). Under torchrun (WORLD_SIZE > 1) joins the process group
+    (nccl on GPUs, gloo on the CPU) and gives every process its own GPU; else (0, 1, device)."""
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+        return 0, 1, device
+    import torch.distributed as dist
+
+    if device.type == "cuda":
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(device)
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    return dist.get_rank(), dist.get_world_size(), device
+
+
+def mean_over_processes(value, world, device):
+    """``value`` averaged over the DDP processes (itself when there is one)."""
+    if world == 1:
+        return value
+    import torch.distributed as dist
+
+    t = torch.tensor([value], dtype=torch.float64, device=device)
+    dist.all_reduce(t)
+    return t.item() / world
+
+
+def random_state(device):
+    """Every random state a training step consumes (the batch order has its own generator)."""
+    state = {"torch": torch.get_rng_state()}
+    if device.type == "cuda":
+        state["cuda"] = torch.cuda.get_rng_state(device)
+    return state
+
+
+def set_random_state(state, device):
+    torch.set_rng_state(state["torch"])
+    if device.type == "cuda" and "cuda" in state:
+        torch.cuda.set_rng_state(state["cuda"], device)
+
+
+def plot_history(history, path, title):
+    """Training and validation BPC against steps, as a PNG at ``path`` (matplotlib, imported here)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    steps = [h["step"] for h in history]
+    fig, ax = plt.subplots(figsize=(6, 4), dpi=100)
+    ax.plot(steps, [h["train_bpc"] for h in history], marker=".", label="training (mean since the last validation)")
+    ax.plot(steps, [h["val_bpc"] for h in history], marker="o", label="validation")
+    ax.set_xlabel("step")
+    ax.set_ylabel("bits per byte")
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path)
+    plt.close(fig)
+
+
 def train(args, quiet=False):
-    """Train one model as ``args`` describes; returns the run's log as a dict (also written
-    to ``args.log`` when set). ``quiet`` suppresses the per-step lines."""
-    say = (lambda *a, **k: None) if quiet else print
+    """Train one model as ``args`` describes (see ``build_parser``); returns the run's log as a
+    dict (also written to ``args.log`` when set). ``quiet`` hides the progress bar and messages."""
     if args.threads:
         torch.set_num_threads(args.threads)
-    device = resolve_device(args.device)
+    rank, world, device = setup_distributed(resolve_device(args.device))
+    main_process = rank == 0
+    say = tqdm.write if main_process and not quiet else (lambda *a, **k: None)
 
-    data = load_bytes(args.data)
+    data_path = args.data or builtin_corpus(args.corpus_cache or default_corpus_cache(), say=say)
+    data = load_bytes(data_path)
     train_split, valid_split, test_split = split_data(data)
     valid_batches = fixed_batches(valid_split, args.eval_batches, args.batch_size, args.seq_len)
 
@@ -252,89 +386,144 @@ def train(args, quiet=False):
     model = build_model(args).to(device)
     n_params = sum(p.numel() for p in model.parameters())
     optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
-    data_rng = torch.Generator().manual_seed(args.seed)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_factor(args.warmup_steps))
+    data_rng = torch.Generator().manual_seed(args.seed)  # the batch order: the same for every variant
+    progress = {"step": 0, "history": [], "train_losses": [], "step_times": []}
+    if args.resume:
+        ckpt = torch.load(args.resume, map_location=device, weights_only=False)
+        differ = {k: (ckpt["config"].get(k), getattr(args, k)) for k in trajectory_keys()
+                  if ckpt["config"].get(k) != getattr(args, k)}
+        if differ:
+            raise SystemExit(f"--resume {args.resume}: options differ from the checkpoint's run "
+                             f"(checkpoint, now): {differ}")
+        model.load_state_dict(ckpt["model"])
+        optimizer.load_state_dict(ckpt["optimizer"])
+        scheduler.load_state_dict(ckpt["scheduler"])
+        data_rng.set_state(ckpt["data_rng"])
+        set_random_state(ckpt["random"], device)
+        progress = ckpt["progress"]
+    train_model = model
+    if world > 1:
+        train_model = torch.nn.parallel.DistributedDataParallel(
+            model, device_ids=[device.index] if device.type == "cuda" else None)
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.bf16)
 
-    say(f"data {args.data}: {data.numel():,} bytes -> train {train_split.numel():,} / "
+    def save(path):
+        torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(),
+                    "scheduler": scheduler.state_dict(), "data_rng": data_rng.get_state(),
+                    "random": random_state(device), "progress": progress,
+                    "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}},
+                   path)
+
+    def show_sample(step):
+        # its own seeded random state: sampling leaves the training's random state untouched
+        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+            torch.manual_seed(args.seed + step)
+            text = generate_sample(model, valid_split[:args.prime_len], args.generate, device)
+        say(f"--- sample after step {step} (prompt: the first {args.prime_len} bytes of the validation split) ---")
+        say(bytes(valid_split[:args.prime_len].tolist()).decode("utf-8", errors="replace") + " ⟶ " + text)
+        return text
+
+    say(f"data {data_path}: {data.numel():,} bytes -> train {train_split.numel():,} / "
         f"valid {valid_split.numel():,} / test {test_split.numel():,}")
-    say(f"variant {args.variant} (conv activation {args.conv_activation}, gate temperature "
-        f"{args.gate_temperature if VARIANTS[args.variant]['use_gate'] else '-'}), "
-        f"{n_params:,} parameters, device {device}, {torch.get_num_threads()} threads")
-
-    history, step_times, train_losses = [], [], []
-    start = time.perf_counter()
-    for step in range(1, args.steps + 1):
-        for group in optimizer.param_groups:
-            group["lr"] = learning_rate(step - 1, args)
-        batch = sample_batch(train_split, args.batch_size, args.seq_len, data_rng).to(device)
+    say(f"variant {args.variant}, {n_params:,} parameters, device {device}, {torch.get_num_threads()} threads"
+        + (f", {world} processes" if world > 1 else "") + (", bf16 autocast" if args.bf16 else ""))
+    tokens_per_step = args.batch_size * args.grad_accum * world * args.seq_len
+    history, train_losses, step_times = progress["history"], progress["train_losses"], progress["step_times"]
+    bar = tqdm(total=args.steps, initial=progress["step"], unit="step", dynamic_ncols=True,
+               disable=quiet or not main_process, mininterval=0.5)
+    start, sample = time.perf_counter(), None
+    for step in range(progress["step"] + 1, args.steps + 1):
         t0 = time.perf_counter()
-        loss = model(batch, return_loss=True)
+        windows = sample_batch(train_split, args.batch_size * args.grad_accum * world, args.seq_len, data_rng)
+        micro_batches = windows.split(args.batch_size)[rank::world]  # this process's share
         optimizer.zero_grad(set_to_none=True)
-        loss.backward()
+        loss_sum = 0.0
+        for i, micro in enumerate(micro_batches):
+            last = i == len(micro_batches) - 1
+            sync = nullcontext() if last or world == 1 else train_model.no_sync()
+            with sync, autocast:
+                loss = train_model(micro.to(device), return_loss=True)
+            (loss / args.grad_accum).backward()
+            loss_sum += loss.item()
         if args.grad_clip:
             torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
         optimizer.step()
+        scheduler.step()
         if device.type == "cuda":
             torch.cuda.synchronize()
+        loss_value = mean_over_processes(loss_sum / args.grad_accum, world, device)
         step_times.append(time.perf_counter() - t0)
-        train_losses.append(loss.item())
-        if not math.isfinite(train_losses[-1]):
-            raise SystemExit(f"step {step}: the training loss is {train_losses[-1]}")
+        train_losses.append(loss_value)
+        progress["step"] = step
+        if not math.isfinite(loss_value):
+            raise SystemExit(f"step {step}: the training loss is {loss_value}")
+        bar.update(1)
+        bar.set_postfix({"loss": f"{loss_value:.3f}", "bpc": f"{bpc(loss_value):.3f}",
+                         "tokens/s": f"{tokens_per_step / step_times[-1]:,.0f}"}, refresh=False)
 
-        if step % args.print_every == 0:
-            say(f"step {step:5d}  train loss {train_losses[-1]:.4f}  "
-                f"({bpc(train_losses[-1]):.3f} bpc)  {step_times[-1] * 1000:.0f} ms/step")
-        if step % args.eval_every == 0 or step == args.steps:
-            val_loss = evaluate(model, valid_batches, device)
-            recent = train_losses[-args.eval_every:]
-            history.append({
-                "step": step,
-                "train_loss": sum(recent) / len(recent),
-                "val_loss": val_loss,
-                "val_bpc": bpc(val_loss),
-                "elapsed_s": time.perf_counter() - start,
-            })
-            say(f"step {step:5d}  valid loss {val_loss:.4f}  valid {bpc(val_loss):.4f} bpc")
+        out_of_time = args.max_minutes and sum(step_times) > 60 * args.max_minutes
+        final = step == args.steps or out_of_time
+        if main_process and (step % args.eval_every == 0 or final):
+            with autocast:
+                val_loss = evaluate(model, valid_batches, device)
+            recent = train_losses[-(step - (history[-1]["step"] if history else 0)):]
+            train_loss = sum(recent) / len(recent)
+            history.append({"step": step, "train_loss": train_loss, "train_bpc": bpc(train_loss),
+                            "val_loss": val_loss, "val_bpc": bpc(val_loss), "elapsed_s": sum(step_times)})
+            say(f"step {step:6d}  train {bpc(train_loss):.4f} bpc  valid {bpc(val_loss):.4f} bpc")
+        if main_process and args.generate and args.sample_every and (step % args.sample_every == 0 or final):
+            sample = show_sample(step)
+        if main_process and args.save and (final or (args.save_every and step % args.save_every == 0)):
+            save(args.save)
+        if out_of_time:
+            say(f"stopping after step {step}: --max-minutes {args.max_minutes} reached")
+            break
+    bar.close()
+    if not main_process:
+        return None
 
-    skip = min(args.timing_warmup, len(step_times) - 1)
-    timed = step_times[skip:]
+    skip = min(args.timing_warmup, max(len(step_times) - 1, 0))
+    timed = step_times[skip:] or [float("nan")]
     log = {
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "machine": {"platform": platform.platform(), "processor": platform.processor(),
-                    "torch": torch.__version__, "device": str(device),
+                    "torch": torch.__version__, "device": str(device), "processes": world,
                     "threads": torch.get_num_threads(), "cpu_count": os.cpu_count(),
                     "load_average_at_end": os.getloadavg()},
         "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+        "data": str(data_path),
         "n_params": n_params,
         "n_bytes": {"train": train_split.numel(), "valid": valid_split.numel(), "test": test_split.numel()},
         "valid_windows": args.eval_batches * args.batch_size,
+        "steps_done": progress["step"],
         "history": history,
-        "final_val_loss": history[-1]["val_loss"],
-        "final_val_bpc": history[-1]["val_bpc"],
-        "mean_step_s": sum(timed) / len(timed),
-        "median_step_s": float(np.median(timed)),
+        "train_losses": train_losses,
+        "final_val_loss": history[-1]["val_loss"] if history else None,
+        "final_val_bpc": history[-1]["val_bpc"] if history else None,
+        "mean_step_s": statistics.fmean(timed),
+        "median_step_s": statistics.median(timed),
         "train_time_s": sum(step_times),
         "total_time_s": time.perf_counter() - start,
     }
-    if args.eval_test:
-        test_loss = evaluate(model, fixed_batches(test_split, args.eval_batches, args.batch_size, args.seq_len), device)
+    if args.test_batches:
+        with autocast:
+            test_loss = evaluate(model, fixed_batches(test_split, args.test_batches, args.batch_size, args.seq_len), device)
         log.update(final_test_loss=test_loss, final_test_bpc=bpc(test_loss))
-        say(f"test loss {test_loss:.4f}  test {bpc(test_loss):.4f} bpc")
-    say(f"final valid {log['final_val_bpc']:.4f} bpc; {log['mean_step_s'] * 1000:.0f} ms/step "
-        f"(mean after {skip} warm-up steps)")
-
-    if args.generate:
-        prime = valid_split[:args.prime_len]
-        text = generate_sample(model, prime, args.generate, device)
-        log["sample"] = {"prime": bytes(prime.tolist()).decode("utf-8", errors="replace"), "generated": text}
-        say("--- prime ---")
-        say(log["sample"]["prime"])
-        say("--- generated ---")
-        say(text)
-
+        say(f"test {bpc(test_loss):.4f} bpc ({args.test_batches * args.batch_size} windows of the test split)")
+    if history:
+        say(f"final valid {log['final_val_bpc']:.4f} bpc; {log['median_step_s'] * 1000:.0f} ms/step "
+            f"(median after {skip} warm-up steps); {log['train_time_s']:.0f} s of training")
+    if sample is not None:
+        log["sample"] = {"prime": bytes(valid_split[:args.prime_len].tolist()).decode("utf-8", errors="replace"),
+                         "generated": sample}
     if args.log:
         Path(args.log).parent.mkdir(parents=True, exist_ok=True)
         Path(args.log).write_text(json.dumps(log, indent=2))
         say(f"log written to {args.log}")
+    if args.plot and history:
+        plot_history(history, args.plot, f"{args.variant}, {n_params:,} parameters")
+        say(f"plot written to {args.plot}")
     return log
 
 
@@ -342,28 +531,45 @@ def train(args, quiet=False):
 
 
 def build_parser():
-    """The command-line options (also used by compare_improvements.py for its defaults)."""
+    """The command-line options (also used by compare_variants.py and compare_improvements.py)."""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    g = p.add_argument_group("data and run")
-    g.add_argument("--data", required=True, help="enwik8 (raw, .gz or .zip) or any file, read as bytes")
-    g.add_argument("--variant", choices=sorted(VARIANTS), default="full_improved")
-    g.add_argument("--steps", type=int, default=300, help="training steps")
-    g.add_argument("--batch-size", type=int, default=8)
-    g.add_argument("--lr", type=float, default=1e-3, help="Adam learning rate")
-    g.add_argument("--warmup-steps", type=int, default=20, help="linear learning-rate warmup")
-    g.add_argument("--grad-clip", type=float, default=0.5, help="max gradient norm (0: off)")
-    g.add_argument("--eval-every", type=int, default=100, help="validate every N steps (and at the end)")
-    g.add_argument("--eval-batches", type=int, default=16, help="fixed validation batches per evaluation")
-    g.add_argument("--eval-test", action="store_true", help="also report test BPC at the end")
-    g.add_argument("--print-every", type=int, default=25, help="print the training loss every N steps")
-    g.add_argument("--seed", type=int, default=0, help="seeds both the initialisation and the batch order")
-    g.add_argument("--device", default="auto", help="'auto' (cuda if available), 'cpu', 'cuda', ...")
-    g.add_argument("--threads", type=int, default=0, help="torch.set_num_threads (0: leave as is)")
-    g.add_argument("--timing-warmup", type=int, default=5, help="steps left out of the time per step")
-    g.add_argument("--log", default=None, help="write a JSON log of the run here")
-    g.add_argument("--generate", type=int, default=0, help="sample N bytes at the end (0: none)")
-    g.add_argument("--prime-len", type=int, default=128, help="bytes of the validation split used as prompt")
+    d = p.add_argument_group("data")
+    d.add_argument("--data", default=None,
+                   help="enwik8 (raw, .gz or .zip) or any file, read as bytes (default: the built-in corpus)")
+    d.add_argument("--corpus-cache", default=None,
+                   help=f"where the built-in corpus is built (default {default_corpus_cache()})")
+
+    t = p.add_argument_group("training")
+    t.add_argument("--variant", choices=sorted(VARIANTS), default="full_improved")
+    t.add_argument("--steps", type=int, default=1000, help="optimizer steps")
+    t.add_argument("--max-minutes", type=float, default=0.0, help="stop once training took this long (0: no limit)")
+    t.add_argument("--batch-size", type=int, default=8, help="windows per micro-batch and process")
+    t.add_argument("--grad-accum", type=int, default=1, help="micro-batches per optimizer step")
+    t.add_argument("--lr", type=float, default=1e-3, help="Adam learning rate")
+    t.add_argument("--warmup-steps", type=int, default=20, help="linear learning-rate warmup")
+    t.add_argument("--grad-clip", type=float, default=0.5, help="max gradient norm (0: off)")
+    t.add_argument("--bf16", action="store_true", help="bfloat16 autocast")
+    t.add_argument("--seed", type=int, default=0, help="seeds both the initialisation and the batch order")
+    t.add_argument("--device", default="auto", help="'auto' (cuda if available), 'cpu', 'cuda', ...")
+    t.add_argument("--threads", type=int, default=0, help="torch.set_num_threads (0: leave as is)")
+    t.add_argument("--save", default=None, help="checkpoint file, written every --save-every steps and at the end")
+    t.add_argument("--save-every", type=int, default=500, help="(0: only at the end)")
+    t.add_argument("--resume", default=None,
+                   help="continue the run of this checkpoint (its options are used; --steps may grow)")
+
+    r = p.add_argument_group("reporting")
+    r.add_argument("--eval-every", type=int, default=100, help="validate every N steps (and at the end)")
+    r.add_argument("--eval-batches", type=int, default=16, help="fixed validation batches per evaluation")
+    r.add_argument("--test-batches", type=int, default=16, help="test batches at the end (0: no test BPC)")
+    r.add_argument("--generate", type=int, default=200, help="bytes per sample (0: no samples)")
+    r.add_argument("--sample-every", type=int, default=500, help="sample every N steps (and at the end)")
+    r.add_argument("--prime-len", type=int, default=64, help="bytes of the validation split used as prompt")
+    r.add_argument("--timing-warmup", type=int, default=5, help="steps left out of the time per step")
+    r.add_argument("--log", "--json-log", dest="log", default=None,
+                   help="write a JSON log of the run here (under torchrun spell it --json-log: torchrun "
+                        "takes --log for an abbreviation of its own --log-dir)")
+    r.add_argument("--plot", default=None, help="write training/validation BPC against steps here (PNG)")
 
     m = p.add_argument_group("model")
     m.add_argument("--dim", type=int, default=128)
@@ -375,26 +581,74 @@ def build_parser():
     m.add_argument("--local-attn-window-size", type=int, default=64)
     m.add_argument("--blindspot-size", type=int, default=1, help="1: the linear heads see every earlier token")
     m.add_argument("--pos-emb", choices=("absolute", "axial", "rotary"), default="rotary",
-                   help="position information: learned absolute embedding, the library's axial "
-                        "default (initialised N(0, 1), 50x the token embedding), or rotary")
+                   help="position information: learned absolute embedding, axial, or rotary")
     m.add_argument("--ff-glu", action="store_true", help="GLU feed-forward")
     m.add_argument("--shift-tokens", action="store_true", help="token shifting in every branch")
     m.add_argument("--dropout", type=float, default=0.0, help="feed-forward and attention dropout")
     m.add_argument("--gate-temperature", type=float, default=16.0, help="tau of the forget gate (gated variants)")
     m.add_argument("--gate-rank", type=int, default=16, help="rank of the forget gate's projection")
+    m.add_argument("--gate-granularity", choices=("default", "feature", "head"), default="default",
+                   help="forget gate per key feature or per head (where the installed package has the option)")
     m.add_argument("--gate-parts", choices=("both", "forget", "output"), default="both",
                    help="ablation: keep only the forget gate or only the output gate")
     m.add_argument("--local-conv-kernel", type=int, default=3, help="taps of the local convolution")
+    m.add_argument("--conv-on", choices=("qkv", "kv", "v"), default="qkv",
+                   help="which of q, k, v the local convolution acts on (kv, v: the others bypassed by hooks)")
     m.add_argument("--conv-activation", choices=("none", "silu"), default="none",
                    help="activation after the local convolution (implemented here by forward hooks)")
     return p
 
 
+def options_from_pairs(pairs):
+    """Command-line arguments of this script from OPTION=VALUE strings (``dim=256``,
+    ``ff_glu=true`` for a flag), as comparison scripts take them."""
+    argv = []
+    for item in pairs:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise SystemExit(f"expected OPTION=VALUE, got {item!r}")
+        argv.append(f"--{key.replace('_', '-')}")
+        if value.lower() not in ("true", ""):  # bare flags (store_true) take no value
+            argv.append(value)
+    return argv
+
+
+def trajectory_keys():
+    """The options a resumed run must share with the checkpoint's: everything that decides
+    the model, the data, the batches and the updates (not --steps, not the reporting)."""
+    parser = build_parser()
+    groups = {g.title: g for g in parser._action_groups}
+    model = [a.dest for a in groups["model"]._group_actions]
+    return ["data", "variant", "batch_size", "grad_accum", "lr", "warmup_steps", "grad_clip", "bf16", "seed", *model]
+
+
+def explicit_options(argv):
+    """The destinations of the options given on the command line ``argv``."""
+    parser = build_parser()
+    for action in parser._actions:
+        action.default = argparse.SUPPRESS
+    return set(vars(parser.parse_args(argv)))
+
+
 def main(argv=None):
+    argv = sys.argv[1:] if argv is None else list(argv)
     args = build_parser().parse_args(argv)
-    if args.seq_len < 2 or args.steps < 1 or args.batch_size < 1 or args.eval_every < 1:
-        raise SystemExit("--seq-len must be >= 2 and --steps, --batch-size, --eval-every >= 1")
+    if args.seq_len < 2 or args.steps < 1 or args.batch_size < 1 or args.eval_every < 1 or args.grad_accum < 1:
+        raise SystemExit("--seq-len must be >= 2 and --steps, --batch-size, --grad-accum, --eval-every >= 1")
+    if args.resume:  # the checkpoint's options, unless given again (then they must agree)
+        if not Path(args.resume).is_file():
+            raise SystemExit(f"--resume {args.resume}: no such checkpoint")
+        saved = torch.load(args.resume, map_location="cpu", weights_only=False)["config"]
+        given = explicit_options(argv)
+        for key in trajectory_keys():
+            if key not in given:
+                setattr(args, key, saved.get(key))
     train(args)
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        import torch.distributed as dist
+
+        dist.destroy_process_group()
+    return 0
 
 
 if __name__ == "__main__":

@@ -1,0 +1,152 @@
+"""The scripts of examples/ run end to end on tiny data: training learns, resuming is exact,
+the plot is a PNG of the expected size, the comparison writes its table."""
+
+import json
+import os
+import struct
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLES = ROOT / "examples"
+sys.path.insert(0, str(EXAMPLES))
+
+import compare_variants  # noqa: E402
+import image_attention  # noqa: E402
+import train_enwik8  # noqa: E402
+
+# a model and a budget small enough to train in about a second
+TINY = ["--dim", "32", "--depth", "1", "--heads", "2", "--n-local-attn-heads", "1",
+        "--local-attn-window-size", "16", "--seq-len", "32", "--batch-size", "4",
+        "--eval-batches", "2", "--generate", "0"]
+
+
+@pytest.fixture(scope="module")
+def text(tmp_path_factory):
+    """A small repeated English text (~20 KB): a byte LM learns it within a few dozen steps."""
+    path = tmp_path_factory.mktemp("data") / "text.txt"
+    sentence = "the quick brown fox jumps over the lazy dog, and the cat sleeps on the warm mat. "
+    path.write_text(sentence * 250)
+    return path
+
+
+def png_size(path):
+    """(width, height) from a PNG's IHDR chunk; fails unless the file starts with the PNG signature."""
+    raw = Path(path).read_bytes()
+    assert raw[:8] == b"\x89PNG\r\n\x1a\n", "not a PNG"
+    assert raw[12:16] == b"IHDR"
+    return struct.unpack(">II", raw[16:24])
+
+
+def test_train_script_learns_and_writes_log_plot_sample(text, tmp_path):
+    # as a user runs it: a subprocess, the package found through PYTHONPATH
+    log, plot = tmp_path / "run.json", tmp_path / "curve.png"
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    cmd = [sys.executable, str(EXAMPLES / "train_enwik8.py"), "--data", str(text), *TINY, "--steps", "40",
+           "--lr", "3e-3", "--eval-every", "10", "--generate", "16", "--sample-every", "20", "--threads", "1",
+           "--test-batches", "2", "--log", str(log), "--plot", str(plot)]
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    result = json.loads(log.read_text())
+    val = [h["val_bpc"] for h in result["history"]]
+    assert [h["step"] for h in result["history"]] == [10, 20, 30, 40]
+    assert val[-1] < val[0] - 1.0, val  # a repeated sentence: far below the first evaluation
+    assert result["history"][-1]["train_bpc"] < result["history"][0]["train_bpc"] - 1.0
+    assert 0 < result["final_test_bpc"] < 8
+    assert len(result["train_losses"]) == 40
+    assert "sample after step 20" in done.stdout and "sample after step 40" in done.stdout
+    assert len(result["sample"]["generated"]) > 0
+    assert png_size(plot) == (600, 400)  # figsize 6 x 4 inches at 100 dpi
+
+
+def test_resume_continues_with_identical_losses(text, tmp_path):
+    # dropout and gradient accumulation on: the random state and the batch order must both be restored
+    common = ["--data", str(text), *TINY, "--dropout", "0.1", "--grad-accum", "2", "--eval-every", "3",
+              "--test-batches", "0"]
+    full, part, resumed = tmp_path / "full.json", tmp_path / "part.json", tmp_path / "resumed.json"
+    ckpt = tmp_path / "ckpt.pt"
+    train_enwik8.main([*common, "--steps", "6", "--log", str(full)])
+    train_enwik8.main([*common, "--steps", "3", "--save", str(ckpt), "--log", str(part)])
+    train_enwik8.main(["--resume", str(ckpt), "--steps", "6", "--log", str(resumed), "--test-batches", "0"])
+    uninterrupted = json.loads(full.read_text())["train_losses"]
+    continued = json.loads(resumed.read_text())["train_losses"]
+    assert json.loads(part.read_text())["train_losses"] == uninterrupted[:3]
+    assert continued[3] == uninterrupted[3]  # the next loss after resuming, exactly
+    assert continued == uninterrupted
+    assert len(set(uninterrupted)) == 6  # the losses do change from step to step
+
+
+def test_resume_refuses_a_different_model(text, tmp_path):
+    ckpt = tmp_path / "ckpt.pt"
+    train_enwik8.main(["--data", str(text), *TINY, "--steps", "1", "--test-batches", "0", "--save", str(ckpt)])
+    with pytest.raises(SystemExit, match="dim"):
+        train_enwik8.main(["--resume", str(ckpt), "--steps", "2", "--dim", "64"])
+
+
+def test_load_bytes_is_the_file(tmp_path):
+    path = tmp_path / "bytes.bin"
+    path.write_bytes(bytes(range(256)) * 2)
+    data = train_enwik8.load_bytes(path)
+    assert data.tolist() == list(range(256)) * 2
+    with pytest.raises(SystemExit, match="no such file"):
+        train_enwik8.load_bytes(tmp_path / "missing")
+
+
+def test_compare_variants_writes_table_and_plot(text, tmp_path):
+    out = tmp_path / "cmp"
+    compare_variants.main(["--data", str(text), "--variants", "baseline", "conv_only", "--seeds", "0", "1",
+                           "--steps", "4", "--out", str(out), "--set", *[f"{k.lstrip('-').replace('-', '_')}={v}"
+                                                                          for k, v in zip(TINY[::2], TINY[1::2])],
+                           "eval_every=2"])
+    table = (out / "results.md").read_text()
+    rows = [line for line in table.splitlines() if line.startswith("| ")]
+    assert rows[0].startswith("| variant | valid BPC (mean ± std over 2 seeds) | seed 0 | seed 1 |")
+    assert [r.split("|")[1].strip() for r in rows[1:]] == ["baseline", "conv_only"]
+    logs = {p.name for p in out.glob("*_seed*.json")}
+    assert logs == {"baseline_seed0.json", "baseline_seed1.json", "conv_only_seed0.json", "conv_only_seed1.json"}
+    base0 = json.loads((out / "baseline_seed0.json").read_text())
+    # the table's per-seed figure is the run's final validation BPC
+    assert f"{base0['final_val_bpc']:.4f}" in rows[1]
+    assert png_size(out / "loss_comparison.png") == (700, 450)
+
+
+def test_image_attention_loss_falls():
+    result = image_attention.main(["--steps", "100", "--print-every", "50"])
+    loss_before, _ = result["held_out_before"]
+    loss_after, accuracy_after = result["held_out_after"]
+    assert loss_after < loss_before - 0.3
+    assert accuracy_after > 0.8  # chance is 0.5
+
+
+def test_conv_on_v_bypasses_the_query_and_key_convolutions():
+    import torch
+
+    args = train_enwik8.build_parser().parse_args([*TINY, "--variant", "conv_only", "--conv-on", "v"])
+    torch.manual_seed(0)
+    probe = train_enwik8.build_model(args)
+    args.conv_on = "qkv"
+    torch.manual_seed(0)
+    plain = train_enwik8.build_model(args)
+    with torch.no_grad():
+        for conv in (m for m in probe.modules() if isinstance(m, train_enwik8.LocalConv)):
+            conv.conv_weight.normal_()  # far from the identity start
+        plain.load_state_dict(probe.state_dict())
+        x = torch.randint(0, 256, (2, 32))
+        convolving_qkv = plain.net(x)
+        for layer in (m for m in plain.modules() if isinstance(getattr(m, "local_conv", None), torch.nn.ModuleList)):
+            for conv in layer.local_conv[:2]:  # q and k back to the identity by hand
+                conv.conv_weight.zero_()
+                conv.conv_weight[:, 0, -1] = 1.0
+    torch.testing.assert_close(probe.net(x), plain.net(x))
+    assert not torch.allclose(probe.net(x), convolving_qkv, atol=1e-3)  # the bypass does change the model
+
+
+def test_manpage_text_keeps_the_words_and_drops_the_markup():
+    import make_local_corpus
+
+    troff = ('.\\" Copyright line\n.TH glob 7 2023-02-05 "Linux man-pages 6.03"\n.SH NAME\nglob \\- globbing\n'
+             '.PP\nSee\n.BR glob (3)\nfor \\fBmore\\fP, \\[aq]?\\[aq] matches.\n.nr X 2\n')
+    assert make_local_corpus.manpage_text(troff) == "NAME\nglob - globbing\nSee\nglob (3)\nfor more, '?' matches."
