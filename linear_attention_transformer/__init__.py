@@ -10,6 +10,7 @@ Where things live:
     reversible.py    reversible residual composition (activations recomputed in backward)
     transformer.py   the layer stack;  lm.py  the token model
     autoregressive.py  training loss and sampling
+    seed_names.py    the names users of seeds 001 and 003 know (Linformer, LinformerLM, ...)
 """
 
 from .attention import Attention, LinearSelfAttention
@@ -18,6 +19,7 @@ from .autoregressive import AutoregressiveWrapper
 from .images import ImageLinearAttention
 from .linformer import LinformerContextSettings, LinformerSelfAttention, LinformerSettings
 from .lm import LinearAttentionTransformerLM
+from .seed_names import LinearImageAttention, Linformer, LinformerLM
 from .transformer import LinearAttentionTransformer
 
 __all__ = [
@@ -27,8 +29,11 @@ __all__ = [
     "ImageLinearAttention",
     "LinearAttentionTransformer",
     "LinearAttentionTransformerLM",
+    "LinearImageAttention",
     "LinearSelfAttention",
+    "Linformer",
     "LinformerContextSettings",
+    "LinformerLM",
     "LinformerSelfAttention",
     "LinformerSettings",
 ]

@@ -13,6 +13,11 @@ if it were zero-padded to ``seq_len``: zero rows contribute nothing to Eᵀ X, s
 first m rows of E and F are used. Masked key/value positions are zeroed before the
 projection, which makes them contribute nothing as well.
 
+E and F are learned and Xavier-initialised, as the Linformer authors did. How many there are
+is ``parameter_sharing`` (the paper's section 4, seed 002): 'none' (an E and an F per
+key/value head and layer), 'headwise' (one E and one F per layer), 'kv' (E = F per layer),
+'layerwise' (one E = F for every layer). ``k_reduce_by_layer`` lets k shrink with depth.
+
 Because the projection along the sequence and the feature projections W_k, W_v are both
 linear and bias-free, they commute; the module mixes positions first (Eᵀ X, then W_k),
 which costs O(m k dim) instead of O(m dim h d) and, with ``share_kv``, is done once for
@@ -72,6 +77,19 @@ def _check_mask(name, mask, batch, length):
 # --------------------------------------------------------------------------- settings
 
 
+SHARING = ("none", "headwise", "kv", "layerwise")
+
+
+def _check_sharing(settings):
+    if settings.parameter_sharing not in SHARING:
+        raise ValueError(f"parameter_sharing must be one of {SHARING}, got {settings.parameter_sharing!r}")
+    _check_int("k_reduce_by_layer", settings.k_reduce_by_layer, minimum=0)
+    if settings.k_reduce_by_layer and settings.parameter_sharing == "layerwise":
+        raise ValueError(
+            "k_reduce_by_layer > 0 with parameter_sharing='layerwise': one projection for every layer has one k"
+        )
+
+
 @dataclass(frozen=True)
 class LinformerSettings:
     """Use Linformer self-attention in every layer (non-causal, fixed maximal length).
@@ -79,19 +97,24 @@ class LinformerSettings:
     The sequence length projected from is the model's ``max_seq_len``.
 
     Args:
-        k: number of positions keys and values are projected down to.
+        k: number of positions keys and values are projected down to (in the first layer).
         one_kv_head: a single key/value head shared by all query heads.
         share_kv: the same sequence projection for keys and values (F = E).
+        parameter_sharing: 'none' | 'headwise' (default) | 'kv' | 'layerwise', see above.
+        k_reduce_by_layer: layer l (from 0) projects to max(1, k - l * k_reduce_by_layer).
     """
 
     k: int = 256
     one_kv_head: bool = False
     share_kv: bool = False
+    parameter_sharing: str = "headwise"
+    k_reduce_by_layer: int = 0
 
     def __post_init__(self):
         _check_int("k", self.k)
         _check_bool("one_kv_head", self.one_kv_head)
         _check_bool("share_kv", self.share_kv)
+        _check_sharing(self)
 
 
 @dataclass(frozen=True)
@@ -100,21 +123,23 @@ class LinformerContextSettings:
 
     Args:
         seq_len: maximal context length, the length projected from.
-        k: number of positions keys and values are projected down to.
-        one_kv_head: a single key/value head shared by all query heads.
-        share_kv: the same sequence projection for keys and values (F = E).
+        k, one_kv_head, share_kv, parameter_sharing, k_reduce_by_layer: as in
+            ``LinformerSettings``.
     """
 
     seq_len: int
     k: int = 256
     one_kv_head: bool = False
     share_kv: bool = False
+    parameter_sharing: str = "headwise"
+    k_reduce_by_layer: int = 0
 
     def __post_init__(self):
         _check_int("seq_len", self.seq_len)
         _check_int("k", self.k)
         _check_bool("one_kv_head", self.one_kv_head)
         _check_bool("share_kv", self.share_kv)
+        _check_sharing(self)
 
 
 # --------------------------------------------------------------------------- module
@@ -135,12 +160,15 @@ class LinformerSelfAttention(nn.Module):
         share_kv: use the same sequence projection for keys and values (F = E). The
             feature projections ``to_k`` and ``to_v`` stay separate.
         dropout: dropout probability on the attention weights.
+        per_head: a sequence projection per key/value head (parameter_sharing 'none').
+        projection: an existing (seq_len, k) parameter to use as E = F (parameter_sharing
+            'layerwise': the same one in every layer); implies ``share_kv``.
 
     Parameters:
         to_q: Linear(dim, heads * dim_head), no bias.
         to_k, to_v: Linear(dim, kv_heads * dim_head), no bias, kv_heads = 1 or heads.
-        proj_k (E), proj_v (F, absent with ``share_kv``): (seq_len, k), initialised
-            uniform(-1/sqrt(seq_len), 1/sqrt(seq_len)) like a Linear layer with seq_len inputs.
+        proj_k (E), proj_v (F, absent with ``share_kv``): (seq_len, k), or (kv_heads, seq_len,
+            k) with ``per_head``; Xavier-uniform, bound sqrt(6 / (seq_len + k)).
         to_out: Linear(heads * dim_head, dim), with bias.
 
     Shapes (forward):
@@ -167,6 +195,8 @@ class LinformerSelfAttention(nn.Module):
         one_kv_head: bool = False,
         share_kv: bool = False,
         dropout: float = 0.0,
+        per_head: bool = False,
+        projection: Optional[nn.Parameter] = None,
     ):
         super().__init__()
         _check_int("dim", dim)
@@ -180,6 +210,10 @@ class LinformerSelfAttention(nn.Module):
         _check_int("dim_head", dim_head)
         _check_bool("one_kv_head", one_kv_head)
         _check_bool("share_kv", share_kv)
+        _check_bool("per_head", per_head)
+        if projection is not None and (per_head or tuple(projection.shape) != (seq_len, k)):
+            raise ValueError(f"projection must be a ({seq_len}, {k}) parameter, used without per_head")
+        share_kv = share_kv or projection is not None
         if isinstance(dropout, bool) or not isinstance(dropout, (int, float)) or not 0.0 <= dropout < 1.0:
             raise ValueError(f"dropout must be a float in [0, 1), got {dropout!r}")
 
@@ -193,11 +227,11 @@ class LinformerSelfAttention(nn.Module):
         self.to_q = nn.Linear(dim, inner, bias=False)
         self.to_k = nn.Linear(dim, kv_inner, bias=False)
         self.to_v = nn.Linear(dim, kv_inner, bias=False)
-        self.proj_k = nn.Parameter(torch.empty(seq_len, k))
-        self.proj_v = None if share_kv else nn.Parameter(torch.empty(seq_len, k))
+        shape = (self.kv_heads, seq_len, k) if per_head else (seq_len, k)
+        self.proj_k = projection if projection is not None else nn.Parameter(_xavier(torch.empty(shape)))
+        self.proj_v = None if share_kv else nn.Parameter(_xavier(torch.empty(shape)))
         self.dropout = nn.Dropout(dropout)
         self.to_out = nn.Linear(inner, dim)
-        self.reset_projections()
 
     @classmethod
     def from_settings(cls, dim, seq_len, settings, heads=8, dim_head=None, dropout=0.0):
@@ -205,17 +239,26 @@ class LinformerSelfAttention(nn.Module):
         ``LinformerContextSettings`` (its own ``seq_len`` wins; pass ``seq_len=None``)."""
         return linformer_layers(settings, dim, seq_len, 1, heads=heads, dim_head=dim_head, attn_dropout=dropout)[0]
 
-    def reset_projections(self):
-        bound = 1.0 / math.sqrt(self.seq_len)
-        for p in (self.proj_k, self.proj_v):
-            if p is not None:
-                nn.init.uniform_(p, -bound, bound)
-
     def extra_repr(self):
         return (
             f"dim={self.dim}, seq_len={self.seq_len}, k={self.k}, heads={self.heads}, "
             f"dim_head={self.dim_head}, one_kv_head={self.one_kv_head}, share_kv={self.share_kv}"
         )
+
+    @staticmethod
+    def _mix(kv_input, proj):
+        """Eᵀ X: (b, m, dim) -> (b, k, dim), or (b, kv_heads, k, dim) with a projection per head."""
+        m = kv_input.shape[1]
+        if proj.ndim == 2:
+            return torch.einsum("bmd,mk->bkd", kv_input, proj[:m].to(kv_input.dtype))
+        return torch.einsum("bmd,hmk->bhkd", kv_input, proj[:, :m].to(kv_input.dtype))
+
+    def _heads(self, mixed, linear):
+        """The feature projection of mixed positions, as (b, kv_heads, k, dim_head)."""
+        if mixed.ndim == 3:
+            return rearrange(linear(mixed), "b k (h d) -> b h k d", h=self.kv_heads)
+        weight = rearrange(linear.weight, "(h e) d -> h e d", h=self.kv_heads)
+        return torch.einsum("bhkd,hed->bhke", mixed, weight)
 
     def forward(self, x, context=None, input_mask=None, context_mask=None):
         _check_features("x", x, self.dim)
@@ -243,16 +286,11 @@ class LinformerSelfAttention(nn.Module):
 
         # project along the sequence first; a length m < seq_len uses the first m rows of
         # E and F, which is exactly zero-padding the sequence to seq_len
-        proj_k = self.proj_k[:m]
-        mixed_k = torch.einsum("bmd,mk->bkd", kv_input, proj_k.to(kv_input.dtype))
-        if self.proj_v is None:
-            mixed_v = mixed_k
-        else:
-            mixed_v = torch.einsum("bmd,mk->bkd", kv_input, self.proj_v[:m].to(kv_input.dtype))
+        mixed_k = self._mix(kv_input, self.proj_k)
+        mixed_v = mixed_k if self.proj_v is None else self._mix(kv_input, self.proj_v)
 
         q = rearrange(self.to_q(x), "b n (h d) -> b h n d", h=self.heads)
-        keys = rearrange(self.to_k(mixed_k), "b k (h d) -> b h k d", h=self.kv_heads)
-        values = rearrange(self.to_v(mixed_v), "b k (h d) -> b h k d", h=self.kv_heads)
+        keys, values = self._heads(mixed_k, self.to_k), self._heads(mixed_v, self.to_v)
 
         out_dtype = values.dtype
         dtype = torch.promote_types(q.dtype, torch.float32)
@@ -288,10 +326,20 @@ def linformer_layers(settings, dim, seq_len, depth, heads=8, dim_head=None, attn
         seq_len = settings.seq_len
     elif not isinstance(settings, LinformerSettings):
         raise TypeError(f"settings must be LinformerSettings or LinformerContextSettings, got {type(settings).__name__}")
+    sharing = settings.parameter_sharing
+    shared = nn.Parameter(_xavier(torch.empty(seq_len, settings.k))) if sharing == "layerwise" else None
     return [
         LinformerSelfAttention(
-            dim, seq_len, k=settings.k, heads=heads, dim_head=dim_head, one_kv_head=settings.one_kv_head,
-            share_kv=settings.share_kv, dropout=attn_dropout,
+            dim, seq_len, k=max(1, settings.k - layer * settings.k_reduce_by_layer), heads=heads, dim_head=dim_head,
+            one_kv_head=settings.one_kv_head, share_kv=settings.share_kv or sharing == "kv", dropout=attn_dropout,
+            per_head=sharing == "none", projection=shared,
         )
-        for _ in range(depth)
+        for layer in range(depth)
     ]
+
+
+def _xavier(t):
+    """Xavier-uniform for a (seq_len, k) projection, or for each of a stack of them."""
+    for matrix in t.view(-1, *t.shape[-2:]):
+        nn.init.xavier_uniform_(matrix)
+    return t

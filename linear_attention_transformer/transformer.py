@@ -271,6 +271,8 @@ class LinearAttentionTransformer(nn.Module):
             raise TypeError("context_linformer_settings must be a LinformerContextSettings")
         if context_linformer_settings is not None and not receives_context:
             raise ValueError("context_linformer_settings needs receives_context=True")
+        if reversible and checkpoint:
+            raise ValueError("reversible=True and checkpoint=True are two ways to trade compute for memory: choose one")
         bad = [p for p in pkm_layers if not isinstance(p, int) or not 1 <= p <= depth]
         if bad:
             raise ValueError(f"pkm_layers holds 1-based layer numbers up to depth={depth}, got {bad}")
@@ -288,14 +290,14 @@ class LinearAttentionTransformer(nn.Module):
 
         # each layer kind takes its options once, here
         if linformer_settings is None:
-            local = options.take("linear attention", Attention)
-            local_heads = _per_layer(local.pop("n_local_attn_heads", 0), depth, "n_local_attn_heads")
-            window_options = [name for name in local if name.startswith("local_attn_")]
+            linear = options.take("linear attention", Attention)
+            local_heads = _per_layer(linear.pop("n_local_attn_heads", 0), depth, "n_local_attn_heads")
+            window_options = [name for name in linear if name.startswith("local_attn_")]
             if window_options and not any(local_heads):
                 raise ValueError(f"{', '.join(window_options)}: settings of local heads, and n_local_attn_heads is 0")
             self_attention = [
                 Attention(dim, causal=causal, n_local_attn_heads=n, local_attn_window_size=local_attn_window_size,
-                          **shared, **local)
+                          **shared, **linear)
                 for n in local_heads
             ]
         else:
@@ -339,8 +341,6 @@ class LinearAttentionTransformer(nn.Module):
                 # the context is fixed for the whole sequence: no token shift in this branch
                 blocks.append((attention_branch(cross, "context", "context_mask", shifts=None), branch(feedforward(layer))))
 
-        if reversible and checkpoint:
-            raise ValueError("reversible=True and checkpoint=True are two ways to trade compute for memory: choose one")
         self.layers = ReversibleSequence(blocks) if reversible else SequentialSequence(blocks, checkpoint=checkpoint)
         self.rotary = RotaryEmbedding(resolve_heads(dim, heads, dim_head)[0]) if use_rotary_emb else None
 

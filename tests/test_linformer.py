@@ -6,6 +6,7 @@ import math
 import pytest
 import torch
 
+from linear_attention_transformer import LinearAttentionTransformer
 from linear_attention_transformer.linformer import (
     LinformerContextSettings,
     LinformerSelfAttention,
@@ -41,20 +42,19 @@ def naive_linformer(attn, x, context=None, kv_mask=None):
         padded = padded * keep[..., None]
     E = attn.proj_k.detach()
     Fm = E if attn.share_kv else attn.proj_v.detach()
-    assert E.shape == (L, attn.k) and Fm.shape == (L, attn.k)
+    assert E.shape[-2:] == (L, attn.k) and Fm.shape == E.shape
     Wq, Wk, Wv = attn.to_q.weight.detach(), attn.to_k.weight.detach(), attn.to_v.weight.detach()
     Wo, bo = attn.to_out.weight.detach(), attn.to_out.bias.detach()
 
     outs = []
     for bi in range(b):
-        keys = E.T @ (padded[bi] @ Wk.T)  # (k, kv_heads * dh)
-        values = Fm.T @ (padded[bi] @ Wv.T)
         head_outs = []
         for h in range(attn.heads):
             kvh = 0 if attn.one_kv_head else h
+            Eh, Fh = (P[kvh] if P.ndim == 3 else P for P in (E, Fm))  # a projection per head, or one
             qh = x[bi] @ Wq[h * dh : (h + 1) * dh].T  # (n, dh)
-            kh = keys[:, kvh * dh : (kvh + 1) * dh]
-            vh = values[:, kvh * dh : (kvh + 1) * dh]
+            kh = Eh.T @ (padded[bi] @ Wk[kvh * dh : (kvh + 1) * dh].T)  # (k, dh)
+            vh = Fh.T @ (padded[bi] @ Wv[kvh * dh : (kvh + 1) * dh].T)
             logits = qh @ kh.T / math.sqrt(dh)
             w = torch.exp(logits - logits.max(dim=1, keepdim=True).values)
             w = w / w.sum(dim=1, keepdim=True)
@@ -146,10 +146,10 @@ def test_sharing_saves_exactly_the_expected_parameters():
     assert base - count(one_kv_head=True) == 2 * DIM * (HEADS - 1) * DIM_HEAD
 
 
-def test_projection_init_is_linear_like():
+def test_projection_init_is_xavier():
     torch.manual_seed(0)
     attn = LinformerSelfAttention(dim=8, seq_len=400, k=300, heads=2)
-    bound = 1 / math.sqrt(400)
+    bound = math.sqrt(6 / (400 + 300))
     for p in (attn.proj_k, attn.proj_v):
         assert p.abs().max() <= bound
         assert p.abs().max() > 0.9 * bound  # uniform, not a tiny or constant init
@@ -348,3 +348,63 @@ def test_settings_defaults_frozen_and_from_settings():
 def test_bad_settings(factory, exc, name):
     with pytest.raises(exc, match=rf"^{name}\b"):
         factory()
+
+
+# ------------------------------------------------------------------ seed 002's sharing and k reduction
+
+
+@pytest.mark.parametrize("one_kv_head", [False, True])
+@pytest.mark.parametrize("share_kv", [False, True])
+@pytest.mark.parametrize("n", [SEQ_LEN, 7])
+def test_projection_per_head_matches_naive(one_kv_head, share_kv, n):
+    attn = make(one_kv_head=one_kv_head, share_kv=share_kv, per_head=True)
+    assert attn.proj_k.shape == (1 if one_kv_head else HEADS, SEQ_LEN, K)
+    mask = torch.rand(2, n) > 0.3
+    x = rand(2, n, DIM)
+    assert rel_err(attn(x, input_mask=mask), naive_linformer(attn, x, kv_mask=mask)) <= 1e-9
+
+
+def linformer_model(**settings):
+    torch.manual_seed(0)
+    return LinearAttentionTransformer(dim=DIM, depth=3, heads=HEADS, max_seq_len=SEQ_LEN,
+                                      linformer_settings=LinformerSettings(k=K, **settings)).double()
+
+
+def projections(model):
+    """The distinct sequence projections of a model, by identity."""
+    found = {}
+    for module in model.modules():
+        if isinstance(module, LinformerSelfAttention):
+            for p in (module.proj_k, module.proj_v):
+                if p is not None:
+                    found[id(p)] = p
+    return list(found.values())
+
+
+def test_parameter_sharing_modes_count_and_strictly_decrease():
+    counts = []
+    for sharing, matrices in [("none", 3 * HEADS * 2), ("headwise", 3 * 2), ("kv", 3), ("layerwise", 1)]:
+        model = linformer_model(parameter_sharing=sharing)
+        assert sum(p.shape[0] if p.ndim == 3 else 1 for p in projections(model)) == matrices, sharing
+        counts.append(sum(p.numel() for p in model.parameters()))
+        x = rand(2, 7, DIM)
+        assert model(x).shape == (2, 7, DIM)
+    assert counts == sorted(counts, reverse=True) and len(set(counts)) == 4
+    layerwise = linformer_model(parameter_sharing="layerwise")
+    (shared,) = projections(layerwise)
+    layerwise(rand(2, 7, DIM)).sum().backward()
+    assert shared.grad is not None and shared.grad.abs().sum() > 0  # learned, one tensor for every layer
+
+
+def test_k_reduce_by_layer():
+    model = linformer_model(k_reduce_by_layer=2)
+    ks = [m.k for m in model.modules() if isinstance(m, LinformerSelfAttention)]
+    assert ks == [K, K - 2, 1]  # 4, 2, then at least 1
+    assert [p.shape[-1] for p in projections(model)][::2] == ks
+    assert model(rand(1, SEQ_LEN, DIM)).shape == (1, SEQ_LEN, DIM)
+    with pytest.raises(ValueError, match="k_reduce_by_layer.*layerwise"):
+        LinformerSettings(k=8, parameter_sharing="layerwise", k_reduce_by_layer=1)
+    with pytest.raises(ValueError, match="parameter_sharing"):
+        LinformerSettings(parameter_sharing="heads")
+    with pytest.raises(ValueError, match="k_reduce_by_layer"):
+        LinformerSettings(k_reduce_by_layer=-1)

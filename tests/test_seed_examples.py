@@ -82,3 +82,58 @@ def test_seed_001_linear_self_attention():
     assert out.shape == (1, 200, 64)
     # causal: the first 100 outputs do not depend on the rest
     torch.testing.assert_close(attn(x[:, :100]), out[:, :100], rtol=1e-5, atol=1e-6)
+
+
+def test_seed_001_linear_image_attention_name():
+    from linear_attention_transformer import LinearImageAttention
+
+    attn = LinearImageAttention(chan=8, heads=2, key_dim=16)
+    assert isinstance(attn, ImageLinearAttention)
+    assert attn(torch.randn(1, 8, 12, 12)).shape == (1, 8, 12, 12)
+
+
+def test_seed_002_linformer_options_under_our_names():
+    torch.manual_seed(2)
+    settings = LinformerSettings(k=16, parameter_sharing="layerwise")  # seed 002's dim_k, parameter_sharing
+    model = LinearAttentionTransformer(
+        dim=16, depth=2, heads=4, max_seq_len=128, linformer_settings=settings, ff_mult=2, ff_activation="relu",
+        ff_dropout=0.15, attn_dropout=0.1, checkpoint=True,  # dim_ff = 2 * dim, activation, dropouts, C1
+    )
+    ff = model.layers.blocks[0][1].fn
+    assert ff.proj_in.out_features == 32 and ff.activation is F.relu
+    x = torch.randn(1, 128, 16, requires_grad=True)
+    y = model(x)
+    assert y.shape == (1, 128, 16)
+    y.sum().backward()
+    assert x.grad.abs().sum() > 0
+    reduced = LinformerSettings(k=16, k_reduce_by_layer=8)
+    model = LinearAttentionTransformer(dim=16, depth=3, heads=4, max_seq_len=128, linformer_settings=reduced)
+    assert [f.fn.k for f, _ in model.layers.blocks] == [16, 8, 1]
+
+
+def test_seed_003_linformer_names():
+    from linear_attention_transformer import Linformer, LinformerLM, LinformerSelfAttention
+
+    lm = LinformerLM(num_tokens=200, dim=32, seq_len=64, depth=2, heads=4, k=16, one_kv_head=True, share_kv=False)
+    assert isinstance(lm, LinearAttentionTransformerLM)
+    assert lm(torch.randint(0, 200, (1, 64))).shape == (1, 64, 200)
+    model = Linformer(dim=32, seq_len=64, depth=2, heads=4, k=16, one_kv_head=True, share_kv=True)
+    attn = model.layers.blocks[0][0].fn
+    assert isinstance(attn, LinformerSelfAttention) and attn.k == 16 and attn.kv_heads == 1 and attn.proj_v is None
+    assert model(torch.randn(1, 64, 32)).shape == (1, 64, 32)
+    attn = LinformerSelfAttention(dim=32, seq_len=128, heads=4, k=16, one_kv_head=True, share_kv=True)
+    assert attn(torch.randn(1, 32, 32), torch.randn(1, 128, 32)).shape == (1, 32, 32)  # contextual keys
+
+
+def test_seed_004_local_window_options_under_our_names():
+    torch.manual_seed(4)
+    model = LinearAttentionTransformer(
+        dim=32, depth=1, heads=4, max_seq_len=64, causal=True, n_local_attn_heads=4, local_attn_window_size=16,
+        local_attn_look_backward=1, local_attn_look_forward=0, local_attn_exact_windowsize=True,
+    )
+    x = torch.randn(2, 64, 32, requires_grad=True)
+    out = model(x)
+    # exact window: output 40 depends on inputs 25..40 only (through the local heads)
+    (grad,) = torch.autograd.grad(out[:, 40].sum(), x)
+    seen = grad.abs().sum(dim=(0, 2)) > 0
+    assert seen[25:41].all() and not seen[:25].any() and not seen[41:].any()
