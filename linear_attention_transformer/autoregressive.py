@@ -189,6 +189,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
             b = None if bias is None else bias.to(matmul_dtype)
             counted = targets != ignore_index
             safe_targets = targets.masked_fill(~counted, 0).long()
+            some_ignored = bool((~counted).any())  # one check, not one per chunk
             total = features.new_zeros((), dtype=torch.promote_types(features.dtype, torch.float32))
             if want_grad:
                 grad_h = torch.empty_like(features)
@@ -197,13 +198,19 @@ class _LinearCrossEntropy(torch.autograd.Function):
             for start in range(0, features.shape[0], chunk_rows):
                 rows = slice(start, start + chunk_rows)
                 logits = F.linear(h[rows], w, b).to(total.dtype)
-                lse = logits.logsumexp(dim=-1)
                 picked = logits.gather(1, safe_targets[rows, None])[:, 0]
+                # log-sum-exp by hand, in place, so that exp(logits - max) serves the softmax too
+                top = logits.amax(dim=-1, keepdim=True)
+                e = logits.sub_(top).exp_()
+                sums = e.sum(dim=-1)
+                lse = top[:, 0] + sums.log()
                 total = total + ((lse - picked) * counted[rows]).sum()
                 if want_grad:
-                    p = (logits - lse[:, None]).exp_()
+                    p = e.div_(sums[:, None])  # softmax
                     p[torch.arange(p.shape[0], device=p.device), safe_targets[rows]] -= 1.0
-                    p = p.mul_(counted[rows, None]).to(matmul_dtype)
+                    if some_ignored:
+                        p = p.mul_(counted[rows, None])
+                    p = p.to(matmul_dtype)
                     grad_h[rows] = (p @ w).to(grad_h.dtype)
                     grad_w += (p.t() @ h[rows]).to(grad_w.dtype)
                     if grad_b is not None:
