@@ -23,6 +23,10 @@ generates 1024 tokens after a 16-token prompt, with
    --max-recompute-seconds (or with --recompute full) the real generate() is timed too,
    and the speed-up uses the real time; otherwise it uses the estimate and says so.
 
+4. batch: the cached generate() of the same length for a batch of ``--batch`` prompts (8),
+   against the batch-1 time (target: at most 2x; the per-step work is tiny, so a batch should
+   cost little more than one sequence).
+
 The square matmul rate is measured at the start and at the end as the drift reference.
 
 Usage:  python benchmarks/bench_generate.py [--device cpu] [--threads 1] [--new-tokens 1024]
@@ -55,8 +59,9 @@ from common import (  # noqa: E402  (the folder of this script, see common.py)
 
 MODEL = dict(num_tokens=256, dim=256, depth=2, heads=4, n_local_attn_heads=2, local_attn_window_size=64,
              blindspot_size=64, causal=True, max_seq_len=2048)
-SPEEDUP_TARGET = 30.0  # recompute total / cached total
+SPEEDUP_TARGET = 50.0  # recompute total / cached total
 FLAT_TARGET = 1.3  # per-token time, last 256 / first 256 generated tokens
+BATCH_TARGET = 2.0  # cached generate() of a batch of prompts / of one prompt
 
 
 def build_model(device):
@@ -147,6 +152,7 @@ def main(argv=None):
                    help="lengths of the timed single forwards (default: prompt, 256, 512, 768, prompt + new tokens)")
     p.add_argument("--estimate-reps", type=int, default=3, help="timed forwards per length, median (default: 3)")
     p.add_argument("--matmul-size", type=int, default=None, help="square matmul size (default 2048 cpu, 8192 cuda)")
+    p.add_argument("--batch", type=int, default=8, help="prompts in the batched cached run (default: %(default)s)")
     args = p.parse_args(argv)
     size = args.matmul_size or default_matmul_size(args.device)
     device, P, N = args.device, args.prompt_len, args.new_tokens
@@ -171,6 +177,9 @@ def main(argv=None):
 
     def generate(n, use_cache):
         return wrapper.generate(prompt, n, temperature=0, use_cache=use_cache)
+
+    def generate_for(prompts, n):
+        return wrapper.generate(prompts, n, temperature=0, use_cache=True)
 
     generate(8, True)  # warm both paths
     generate(8, False)
@@ -209,6 +218,11 @@ def main(argv=None):
     if run_full:
         recompute_tokens, t_recompute = timed(lambda: generate(N, False), device)
         recompute_same = torch.equal(recompute_tokens, cached_tokens)
+    # 4. a batch of prompts through the cached generate()
+    prompts = torch.randint(0, MODEL["num_tokens"], (args.batch, P), generator=g).to(device)
+    wrapper.generate(prompts, 8, temperature=0, use_cache=True)  # warm
+    batch_tokens, t_batch = timed(lambda: wrapper.generate(prompts, N, temperature=0, use_cache=True), device)
+    batch_row0_same = torch.equal(batch_tokens[:1], generate_for(prompts[:1], N))
     ref_end = square_matmul_rate(device, size)
 
     print(f"matmul reference (drift): {square_matmul_desc(size)}, fp32, best of 5: "
@@ -254,6 +268,10 @@ def main(argv=None):
     print(f"per-token ms, first {W} / last {W} generated: {1e3 * statistics.median(first):.2f} / "
           f"{1e3 * statistics.median(last):.2f} (medians), ratio last/first {flat_median:.2f} "
           f"(means: {flat_mean:.2f}; target <= {FLAT_TARGET}: {'ok' if flat_median <= FLAT_TARGET else 'ABOVE TARGET'})")
+    batch_ratio = t_batch / t_cached
+    print(f"batch of {args.batch} prompts, cached generate(): {t_batch:.2f} s = {batch_ratio:.2f}x the batch-1 time "
+          f"(target <= {BATCH_TARGET:.0f}x: {'ok' if batch_ratio <= BATCH_TARGET else 'ABOVE TARGET'}); its first row "
+          f"{'equals' if batch_row0_same else 'DIFFERS FROM'} that prompt generated alone")
     print(f"tokens: cached == recompute over {short} tokens: {'yes' if same else 'NO'}"
           + ("" if recompute_same is None else f"; over all {N}: {'yes' if recompute_same else 'NO'}"))
     print(f"matmul reference: {ref_start / 1e9:.1f} / {ref_end / 1e9:.1f} GFLOP/s (start / end)")

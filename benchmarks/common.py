@@ -223,13 +223,14 @@ def emit_result(result):
     print(RESULT_TAG + json.dumps(result), flush=True)
 
 
-def run_in_subprocess(script, argv, label):
+def run_in_subprocess(script, argv, label, python=None, env=None):
     """Run ``python script *argv`` in a fresh process and read the result it emitted.
 
-    Returns (result dict, None), or (None, an error text naming ``label`` with the tail of
-    the worker's output) when the worker printed no result."""
-    cmd = [sys.executable, os.path.abspath(script)] + [str(a) for a in argv]
-    proc = subprocess.run(cmd, capture_output=True, text=True)
+    ``python``: the interpreter (default: this one); ``env``: its environment (default: this
+    process's). Returns (result dict, None), or (None, an error text naming ``label`` with the
+    tail of the worker's output) when the worker printed no result."""
+    cmd = [python or sys.executable, os.path.abspath(script)] + [str(a) for a in argv]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
     for line in proc.stdout.splitlines():
         if line.startswith(RESULT_TAG):
             return json.loads(line[len(RESULT_TAG):]), None

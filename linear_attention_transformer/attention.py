@@ -257,8 +257,10 @@ class Attention(nn.Module):
             q, k = apply_rotary(q, rotary), apply_rotary(k, rotary)
         position = 0 if cache is None else cache.position
         outs, local_cache, global_cache = [], None, None
+        # one split per tensor: its backward is one cat, where two slices would each fill a
+        # full-size zero gradient and copy into it
+        (ql, qg), (kl, kg), (vl, vg) = (t.split((self.n_local, self.heads - self.n_local), dim=1) for t in (q, k, v))
         if self.n_local:
-            ql, kl, vl = (t[:, : self.n_local] for t in (q, k, v))
             if cache is None:
                 outs.append(self.local_heads(ql, kl, vl, input_mask))
                 if return_cache:
@@ -269,7 +271,6 @@ class Attention(nn.Module):
             if return_cache:
                 local_cache = local_cache.keep_from(self.local_window.first_key(position + x.shape[1]))
         if self.n_local < self.heads:
-            qg, kg, vg = (t[:, self.n_local :] for t in (q, k, v))
             out = self.global_heads(qg, kg, vg, input_mask, x, None if cache is None else cache.global_, return_cache)
             if return_cache:
                 out, global_cache = out

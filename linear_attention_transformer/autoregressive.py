@@ -8,6 +8,15 @@ with ``x`` a (b, n) integer tensor, ``input_mask`` an optional (b, n) bool tenso
 (True for real tokens) and ``logits`` a (b, n, num_tokens) float tensor, and with an
 int attribute ``max_seq_len``: the longest sequence it accepts.
 
+A net whose logits are a final ``nn.Linear`` of some features may expose both,
+
+    net.output_features(x, input_mask=None, **kwargs) -> features (b, n, e)
+    net.output_layer -> nn.Linear(e, num_tokens), with net(x, ...) == output_layer(features)
+
+and the training loss is then taken chunk by chunk along the sequence (``linear_cross_entropy``)
+without ever holding the (b, n, num_tokens) logits. Any other net gets the plain
+``F.cross_entropy`` of its logits.
+
 A net that can decode incrementally also sets ``supports_cache = True`` and accepts
 
     net(x, cache=cache, return_cache=True, input_mask=..., **kwargs) -> (logits, cache)
@@ -31,7 +40,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["top_k", "top_p", "AutoregressiveWrapper"]
+__all__ = ["top_k", "top_p", "linear_cross_entropy", "AutoregressiveWrapper"]
 
 _INTEGER_DTYPES = (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64)
 
@@ -126,6 +135,100 @@ def top_p(logits, thres=0.9):
     return logits.masked_fill(~keep, float("-inf"))
 
 
+# ------------------------------------------------------------ chunked cross-entropy
+
+# logits held at once by linear_cross_entropy: rows per chunk = this // num_tokens
+LOSS_CHUNK_ELEMENTS = 2 ** 22
+
+
+def linear_cross_entropy(features, weight, bias, targets, ignore_index=-100, chunk_rows=None):
+    """Mean cross-entropy of the logits ``F.linear(features, weight, bias)`` against ``targets``,
+    without holding those logits: rows are taken ``chunk_rows`` at a time.
+
+    The plain form is ``F.cross_entropy(F.linear(features, weight, bias), targets,
+    ignore_index=ignore_index)``; it keeps the (N, num_tokens) logits and their softmax for
+    backward. Here each chunk's logits are formed, reduced to its loss and, when gradients are
+    wanted, straight away to the gradients of the chunk's features, the weight and the bias
+    (with p = softmax(logits) - onehot(target) on counted rows, 0 on the others: dfeatures =
+    p W, dW = pᵀ features, db = Σ p); the chunk's logits are then dropped. Backward only scales
+    those gradients: no logits are recomputed, and the matmul work is that of the plain form.
+    The log-sum-exp runs in at least float32 (also under autocast).
+
+    Args:
+        features: (N, e) float. weight: (num_tokens, e). bias: (num_tokens,) or None.
+        targets: (N,) integer; entries equal to ``ignore_index`` are not counted.
+        chunk_rows: rows per chunk (default ``LOSS_CHUNK_ELEMENTS // num_tokens``, >= 1).
+    Returns:
+        scalar: the mean over the counted rows (NaN when none is counted, as F.cross_entropy).
+    """
+    if features.ndim != 2 or weight.ndim != 2 or features.shape[1] != weight.shape[1]:
+        raise ValueError(f"features (N, e) and weight (num_tokens, e) must agree, got "
+                         f"{tuple(features.shape)} and {tuple(weight.shape)}")
+    if targets.shape != features.shape[:1]:
+        raise ValueError(f"targets must have shape ({features.shape[0]},), got {tuple(targets.shape)}")
+    if chunk_rows is None:
+        chunk_rows = max(1, LOSS_CHUNK_ELEMENTS // weight.shape[0])
+    if isinstance(chunk_rows, bool) or not isinstance(chunk_rows, Integral) or chunk_rows < 1:
+        raise ValueError(f"chunk_rows must be a positive int, got {chunk_rows!r}")
+    # forming the gradients costs two matmuls per chunk: only when backward can use them
+    want_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (features, weight, bias))
+    return _LinearCrossEntropy.apply(features, weight, bias, targets, int(ignore_index), int(chunk_rows), want_grad)
+
+
+class _LinearCrossEntropy(torch.autograd.Function):
+    """``linear_cross_entropy``: gradients formed in forward, chunk by chunk, scaled in backward."""
+
+    @staticmethod
+    def forward(ctx, features, weight, bias, targets, ignore_index, chunk_rows, want_grad):
+        device_type = features.device.type
+        matmul_dtype = features.dtype
+        if torch.is_autocast_enabled(device_type):
+            matmul_dtype = torch.get_autocast_dtype(device_type)
+        with torch.autocast(device_type, enabled=False):
+            h, w = features.to(matmul_dtype), weight.to(matmul_dtype)
+            b = None if bias is None else bias.to(matmul_dtype)
+            counted = targets != ignore_index
+            safe_targets = targets.masked_fill(~counted, 0).long()
+            some_ignored = bool((~counted).any())  # one check, not one per chunk
+            total = features.new_zeros((), dtype=torch.promote_types(features.dtype, torch.float32))
+            if want_grad:
+                grad_h = torch.empty_like(features)
+                grad_w = torch.zeros_like(weight, dtype=total.dtype)
+                grad_b = None if bias is None else torch.zeros_like(bias, dtype=total.dtype)
+            for start in range(0, features.shape[0], chunk_rows):
+                rows = slice(start, start + chunk_rows)
+                logits = F.linear(h[rows], w, b).to(total.dtype)
+                picked = logits.gather(1, safe_targets[rows, None])[:, 0]
+                # log-sum-exp by hand, in place, so that exp(logits - max) serves the softmax too
+                top = logits.amax(dim=-1, keepdim=True)
+                e = logits.sub_(top).exp_()
+                sums = e.sum(dim=-1)
+                lse = top[:, 0] + sums.log()
+                total = total + ((lse - picked) * counted[rows]).sum()
+                if want_grad:
+                    p = e.div_(sums[:, None])  # softmax
+                    p[torch.arange(p.shape[0], device=p.device), safe_targets[rows]] -= 1.0
+                    if some_ignored:
+                        p = p.mul_(counted[rows, None])
+                    p = p.to(matmul_dtype)
+                    grad_h[rows] = (p @ w).to(grad_h.dtype)
+                    grad_w += (p.t() @ h[rows]).to(grad_w.dtype)
+                    if grad_b is not None:
+                        grad_b += p.sum(dim=0).to(grad_b.dtype)
+            count = counted.sum()
+        if want_grad:
+            ctx.save_for_backward(grad_h, grad_w.to(weight.dtype), None if grad_b is None else grad_b.to(bias.dtype),
+                                  count)
+        return (total / count).to(features.dtype)
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        grad_h, grad_w, grad_b, count = ctx.saved_tensors
+        scale = grad_loss / count
+        grads = [None if g is None else g * scale.to(g.dtype) for g in (grad_h, grad_w, grad_b)]
+        return (*grads, None, None, None, None)
+
+
 # --------------------------------------------------------------------------- wrapper
 
 
@@ -168,7 +271,9 @@ class AutoregressiveWrapper(nn.Module):
         Returns:
             scalar loss: mean over the targets that are neither ``ignore_index`` nor
             masked out (NaN when there are none, as with ``F.cross_entropy``);
-            or the net's output when ``return_loss`` is False.
+            or the net's output when ``return_loss`` is False. A net with
+            ``output_features`` / ``output_layer`` (see the module docstring) gets the same
+            loss from ``linear_cross_entropy``, without the (b, n - 1, num_tokens) logits.
         """
         if not return_loss:
             return self.net(x, **kwargs)
@@ -185,8 +290,23 @@ class AutoregressiveWrapper(nn.Module):
             kwargs["input_mask"] = mask[:, :-1]
             targets = targets.masked_fill(~mask[:, 1:], self.ignore_index)
 
-        logits = self.net(inputs, **kwargs)
-        return F.cross_entropy(logits.transpose(1, 2), targets, ignore_index=self.ignore_index)
+        layer = self._output_layer()
+        if layer is None:
+            logits = self.net(inputs, **kwargs)
+            # rows of (b * n, num_tokens): a softmax along contiguous memory, unlike (b, num_tokens, n)
+            return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1),
+                                   ignore_index=self.ignore_index)
+        features = self.net.output_features(inputs, **kwargs)
+        return linear_cross_entropy(features.reshape(-1, features.shape[-1]), layer.weight, layer.bias,
+                                    targets.reshape(-1), self.ignore_index)
+
+    def _output_layer(self):
+        """The net's final Linear when it also exposes the features it reads (see the module
+        docstring), for the chunked loss; otherwise None."""
+        layer = getattr(self.net, "output_layer", None)
+        if isinstance(layer, nn.Linear) and callable(getattr(self.net, "output_features", None)):
+            return layer
+        return None
 
     # ---------------------------------------------------------------- generation
 
@@ -322,6 +442,16 @@ class AutoregressiveWrapper(nn.Module):
                                  "row (pad prompts on the left)")
 
         b, device, dtype = seq.shape[0], seq.device, seq.dtype
+        # the running sequence (and mask) live in buffers of the final length, written one
+        # column per step: no step copies the whole sequence so far
+        length = seq.shape[1]
+        seq_buffer = seq.new_empty(b, length + seq_len)
+        seq_buffer[:, :length] = seq
+        seq = seq_buffer[:, :length]
+        if mask is not None:
+            mask_buffer = mask.new_ones(b, length + seq_len)
+            mask_buffer[:, :length] = mask
+            mask = mask_buffer[:, :length]
         done = torch.zeros(b, dtype=torch.bool, device=device)
         cache_state = {"cache": None, "length": 0} if use_cache else None
         generated = []
@@ -345,13 +475,15 @@ class AutoregressiveWrapper(nn.Module):
                 # The running sequence keeps what was picked, also for rows already
                 # finished (their later picks are discarded), so the net never has to
                 # read pad_value, which need not be a valid token.
-                seq = torch.cat((seq, token[:, None]), dim=1)
+                seq_buffer[:, length] = token
+                length += 1
+                seq = seq_buffer[:, :length]
                 if eos_token is not None:
                     token = token.masked_fill(done, self.pad_value)
                     done = done | (token == eos_token)
                 generated.append(token)
                 if mask is not None:
-                    mask = F.pad(mask, (0, 1), value=True)
+                    mask = mask_buffer[:, :length]  # generated tokens are real: the buffer holds True
                 if eos_token is not None and bool(done.all()):
                     break
         finally:

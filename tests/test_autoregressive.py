@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from linear_attention_transformer.autoregressive import AutoregressiveWrapper, top_k, top_p
+from linear_attention_transformer.autoregressive import AutoregressiveWrapper, linear_cross_entropy, top_k, top_p
 
 # ------------------------------------------------------------------------- toy nets
 
@@ -590,3 +590,104 @@ def test_return_loss_false_returns_net_output():
 def test_loss_rejects_bad_inputs(x, kwargs, exc, name):
     with pytest.raises(exc, match=name):
         AutoregressiveWrapper(ToyLM())(x, **kwargs)
+
+
+# ------------------------------------------------------------------- chunked loss
+
+
+def plain_linear_cross_entropy(features, weight, bias, targets, ignore_index):
+    return F.cross_entropy(F.linear(features, weight, bias), targets, ignore_index=ignore_index)
+
+
+@pytest.mark.parametrize("chunk_rows", [1, 4, 7, 37, 100])
+@pytest.mark.parametrize("with_bias", [True, False])
+def test_linear_cross_entropy_equals_plain_form_float64(chunk_rows, with_bias):
+    g = torch.Generator().manual_seed(11)
+    D = torch.float64
+    features = torch.randn(37, 5, dtype=D, generator=g, requires_grad=True)
+    weight = torch.randn(11, 5, dtype=D, generator=g, requires_grad=True)
+    bias = torch.randn(11, dtype=D, generator=g, requires_grad=True) if with_bias else None
+    targets = torch.randint(0, 11, (37,), generator=g)
+    targets[::5] = -1  # ignored rows, not a multiple of any chunk
+    params = [t for t in (features, weight, bias) if t is not None]
+
+    loss = linear_cross_entropy(features, weight, bias, targets, ignore_index=-1, chunk_rows=chunk_rows)
+    grads = torch.autograd.grad(3.7 * loss, params)
+    expected = plain_linear_cross_entropy(features, weight, bias, targets, -1)
+    expected_grads = torch.autograd.grad(3.7 * expected, params)
+    torch.testing.assert_close(loss, expected, rtol=1e-12, atol=1e-12)
+    for got, want in zip(grads, expected_grads):
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+
+
+def test_linear_cross_entropy_nan_when_nothing_counted_and_no_grad_path():
+    features, weight = torch.randn(4, 3), torch.randn(6, 3)
+    targets = torch.full((4,), -100)
+    assert torch.isnan(linear_cross_entropy(features, weight, None, targets))
+    targets = torch.tensor([0, 5, 2, 1])
+    with torch.no_grad():  # no gradients formed, same value
+        value = linear_cross_entropy(features, weight, None, targets, chunk_rows=3)
+    torch.testing.assert_close(value, plain_linear_cross_entropy(features, weight, None, targets, -100))
+    with pytest.raises(ValueError, match="targets"):
+        linear_cross_entropy(features, weight, None, targets[:3])
+    with pytest.raises(ValueError, match="chunk_rows"):
+        linear_cross_entropy(features, weight, None, targets, chunk_rows=0)
+
+
+def test_linear_cross_entropy_under_bfloat16_autocast_is_finite_and_close():
+    g = torch.Generator().manual_seed(12)
+    features = (30 * torch.randn(64, 16, generator=g)).requires_grad_()  # large logits
+    weight = torch.randn(300, 16, generator=g).requires_grad_()
+    targets = torch.randint(0, 300, (64,), generator=g)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = linear_cross_entropy(features, weight, None, targets, chunk_rows=10)
+    loss.backward()
+    expected = plain_linear_cross_entropy(features.detach(), weight.detach(), None, targets, -100)
+    assert torch.isfinite(loss) and loss.dtype == torch.float32
+    assert torch.isfinite(features.grad).all() and torch.isfinite(weight.grad).all()
+    torch.testing.assert_close(loss, expected, rtol=2e-2, atol=0)
+
+
+def small_lm(tie):
+    from linear_attention_transformer import LinearAttentionTransformerLM
+
+    return LinearAttentionTransformerLM(
+        num_tokens=23, dim=16, emb_dim=6, tie_embedding=tie, depth=2, heads=4, max_seq_len=32, causal=True,
+        n_local_attn_heads=2, local_attn_window_size=4, blindspot_size=4, shift_tokens=True, reversible=True,
+    ).double()
+
+
+@pytest.mark.parametrize("tie", [False, True])
+def test_wrapper_chunked_loss_equals_plain_loss_and_gradients(tie, monkeypatch):
+    torch.manual_seed(13)
+    net = small_lm(tie)
+    wrapper = AutoregressiveWrapper(net, ignore_index=3)
+    x = torch.randint(0, 23, (2, 19))
+    mask = torch.ones(2, 19, dtype=torch.bool)
+    mask[0, :4] = False  # left padding
+    mask[1, 15:] = False  # right padding
+    assert wrapper._output_layer() is net.to_logits
+
+    import linear_attention_transformer.autoregressive as ar
+    monkeypatch.setattr(ar, "LOSS_CHUNK_ELEMENTS", 23 * 5)  # chunks of 5 rows: 36 rows in all
+    monkeypatch.setattr(type(net), "forward", lambda *a, **k: pytest.fail("the chunked loss formed the logits"))
+    loss = wrapper(x, input_mask=mask)
+    grads = torch.autograd.grad(loss, list(net.parameters()))
+    monkeypatch.undo()
+
+    targets = x[:, 1:].masked_fill(~mask[:, 1:], 3)
+    logits = net(x[:, :-1], input_mask=mask[:, :-1])
+    expected = F.cross_entropy(logits.transpose(1, 2), targets, ignore_index=3)
+    expected_grads = torch.autograd.grad(expected, list(net.parameters()))
+    assert (x[:, 1:] == 3).any()  # ignore_index acts as well as the mask
+    torch.testing.assert_close(loss, expected, rtol=1e-10, atol=1e-10)
+    for got, want in zip(grads, expected_grads):
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-10)
+
+
+def test_wrapper_return_loss_false_still_returns_logits():
+    net = small_lm(False)
+    x = torch.randint(0, 23, (2, 9))
+    out = AutoregressiveWrapper(net)(x, return_loss=False)
+    assert out.shape == (2, 9, 23)
+    assert torch.equal(out, net(x))
