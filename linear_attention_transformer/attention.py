@@ -94,7 +94,8 @@ class Attention(nn.Module):
         use_gate: seed 000's sigmoid gating (``gating.py``): a forget gate per global head and
             key feature (rank ``gate_rank`` = 16, exponent 1 / ``gate_temperature``, 16) decays the causal
             state, or gates each key without a causal order; and a sigmoid output gate on
-            every head's output.
+            every head's output. ``gate_granularity``: ``'feature'`` (default) or ``'head'``,
+            one decay per head and position (see ``ForgetGate``).
         use_local_conv: depthwise convolution of ``local_conv_kernel`` (3) taps along the sequence
             on the global heads' q, k and v, before the feature map (causal: left-padded).
     Shapes:
@@ -124,6 +125,7 @@ class Attention(nn.Module):
         use_gate=False,
         gate_rank=None,
         gate_temperature=None,
+        gate_granularity=None,
         use_local_conv=False,
         local_conv_kernel=None,
     ):
@@ -165,17 +167,18 @@ class Attention(nn.Module):
         if not isinstance(use_gate, bool) or not isinstance(use_local_conv, bool):
             raise ValueError("use_gate and use_local_conv must be True or False")
         # a setting without its switch would be silently ignored: refuse it instead
-        if not use_gate and (gate_rank is not None or gate_temperature is not None):
-            raise ValueError("gate_rank / gate_temperature are settings of use_gate=True")
+        if not use_gate and (gate_rank is not None or gate_temperature is not None or gate_granularity is not None):
+            raise ValueError("gate_rank / gate_temperature / gate_granularity are settings of use_gate=True")
         if not use_local_conv and local_conv_kernel is not None:
             raise ValueError("local_conv_kernel is a setting of use_local_conv=True")
         gate_rank = 16 if gate_rank is None else gate_rank
         gate_temperature = 16.0 if gate_temperature is None else gate_temperature
+        gate_granularity = "feature" if gate_granularity is None else gate_granularity
         local_conv_kernel = 3 if local_conv_kernel is None else local_conv_kernel
         self.forget_gate = self.output_gate = self.local_conv = None
         if use_gate:
             if n_global:
-                self.forget_gate = ForgetGate(dim, n_global, dim_head, gate_rank, gate_temperature)
+                self.forget_gate = ForgetGate(dim, n_global, dim_head, gate_rank, gate_temperature, gate_granularity)
             self.output_gate = OutputGate(dim, heads * dim_head)
         if use_local_conv and receives_context:
             raise ValueError("use_local_conv applies to self-attention; a cross-attention layer has no sequence to convolve along")
@@ -206,7 +209,9 @@ class Attention(nn.Module):
         Returns (features, normalize)."""
         k, normalize = self.feature_map.noncausal_keys(k, mask)
         if self.forget_gate is not None:
-            k, normalize = k * self.forget_gate(source).exp().to(k.dtype), True
+            log_gate = self.forget_gate(source)
+            log_gate = log_gate if log_gate.ndim == 4 else log_gate[..., None]  # one per head
+            k, normalize = k * log_gate.exp().to(k.dtype), True
         return k, normalize
 
     def global_heads(self, q, k, v, mask, x, cache=None, return_cache=False):

@@ -46,6 +46,7 @@ def naive_attention(layer: Attention, x, mask=None, context=None, context_mask=N
             fg = layer.forget_gate
             pre = source @ fg.gate_down.weight.T @ fg.gate_up.weight.T + fg.gate_up.bias
             gate = rearrange(F.logsigmoid(pre) / fg.temperature, "b n (h d) -> b h n d", h=h - layer.n_local)
+            gate = gate.expand(-1, -1, -1, qg.shape[-1])  # per head: the same decay for every feature
         qf = qg.softmax(-1)
         if layer.causal:
             B = layer.blindspot_size
@@ -104,6 +105,9 @@ CONFIGS = [
     dict(causal=True, blindspot_size=4, use_gate=True, use_local_conv=True, local_conv_kernel=4, kv_heads=2),
     dict(causal=False, n_local_attn_heads=1, local_attn_window_size=8, use_gate=True, use_local_conv=True),
     dict(causal=False, use_gate=True, use_local_conv=True, local_conv_kernel=5),
+    dict(causal=True, n_local_attn_heads=1, local_attn_window_size=8, use_gate=True, gate_granularity="head", kv_heads=2),
+    dict(causal=True, blindspot_size=4, use_gate=True, gate_granularity="head", use_local_conv=True),
+    dict(causal=False, use_gate=True, gate_granularity="head"),
 ]
 
 
@@ -176,6 +180,8 @@ def test_linear_self_attention_seed_api_and_psi_fn():
         (dict(dim=32, heads=4, use_gate="yes"), "use_gate"),
         (dict(dim=32, heads=4, receives_context=True, use_local_conv=True), "use_local_conv"),
         (dict(dim=32, heads=4, gate_rank=8), "use_gate"),
+        (dict(dim=32, heads=4, gate_granularity="head"), "use_gate"),
+        (dict(dim=32, heads=4, use_gate=True, gate_granularity="channel"), "gate_granularity.*'channel'"),
         (dict(dim=32, heads=4, local_conv_kernel=5), "use_local_conv"),
     ],
 )

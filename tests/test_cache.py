@@ -30,7 +30,7 @@ CONFIGS = {
         kv_heads=2,
     ),
     "elu+gate+blindspot 3+conv 4+per-layer local": dict(
-        feature_map="elu", use_gate=True, blindspot_size=3, use_local_conv=True, local_conv_kernel=4,
+        feature_map="elu", use_gate=True, gate_granularity="head", blindspot_size=3, use_local_conv=True, local_conv_kernel=4,
         n_local_attn_heads=(2, 0), local_attn_window_size=5,
     ),
 }
@@ -231,6 +231,8 @@ def random_config(rng):
     if not cfg["use_local_conv"]:
         del cfg["local_conv_kernel"]
     positional = pick("axial", "rotary", "absolute")
+    if cfg["use_gate"]:
+        cfg["gate_granularity"] = pick("feature", "head")
     cfg.update(use_rotary_emb=positional == "rotary", use_axial_pos_emb=positional == "axial")
     return cfg
 

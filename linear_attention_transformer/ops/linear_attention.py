@@ -11,14 +11,32 @@ and the output is ``sum_j w_ij v_j / sum_j w_ij``. Two kinds of features:
 * exponential features (``exp_features=True``): q and k are logits and
   phi(q)_d phi(k)_d = exp(q_d + k_d). This is seed 000's softmax map: the softmax over the
   query's features only adds a per-query constant, which cancels in the ratio. The kernels
-  never exponentiate a raw logit: keys are taken relative to a running per-feature maximum
-  r_d and each query relative to its own maximum M_i = max_d (q_id + r_d), so every factor
-  is <= 1 and, without decay, sum_j w_ij >= 1 for a query that sees the key setting r:
-  no overflow, and no tiny denominator to blow up the gradient. The recurrence and the
-  blindspot form only read references set by keys their queries see. Inside a chunk
-  (blindspot 1) r is the maximum at the chunk's end, which an earlier query may not see:
-  if a later key in its chunk exceeds the keys it sees by more than ~60, its weights can
-  underflow in float32 (beyond ~88 the gradient overflows, beyond ~100 the output is lost).
+  never exponentiate a raw logit; every factor is exp(x - reference) <= 1:
+
+  - a state (the recurrence's, and the chunked form's between chunks) holds
+    sum_j exp(k_jd + G_td - G_jd - r_d) [v_j, 1] on r_d, the *decayed* running maximum
+    max_j (k_jd + G_td - G_jd): a decay moves r, not the sums, so the largest term stays 1
+    and a query reading it against M_i = max_d (q_id + G_id + r_d) has a denominator >= 1,
+    whatever the logits' size and the decays. Every state a query reads was set by keys it
+    sees.
+  - inside a chunk (fast form) keys are taken decayed to the chunk's end, relative to their
+    maximum m_d there, and query i with exp(G_id - G_end,d) against the same shift M_i (now
+    also over q_id + G_id - G_end,d + m_d): the intra-chunk weights are one plain matmul for
+    any decay. m may be set by a key after i, or the factors may be large for a strongly
+    decayed feature: then i's terms are all far below M_i and can underflow.
+  - the safe form: each term the fast form drops is < e^-87 relative to M_i (a product of
+    factors <= 1 underflows only if it is that small), so a query whose computed
+    denominator is >= ``SAFE_BELOW`` (1e-12) is exact to rounding. Chunks holding a query
+    below it (and which sees some key) are recomputed: the state term as logits
+    a_id = q_id + G_id + r_d, the chunk's pairs as l_ij = logsumexp_d (q_id + k_jd + G_id -
+    G_jd), both against M_i = max(max_d a_id, max_j l_ij) over what i sees, so that i's
+    largest term is exactly 1. Only those chunks pay for the (C x C x d) pairs. Under
+    torch.compile every chunk is recomputed and selected with a ``where`` (no branch on
+    data, so no graph break).
+
+  So the chunked form, the recurrence and the blindspot form are exact at any logit spread
+  (float64 equal to the explicit matrix, float32 within the rounding of its logits),
+  gradients included: the shifts carry no gradient, they cancel.
 
 In the causal case the same computation has three views:
 
@@ -29,7 +47,9 @@ In the causal case the same computation has three views:
 
 ``log_decay`` (log a_t <= 0), per position (b, h, n) or per position and key feature
 (b, h, n, d), is the forget gate of gated linear attention. Decays are applied as
-exp(G_i - G_j) with i >= j on cumulative sums G, which never exceeds 1.
+exp(G_i - G_j) with i >= j on cumulative sums G, which never exceeds 1 (for exponential
+features folded into the logits, see above; for given features formed pair by pair in
+sub-chunks when per feature).
 
 The normaliser rides along as an extra all-ones column of v, so the state carries S (d x e)
 and z (d) as one (d x e+1) tensor. Half-precision inputs are computed in float32 (the
@@ -291,7 +311,17 @@ def _step(q, k, v, state, log_decay, blindspot_size, exp_features):
     q, k, v = (t.to(dtype) for t in (q, k, v))
     v = _append_ones(v)
     kv, ref, pending, pending_ref = state.kv, state.ref, state.pending, state.pending_ref
-    if log_decay is not None:
+    if log_decay is not None and exp_features:
+        # the decay moves the references, not the sums: the largest term stays 1
+        ld = log_decay.to(dtype)
+        ld = ld[..., None] if ld.ndim == 2 else ld
+        ref = ref + ld.detach()
+        pending_ref = None if pending_ref is None else pending_ref + ld.detach()
+        if ld.requires_grad:  # the references carry no gradient: a factor of exactly 1 does
+            one = (ld - ld.detach()).exp()[..., None]
+            kv = kv * one
+            pending = None if pending is None else pending * one
+    elif log_decay is not None:
         a = _decay_factor(log_decay, kv)
         kv = kv * a
         pending = None if pending is None else pending * a
@@ -395,27 +425,117 @@ def _two_level_weights(q, k, G, s):
     return rearrange(w, "... m s m2 s2 -> ... (m s) (m2 s2)")
 
 
-def _chunk_references(k, state, blindspot):
+def _chunk_references(m, chunk_log_decay, start):
     """Per-feature log references for exponential features, (b, h, c, d) each.
 
-    r_c: running maximum of the keys up to the end of chunk c: chunk c's keys are stored
-    relative to it. rho_c: reference of the state a query of chunk c reads: r_c when the
-    query also sees its own chunk, r_{c-1} (earlier chunks only) with a blindspot.
-    rho has one more entry: the reference of the state after the last chunk."""
+    m: (b, h, c, d) maximum over chunk c's keys of their logit decayed to the chunk's end,
+    k_jd + G_end,d - G_jd. chunk_log_decay: (b, h, c, 1 or d) the chunk's total log decay,
+    or None. start: (b, h, d) reference of the incoming state, or None.
+    Returns (r_prev, r): r_c = max(r_{c-1} + chunk_log_decay_c, m_c), the decayed running
+    maximum: the state after chunk c is stored relative to r_c, and its largest term is 1.
+    r_prev_c = r_{c-1} (``start``, or -inf) is the reference of the state chunk c reads."""
     with torch.no_grad():
-        r = k.detach().amax(dim=3)
-        start = None if state is None else state.ref[:, :, None]
-        if start is not None:
-            r = torch.cat((start, r), dim=2)
-        r = r.cummax(dim=2).values
-        if start is not None:
-            r = r[:, :, 1:]
-        if blindspot:
-            before = start if start is not None else torch.full_like(r[:, :, :1], NEG_INF)
-            rho = torch.cat((before, r), dim=2)
+        if start is None:
+            start = torch.full_like(m[:, :, 0], NEG_INF)
+        if chunk_log_decay is None:
+            r = torch.cat((start[:, :, None], m), dim=2).cummax(dim=2).values[:, :, 1:]
         else:
-            rho = torch.cat((r, r[:, :, -1:]), dim=2)
-    return r, rho
+            # r_c = T_c + max(start, max_{c' <= c} m_c' - T_c') with T the cumulative decay.
+            # The references need not be exact, only used consistently: T's rounding and the
+            # clamp (a decay of exp(-1e4) per chunk is a complete reset) change nothing.
+            T = chunk_log_decay.clamp(min=-1e4).cumsum(dim=2)
+            T = T.expand_as(m)
+            rel = torch.cat((start[:, :, None], m - T), dim=2).cummax(dim=2).values[:, :, 1:]
+            r = T + rel
+        r_prev = torch.cat((start[:, :, None], r[:, :, :-1]), dim=2)
+    return r_prev, r
+
+
+def _exp_relative(logits, ref):
+    """exp(logits - ref) for a reference without gradient that may be -inf (no key): the
+    non-finite references become 0, whose features are then -inf - 0 -> 0 anyway."""
+    return (logits - _finite_or_zero(ref)).exp()
+
+
+def _query_factors(parts):
+    """Each query against one shift M_i = max over its parts and features of q_id + ref_d.
+
+    parts: list of (logits (…, l, d) with gradient, reference (…, 1 or l, d) without); returns
+    exp(logits + ref - M) for each, every factor <= 1. M carries no gradient: it cancels."""
+    with torch.no_grad():
+        M = (parts[0][0].detach() + parts[0][1]).amax(dim=-1, keepdim=True)
+        for x, ref in parts[1:]:
+            M = torch.maximum(M, (x.detach() + ref).amax(dim=-1, keepdim=True))
+        # a query with every reference at -inf (no key yet): any finite M gives its factors 0
+        M = torch.where(torch.isfinite(M), M, torch.zeros_like(M))
+    return [(x + (ref - M)).exp() for x, ref in parts]
+
+
+# A query whose fast-form denominator (relative to its shift M_i) is below this has lost
+# weight to underflow: each lost term is < e^-87 relative to M_i, so above it the result is
+# exact to float32 rounding, and 1 / den keeps the gradient far from overflow.
+SAFE_BELOW = 1e-12
+
+
+def _safe_chunk_outputs(q, k, v, G, state, r_prev):
+    """Chunks recomputed with a per-query shift over the keys the query sees (exp features).
+
+    q, k: (N, l, d) logits (masked keys -inf in every feature); v: (N, l, e + 1);
+    G: (N, l, 1 or d) log decay since the chunk's start, or None; state: (N, d, e + 1) the
+    state before the chunk, relative to r_prev: (N, d).
+    Intra-chunk weights are formed pair by pair in log space, l_ij = logsumexp_d (q_id + k_jd
+    + G_id - G_jd), the state term as logits a_id = q_id + G_id + r_prev_d against its
+    content; M_i = max(max_j l_ij, max_d a_id) over what query i sees, so its largest term
+    is 1 and nothing it depends on underflows. Returns (N, l, e + 1), rows relative to M_i."""
+    l = q.shape[-2]
+    causal = torch.ones(l, l, dtype=torch.bool, device=q.device).tril()
+    real = torch.isfinite(k).any(dim=-1)  # (N, l)
+    visible = causal & real[:, None, :]
+    # finite stand-ins for masked keys: a logsumexp over -inf only has a NaN gradient
+    logits = q[:, :, None, :] + torch.where(torch.isfinite(k), k, torch.zeros_like(k))[:, None, :, :]
+    state_logits = q + r_prev[:, None, :]
+    if G is not None:
+        logits = logits + (G[:, :, None, :] - G[:, None, :, :])
+        state_logits = state_logits + G
+    log_w = torch.logsumexp(logits, dim=-1).masked_fill(~visible, NEG_INF)  # (N, i, j)
+    with torch.no_grad():
+        M = torch.maximum(log_w.amax(dim=-1), state_logits.amax(dim=-1))[..., None]
+        M = torch.where(torch.isfinite(M), M, torch.zeros_like(M))  # sees nothing: all terms 0
+    return (log_w - M).exp() @ v + (state_logits - M).exp() @ state
+
+
+def _lost_to_underflow(den, mask, state, n):
+    """(b, h, c) bool: chunks with a real query whose fast-form denominator is below
+    ``SAFE_BELOW`` although it sees a key (den: (b, h, c, l), the ones column)."""
+    with torch.no_grad():
+        b, h, c, l = den.shape
+        lost = den < SAFE_BELOW
+        real = torch.arange(c * l, device=den.device) < n  # padded queries are dropped anyway
+        if mask is not None:  # a query before any real key (and no state) rightly gets 0
+            seen = F.pad(mask, (0, c * l - n)).cumsum(dim=1)[:, None] > 0  # (b, 1, c l)
+            if state is not None:
+                seen = seen | torch.isfinite(state.ref).any(dim=-1)[..., None]
+            real = real & seen
+        return (lost & rearrange(real, "... (c l) -> ... c l", l=l)).any(dim=-1)
+
+
+def _recompute_chunks(out, lost, q, k, v, G, states, r_prev):
+    """``out`` with the ``lost`` chunks replaced by ``_safe_chunk_outputs`` (each row is
+    divided by its own denominator afterwards, so the two forms' shifts may differ).
+
+    Eagerly only the lost chunks are gathered and recomputed (their count is read back: a
+    sync, usually of an all-False mask). Under torch.compile every chunk is recomputed and
+    selected without a branch: no graph break, at the price of the pairwise form."""
+    if torch.compiler.is_compiling():
+        b, h, c = lost.shape
+        flat = [None if t is None else t.expand(b, h, c, *t.shape[3:]).flatten(0, 2) for t in (q, k, v, G, states, r_prev)]
+        safe = _safe_chunk_outputs(*flat).view_as(out)
+        return torch.where(lost[..., None, None], safe, out)
+    where = lost.nonzero(as_tuple=True)
+    if where[0].numel() == 0:
+        return out
+    picked = [None if t is None else t.expand(*lost.shape, *t.shape[3:])[where] for t in (q, k, v, G, states, r_prev)]
+    return out.index_put(where, _safe_chunk_outputs(*picked))
 
 
 def causal_linear_attention(
@@ -468,7 +588,7 @@ def causal_linear_attention(
         # 0.6 s vs 1.4 s for chunks of 64 in 16, n=4096, 8 heads of 64, forward + backward)
         if blindspot:
             C = blindspot_size
-        elif per_feature_decay:
+        elif per_feature_decay and not exp_features:
             C = min(chunk_size, PER_FEATURE_CHUNK)
         else:
             C = chunk_size
@@ -480,42 +600,44 @@ def causal_linear_attention(
                 log_decay = F.pad(log_decay, (0, 0, 0, pad) if log_decay.ndim == 4 else (0, pad))
         q, k, v = (rearrange(t, "b h (c l) d -> b h c l d", l=C) for t in (q, k, v))
 
-        # factors: features, or for exponential features exp(logit - reference) <= 1
-        if exp_features:
-            r, rho = _chunk_references(k, state, blindspot)
-            k = (k - _finite_or_zero(r)[:, :, :, None]).exp()
-            q = _queries_relative_to(q, rho[:, :, :-1, None])
-            # entering chunk c + 1 the state moves from reference rho_c to rho_{c+1}, and
-            # chunk c's own keys from r_c to rho_{c+1}
-            state_rescale = _exp_ratio(rho[:, :, :-1], rho[:, :, 1:])  # (b, h, c, d)
-            chunk_rescale = _exp_ratio(r, rho[:, :, 1:])
-
         if log_decay is None:
-            G, k_to_end, chunk_decay = None, k, None
+            G = Gd = G_end = None
         else:
             pattern = "b h (c l) d -> b h c l d" if log_decay.ndim == 4 else "b h (c l) -> b h c l"
             G = rearrange(log_decay, pattern, l=C).cumsum(dim=3)  # decay since the chunk start
-            decay_to_end = (G[:, :, :, -1:] - G).exp()  # <= 1
-            k_to_end = k * (decay_to_end if G.ndim == 5 else decay_to_end[..., None])
-            chunk_decay = G[:, :, :, -1].exp()
-            if chunk_decay.ndim == 3:
-                chunk_decay = chunk_decay[..., None]  # (b, h, c, 1 or d)
+            Gd = G if G.ndim == 5 else G[..., None]  # (b, h, c, l, 1 or d)
+            G_end = Gd[:, :, :, -1]  # (b, h, c, 1 or d): the chunk's total log decay
+
+        if exp_features:
+            # keys decayed to their chunk's end, relative to their maximum m_c there: one
+            # factor <= 1 serves the state and the queries of the chunk. The state after
+            # chunk c lives on the decayed running maximum r_c, so its largest term is 1.
+            # (the chunk's end enters the keys and queries without gradient, and the chunk's
+            # contribution to the state through a factor of exactly 1 that carries it: then
+            # no gradient of a query reaches a later decay, not even by rounding)
+            k_logits = k
+            k_end = k if G is None else k + (G_end.detach()[:, :, :, None] - Gd)
+            with torch.no_grad():
+                m = k_end.detach().amax(dim=3)
+            r_prev, r = _chunk_references(m, G_end, None if state is None else state.ref.to(dtype))
+            k = k_to_end = _exp_relative(k_end, m[:, :, :, None])
+            chunk_scale = _exp_ratio(m, r)  # (b, h, c, d)
+            if G is not None and G_end.requires_grad:
+                chunk_scale = chunk_scale * (G_end - G_end.detach()).exp()
+            state_decay = _exp_ratio(r_prev if G is None else r_prev + G_end, r)
+        else:
+            k_to_end = k if G is None else k * (G_end[:, :, :, None] - Gd).exp()
+            chunk_scale = None
+            state_decay = None if G is None else G_end.exp()
 
         # each chunk's own contribution to the state, decayed to the chunk's end
         kv_chunks = torch.einsum("bhcld,bhcle->bhcde", k_to_end, v)
-        if exp_features:
-            kv_chunks = kv_chunks * chunk_rescale[..., None]
-            state_decay = state_rescale if chunk_decay is None else state_rescale * chunk_decay
-        else:
-            state_decay = chunk_decay
+        if chunk_scale is not None:
+            kv_chunks = kv_chunks * chunk_scale[..., None]
 
-        # the scan over chunks: states[c] is the state a query of chunk c reads
-        if state is None:
-            kv = torch.zeros_like(kv_chunks[:, :, 0])
-        else:  # move the incoming state to the reference its first readers use
-            kv = state.kv.to(dtype)
-            if exp_features:
-                kv = kv * _exp_ratio(state.ref.to(dtype), rho[:, :, 0])[..., None]
+        # the scan over chunks: states[c] is the state before chunk c (for exponential
+        # features relative to r_prev_c, which every query of chunk c sees)
+        kv = torch.zeros_like(kv_chunks[:, :, 0]) if state is None else state.kv.to(dtype)
         # (unbind once: indexing chunk c inside the loop would cost a full-size zero gradient
         # per chunk in backward, quadratic in the number of chunks)
         states = []
@@ -525,10 +647,24 @@ def causal_linear_attention(
             kv = kv_c + (kv if decay_c is None else kv * decay_c)
         states = torch.stack(states, dim=2)
 
-        q_from_start = q if G is None else q * (G.exp() if G.ndim == 5 else G.exp()[..., None])
-        out = torch.einsum("bhcld,bhcde->bhcle", q_from_start, states)
+        if exp_features:
+            # query i of chunk c reads the state with the decay G_i since the chunk's start,
+            # and its chunk's keys with exp(G_i - G_end) (>= 1) from their end: both under
+            # one shift M_i, so the intra-chunk weights are one plain matmul for any decay
+            q_logits = q if G is None else q + Gd
+            parts = [(q_logits, r_prev[:, :, :, None])]
+            if not blindspot:
+                parts.append((q_logits, (m if G is None else m - G_end.detach())[:, :, :, None]))
+            q_state, *q_intra = _query_factors(parts)
+        else:
+            q_state = q if G is None else q * Gd.exp()
+            q_intra = [q]
+        out = torch.einsum("bhcld,bhcde->bhcle", q_state, states)
         if not blindspot:
-            out = out + _intra_chunk_weights(q, k, G, PER_FEATURE_SUB_CHUNK) @ v
+            out = out + _intra_chunk_weights(q_intra[0], k, None if exp_features else G, PER_FEATURE_SUB_CHUNK) @ v
+            if exp_features:
+                lost = _lost_to_underflow(out[..., -1], mask, state, n)
+                out = _recompute_chunks(out, lost, q, k_logits, v, Gd, states, r_prev)
 
         out = _divide(rearrange(out, "b h c l e -> b h (c l) e")[:, :, :n])
 
@@ -536,7 +672,7 @@ def causal_linear_attention(
         return out.to(out_dtype)
     # padded steps have no keys and no decay: `kv` is the state after token n - 1
     position = (state.position if state is not None else 0) + n
-    ref = rho[:, :, -1] if exp_features else None
+    ref = r[:, :, -1] if exp_features else None
     if not blindspot:
         return out.to(out_dtype), CausalState(kv, ref, position=position)
     if n % C == 0:  # every block complete
@@ -545,12 +681,18 @@ def causal_linear_attention(
         return out.to(out_dtype), CausalState(kv, ref, pending, pending_ref, position)
     # the last block is unfinished: its keys wait in `pending`, the visible state is the
     # one the last chunk's queries read, decayed through that chunk
-    last = states[:, :, -1]
-    if chunk_decay is not None:
-        last = last * chunk_decay[:, :, -1, :, None]
+    last, last_ref = states[:, :, -1], None
     pending = torch.einsum("bhld,bhle->bhde", k_to_end[:, :, -1], v[:, :, -1])
+    if exp_features and G is not None:
+        last_ref = r_prev[:, :, -1] + G_end[:, :, -1].detach()
+        one = (G_end[:, :, -1] - G_end[:, :, -1].detach()).exp()[..., None]  # carries the gradient
+        last, pending = last * one, pending * one
+    elif exp_features:
+        last_ref = r_prev[:, :, -1]
+    elif G is not None:
+        last = last * G_end[:, :, -1, :, None].exp()
     return out.to(out_dtype), CausalState(
-        last, rho[:, :, -2] if exp_features else None, pending, r[:, :, -1] if exp_features else None, position
+        last, last_ref, pending, m[:, :, -1] if exp_features else None, position
     )
 
 
