@@ -367,7 +367,8 @@ class LinearAttentionTransformer(nn.Module):
             kwargs["rotary"] = self.rotary(positions)
         if cache is None and not return_cache:
             return self.layers(x, **kwargs)
-        return self._forward_cached(x, cache, kwargs)
+        out, new_cache = self._forward_cached(x, cache, kwargs)
+        return (out, new_cache) if return_cache else out
 
     def _forward_cached(self, x, cache, kwargs):
         """The layers one branch at a time, each continuing from its cache. Reversible pairs

@@ -109,6 +109,19 @@ def test_cache_is_never_modified_and_can_branch():
     assert all(torch.equal(a, b) for a, b in zip(now, before))
 
 
+def test_cache_without_return_cache_gives_the_output_alone():
+    """A cache can be read without asking for the next one: the output alone comes back,
+    equal to the output of the same call with return_cache=True."""
+    cfg = CONFIGS["local+blindspot+shift+reversible"]
+    model = make(cfg)
+    x, mask, kw = inputs(cfg)
+    _, cache = model(x[:, :10], input_mask=mask[:, :10], return_cache=True)
+    alone = model(x[:, 10:12], cache=cache)
+    paired, _ = model(x[:, 10:12], cache=cache, return_cache=True)
+    assert torch.is_tensor(alone)
+    torch.testing.assert_close(alone, paired, rtol=0, atol=0)
+
+
 def tensors_of(cache):
     found = []
     map_tensors(cache, lambda t: found.append(t) or t)
