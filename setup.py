@@ -16,7 +16,7 @@ setup(
         "axial-positional-embedding>=0.3",
         "product-key-memory>=0.2",
     ],
-    extras_require={"test": ["pytest>=7"]},
+    extras_require={"test": ["pytest>=7", "hypothesis>=6"]},
     classifiers=[
         "License :: OSI Approved :: MIT License",
         "Programming Language :: Python :: 3",
