@@ -143,7 +143,9 @@ def test_repeated_training_steps_keep_no_tensors(reversible):
 
     step()  # first step creates the .grad tensors
     counts = []
-    for _ in range(4):
+    for _ in range(5):
         step()
         counts.append(live_tensors())
-    assert counts == [counts[0]] * len(counts), f"live tensors after each backward: {counts}"
+    # never more than after the step before: a leak of even one tensor per step fails (the
+    # count may drop once, when something an earlier test left behind is collected)
+    assert all(later <= earlier for earlier, later in zip(counts, counts[1:])), f"live tensors after each backward: {counts}"
