@@ -19,7 +19,7 @@ setup(
         "product-key-memory>=0.2",
     ],
     # what examples/ imports besides the package (the tests run the examples too)
-    extras_require={"test": ["pytest>=7", *EXAMPLES_EXTRA], "examples": EXAMPLES_EXTRA},
+    extras_require={"test": ["pytest>=7", "hypothesis>=6", *EXAMPLES_EXTRA], "examples": EXAMPLES_EXTRA},
     classifiers=[
         "License :: OSI Approved :: MIT License",
         "Programming Language :: Python :: 3",

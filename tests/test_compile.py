@@ -1,0 +1,100 @@
+"""torch.compile: the compiled LM gives the eager logits and gradients, and the default
+configuration compiles to one graph (no graph break, in the ops or anywhere else).
+
+Compilation on the CPU takes seconds per graph, so the models are tiny (one or two layers of
+width 16) and each is compiled once. Every configuration goes through dynamo and
+AOTAutograd (``backend="aot_eager"``: tracing, functionalisation and the autograd graphs,
+where the package's code matters); the default configuration also through inductor, the
+default backend, whose fused kernels round differently (hence the tolerance).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from linear_attention_transformer import LinearAttentionTransformerLM
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+NUM_TOKENS, LENGTH = 24, 20  # 20: not a multiple of the chunk (8) nor of the window (8)
+TINY = dict(num_tokens=NUM_TOKENS, dim=16, depth=1, max_seq_len=32, heads=2, causal=True, chunk_size=8)
+CONFIGS = {
+    "plain": dict(),
+    # one local and one global head; gate and convolution on the global one
+    "local_gate_conv": dict(n_local_attn_heads=1, local_attn_window_size=8, use_gate=True, use_local_conv=True),
+    "reversible": dict(reversible=True, shift_tokens=True, n_local_attn_heads=1, local_attn_window_size=8),
+}
+
+
+def make_model(**kwargs):
+    torch.manual_seed(0)
+    return LinearAttentionTransformerLM(**{**TINY, **kwargs})
+
+
+def tokens():
+    return torch.randint(0, NUM_TOKENS, (2, LENGTH), generator=torch.Generator().manual_seed(1))
+
+
+def forward_backward(model, x):
+    """Logits and the gradient of every parameter for a loss that reaches all logits."""
+    model.zero_grad(set_to_none=True)
+    logits = model(x)
+    (logits.square().mean() + logits[:, -1].sum()).backward()
+    return logits.detach(), [p.grad.clone() for p in model.parameters()]
+
+
+def assert_close(actual, expected, rtol, what):
+    scale = expected.abs().max().item()
+    err = (actual - expected).abs().max().item()
+    assert err <= rtol * max(scale, 1e-6), f"{what}: max error {err:.2e} vs scale {scale:.2e}"
+
+
+def assert_compiled_matches_eager(model, backend, rtol):
+    x = tokens()
+    graphs = []
+
+    def counting(gm, example_inputs):
+        graphs.append(gm)
+        return torch._dynamo.lookup_backend(backend)(gm, example_inputs)
+
+    compiled = torch.compile(model, backend=counting)
+    got_logits, got_grads = forward_backward(compiled, x)
+    want_logits, want_grads = forward_backward(model, x)
+    assert_close(got_logits, want_logits, rtol, "logits")
+    for (name, _), got, want in zip(model.named_parameters(), got_grads, want_grads):
+        assert_close(got, want, rtol, f"gradient of {name}")
+    return graphs
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_compiled_matches_eager(name):
+    graphs = assert_compiled_matches_eager(make_model(**CONFIGS[name]), "aot_eager", 1e-6)
+    if name != "reversible":
+        # one graph: no break anywhere. The reversible stack breaks at its autograd Function
+        # (reversible.py records RNG states with torch.get_rng_state, which dynamo does not
+        # trace, and its backward calls torch.autograd.grad); its branches compile as graphs
+        # of their own.
+        assert len(graphs) == 1, f"{len(graphs)} graphs: a graph break in configuration {name}"
+
+
+def test_inductor_matches_eager_on_the_default_configuration():
+    from torch._inductor import config
+
+    with config.patch(compile_threads=1):  # no pool of compile workers to start for one graph
+        assert_compiled_matches_eager(make_model(), "inductor", 1e-4)
+
+
+def test_default_configuration_has_no_graph_break():
+    """``torch._dynamo.explain`` of the LM with its default options: one graph. (The causal
+    configurations are checked by the graph counts above.) A break in the ops would name a
+    frame under ``ops/``: the message says where."""
+    model = LinearAttentionTransformerLM(num_tokens=NUM_TOKENS, dim=32, depth=2, max_seq_len=64)
+    explanation = torch._dynamo.explain(model)(tokens())
+    where = [
+        f"{frame.filename}:{frame.lineno}: {reason.reason.splitlines()[0]}"
+        for reason in explanation.break_reasons
+        for frame in reason.user_stack[-1:]
+    ]
+    assert explanation.graph_break_count == 0, "graph breaks:\n" + "\n".join(where)
+    assert explanation.graph_count == 1
