@@ -46,16 +46,17 @@ def configs(draw, causal=True):
         local_attn_window_size=draw(st.integers(1, 8)),
         kv_heads=draw(st.sampled_from([d for d in (1, 2, 4) if heads % d == 0])),
         feature_map=draw(st.sampled_from(["softmax", "elu", "relu"])),
-        chunk_size=draw(st.sampled_from([4, 8, 16])),
         use_gate=draw(st.booleans()),
         use_local_conv=draw(st.booleans()),
         shift_tokens=draw(st.booleans()),
         reversible=draw(st.booleans()),
     )
-    if causal:
+    if causal:  # chunks and blindspots belong to causal layers (refused otherwise)
         options["blindspot_size"] = draw(st.sampled_from([1, 1, 2, 3, 5]))
+        options["chunk_size"] = draw(st.sampled_from([4, 8, 16]))
     if options["use_gate"]:
         options["gate_rank"] = draw(st.sampled_from([1, 4]))
+        options["gate_granularity"] = draw(st.sampled_from(["feature", "head"]))
     if options["use_local_conv"]:
         # a non-causal convolution is centred: odd kernels only
         options["local_conv_kernel"] = draw(st.sampled_from([1, 2, 3, 4] if causal else [1, 3]))

@@ -124,3 +124,17 @@ def test_bad_window_options(options, name):
 def test_window_options_without_local_heads_refused():
     with pytest.raises(ValueError, match="local_attn_look_backward"):
         LinearAttentionTransformer(dim=16, depth=1, heads=4, max_seq_len=8, local_attn_look_backward=2)
+
+
+@pytest.mark.parametrize("exact", [False, True])
+def test_query_that_sees_no_key_gets_zero_and_reads_nothing_later(exact):
+    """A padded first token of a causal window sees no key (its own is masked): it must get 0,
+    not a uniform average over the window's later keys."""
+    g = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(1, 2, 8, 4, generator=g, dtype=D, requires_grad=True) for _ in range(3))
+    mask = torch.ones(1, 8, dtype=torch.bool)
+    mask[0, 0] = False
+    out = windowed_attention(q, k, v, Window(4, causal=True, exact=exact), mask)
+    assert torch.equal(out[:, :, 0], torch.zeros_like(out[:, :, 0]))
+    grads = torch.autograd.grad(out[:, :, 0].sum(), (k, v), allow_unused=True)
+    assert all(gr is None or torch.equal(gr, torch.zeros_like(gr)) for gr in grads)

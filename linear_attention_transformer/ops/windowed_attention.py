@@ -105,6 +105,8 @@ def windowed_attention_last(q, k, v, key_mask=None):
 def _softmax_attend(sim, visible, v):
     if visible is None:
         return sim.softmax(dim=-1) @ v
-    # the most negative finite value, as LocalAttention uses: a row with no visible key stays finite
+    # the most negative finite value keeps a row with no visible key finite; its weights are
+    # then zeroed, so such a query (a padded one in a causal model) gets 0 and reads no key:
+    # a uniform row would spread over the window's later keys, against causality
     sim = sim.masked_fill(~visible, -torch.finfo(sim.dtype).max)
-    return sim.softmax(dim=-1) @ v
+    return sim.softmax(dim=-1).masked_fill(~visible, 0.0) @ v
