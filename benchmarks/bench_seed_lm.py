@@ -75,17 +75,18 @@ def attention_core_flops(attn):
     """Forward matmul FLOPs per token of one attention layer's heads (projections excluded).
 
     With d = dim_head, a multiply-add counted 2:
-      local head (window w, looking one window back): each query meets the 2w keys of its own
-        and the previous window (the full w x 2w block is formed, then masked):
-        q kᵀ 2 (2w) d  +  weights @ v 2 (2w) d;
+      local head (window w, looking L windows back and F ahead): each query meets the
+        (L + 1 + F) w keys of the windows around its own (the full block is formed, then
+        masked): q kᵀ 2 (L + 1 + F) w d  +  weights @ v 2 (L + 1 + F) w d;
       global head, blindspot B > 1 (chunks are the B-blocks, no intra-chunk term; v carries a
         ones column, the normaliser, hence d + 1): chunk states kᵀv 2 d (d + 1) + q @ state
         2 d (d + 1);
       global head, B = 1 (chunks of C): the above plus the intra-chunk q kᵀ 2 C d and
         weights @ v 2 C (d + 1).
     """
-    d, w = attn.dim_head, attn.window
-    local = attn.n_local * (2 * 2 * w * d + 2 * 2 * w * d)
+    d, window = attn.dim_head, attn.local_window
+    span = (window.look_backward + 1 + window.look_forward) * window.size
+    local = attn.n_local * (2 * span * d + 2 * span * d)
     per_global = 4 * d * (d + 1)
     if attn.blindspot_size == 1:
         per_global += 2 * attn.chunk_size * d + 2 * attn.chunk_size * (d + 1)
