@@ -31,10 +31,11 @@ class ForgetGate(nn.Module):
         granularity: ``'feature'``, one gate per head and key feature (GLA), or ``'head'``,
             one scalar decay per head and position (Mamba-2, Gated DeltaNet): cheaper, and
             the state forgets all its features at once. The default stays ``'feature'``
-            until measured otherwise: with the softmax map both are now cheap (one layer,
-            dim 512, n=4096, fwd+bwd: 1.13x and 0.83x the ungated layer in one run of
-            benchmarks/bench_gate.py), and no quality comparison on text (examples/
-            compare_improvements.py) has been run yet to choose between them.
+            until measured otherwise: with the softmax map both cost about the same (one
+            layer, dim 512, fwd+bwd, benchmarks/bench_gate.py on 2026-11-23: 1.33x and
+            1.25-1.35x the ungated layer at n = 4096 and 16384, most of it the output gate's
+            projection), and no quality comparison on text (examples/compare_variants.py
+            --variants gate_feature gate_head) has been run yet to choose between them.
     Shapes: x (b, n, dim) -> (b, heads, n, dim_head), or (b, heads, n) per head.
     """
 

@@ -69,7 +69,7 @@ class LinearAttentionTransformerLM(nn.Module):
             raise ValueError("use_axial_pos_emb and use_rotary_emb are two position schemes: choose one")
         if use_rotary_emb:
             self.pos_emb = None
-        elif use_axial_pos_emb:
+        elif use_axial_pos_emb is None or use_axial_pos_emb:  # None: the default, axial
             self.pos_emb = AxialPositionalEmbedding(emb_dim, max_seq_len, kwargs.get("local_attn_window_size", 128))
         else:
             self.pos_emb = AbsolutePositionalEmbedding(emb_dim, max_seq_len)

@@ -43,3 +43,17 @@ def test_axial_lookup_by_position_equals_upstream_table():
     positions = torch.tensor([0, 15, 16, 49, 33])
     torch.testing.assert_close(ours(positions), upstream_table[positions])
     assert isinstance(ours.axial, UpstreamAxial)
+
+
+def test_lm_position_scheme_by_option():
+    """Axial by default (seed 000), rotary instead when asked, absolute when both are off."""
+    from linear_attention_transformer import LinearAttentionTransformerLM
+    from linear_attention_transformer.positional import AbsolutePositionalEmbedding
+
+    def lm(**options):
+        return LinearAttentionTransformerLM(num_tokens=10, dim=8, depth=1, heads=2, max_seq_len=16, **options)
+
+    assert isinstance(lm().pos_emb, AxialPositionalEmbedding)
+    assert isinstance(lm(use_axial_pos_emb=True).pos_emb, AxialPositionalEmbedding)
+    assert lm(use_rotary_emb=True).pos_emb is None
+    assert isinstance(lm(use_axial_pos_emb=False).pos_emb, AbsolutePositionalEmbedding)
