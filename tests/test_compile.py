@@ -10,6 +10,8 @@ default backend, whose fused kernels round differently (hence the tolerance).
 
 from __future__ import annotations
 
+import importlib
+
 import pytest
 import torch
 
@@ -98,3 +100,37 @@ def test_default_configuration_has_no_graph_break():
     ]
     assert explanation.graph_break_count == 0, "graph breaks:\n" + "\n".join(where)
     assert explanation.graph_count == 1
+
+
+@pytest.mark.parametrize("magnitude", [1.0, 100.0])
+def test_compiled_kernel_recomputes_lost_chunks(magnitude, monkeypatch):
+    """Compiled, the kernel's safe recompute is a ``torch.cond``: at x100 logits (where some
+    chunks are lost to underflow: without the recompute the result is far off) and at x1
+    (where none is) the compiled output and gradients equal the float64 reference."""
+    from linear_attention_transformer.ops import causal_linear_attention, naive_causal_linear_attention
+
+    kernel_module = importlib.import_module("linear_attention_transformer.ops.linear_attention")
+    g = torch.Generator().manual_seed(0)
+    q, k = (magnitude * torch.randn(1, 2, 20, 4, generator=g) for _ in range(2))
+    v = torch.randn(1, 2, 20, 3, generator=g)
+    mask = torch.ones(1, 20, dtype=torch.bool)
+    mask[0, 5] = False
+
+    def run(fn, *inputs, **options):
+        inputs = [t.clone().requires_grad_() for t in inputs]
+        out = fn(*inputs, mask=mask, exp_features=True, **options)
+        (out * torch.linspace(-1, 1, 3)).sum().backward()
+        return out.detach().double(), [t.grad.double() for t in inputs]
+
+    expected, expected_grads = run(naive_causal_linear_attention, *(t.double() for t in (q, k, v)))
+    with monkeypatch.context() as m:  # the inputs need the recompute exactly when magnitude is large
+        m.setattr(kernel_module, "_recompute_chunks", lambda out, *args: out)
+        unsafe, _ = run(causal_linear_attention, q, k, v, chunk_size=8)
+    unsafe_error = (unsafe - expected).abs().max().item()
+    assert (unsafe_error > 1e-2) == (magnitude > 1), unsafe_error
+
+    compiled = torch.compile(causal_linear_attention, backend="aot_eager", fullgraph=True)
+    out, grads = run(compiled, q, k, v, chunk_size=8)
+    assert_close(out, expected, 1e-4, "output")
+    for name, got, want in zip("qkv", grads, expected_grads):
+        assert_close(got, want, 1e-3, f"d{name}")

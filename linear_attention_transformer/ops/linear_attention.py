@@ -31,8 +31,8 @@ and the output is ``sum_j w_ij v_j / sum_j w_ij``. Two kinds of features:
     a_id = q_id + G_id + r_d, the chunk's pairs as l_ij = logsumexp_d (q_id + k_jd + G_id -
     G_jd), both against M_i = max(max_d a_id, max_j l_ij) over what i sees, so that i's
     largest term is exactly 1. Only those chunks pay for the (C x C x d) pairs. Under
-    torch.compile every chunk is recomputed and selected with a ``where`` (no branch on
-    data, so no graph break).
+    torch.compile the choice is a ``torch.cond`` (no graph break): when any chunk is lost,
+    all are recomputed and the lost ones selected.
 
   So the chunked form, the recurrence and the blindspot form are exact at any logit spread
   (float64 equal to the explicit matrix, float32 within the rounding of its logits),
@@ -524,13 +524,25 @@ def _recompute_chunks(out, lost, q, k, v, G, states, r_prev):
     divided by its own denominator afterwards, so the two forms' shifts may differ).
 
     Eagerly only the lost chunks are gathered and recomputed (their count is read back: a
-    sync, usually of an all-False mask). Under torch.compile every chunk is recomputed and
-    selected without a branch: no graph break, at the price of the pairwise form."""
+    sync, usually of an all-False mask). Under torch.compile the branch is a ``torch.cond``
+    (no graph break): when some chunk is lost every chunk is recomputed and the lost ones
+    selected, otherwise nothing is."""
     if torch.compiler.is_compiling():
-        b, h, c = lost.shape
-        flat = [None if t is None else t.expand(b, h, c, *t.shape[3:]).flatten(0, 2) for t in (q, k, v, G, states, r_prev)]
-        safe = _safe_chunk_outputs(*flat).view_as(out)
-        return torch.where(lost[..., None, None], safe, out)
+        # (the branches' outputs, and in backward their gradients for every operand, must
+        # agree on strides; where() and the recompute give contiguous ones)
+        given = [t.contiguous() for t in (q, k, v, G, states, r_prev) if t is not None]
+
+        def recompute_all(out, lost, *given):
+            it = iter(given)
+            operands = [None if t is None else next(it) for t in (q, k, v, G, states, r_prev)]
+            b, h, c = lost.shape
+            flat = [None if t is None else t.expand(b, h, c, *t.shape[3:]).flatten(0, 2) for t in operands]
+            return torch.where(lost[..., None, None], _safe_chunk_outputs(*flat).view_as(out), out)
+
+        def keep(out, lost, *given):
+            return out.clone()
+
+        return torch.cond(lost.any(), recompute_all, keep, (out.contiguous(), lost, *given))
     where = lost.nonzero(as_tuple=True)
     if where[0].numel() == 0:
         return out
