@@ -249,7 +249,8 @@ def build_model(args):
         max_seq_len=args.seq_len,
         causal=True,
         n_local_attn_heads=args.n_local_attn_heads,
-        local_attn_window_size=args.local_attn_window_size,
+        # the window shapes the local heads and the axial table; without either it is refused
+        local_attn_window_size=args.local_attn_window_size if args.n_local_attn_heads or args.pos_emb == "axial" else None,
         blindspot_size=args.blindspot_size,
         ff_glu=args.ff_glu,
         ff_dropout=args.dropout,

@@ -74,7 +74,8 @@ class Attention(nn.Module):
         heads: number of query heads. dim_head: size of each (default dim // heads).
         causal: each position attends only to itself and the past.
         n_local_attn_heads: how many of the heads are local windowed softmax heads.
-        local_attn_window_size: w; a local head sees its window of w tokens and the one before.
+        local_attn_window_size: w (default 128); a local head sees its window of w tokens and the
+            one before. Refused without local heads.
         local_attn_look_backward: windows before its own a local head sees (default 1).
         local_attn_look_forward: windows after its own (default 1, or 0 when causal; > 0 is
             refused when causal).
@@ -110,7 +111,7 @@ class Attention(nn.Module):
         dim_head=None,
         causal=False,
         n_local_attn_heads=0,
-        local_attn_window_size=128,
+        local_attn_window_size=None,
         local_attn_look_backward=1,
         local_attn_look_forward=None,
         local_attn_exact_windowsize=False,
@@ -135,7 +136,11 @@ class Attention(nn.Module):
             raise ValueError(f"n_local_attn_heads ({n_local_attn_heads}) must be between 0 and heads ({heads})")
         if receives_context and n_local_attn_heads:
             raise ValueError("a layer with receives_context=True has no local heads (n_local_attn_heads must be 0)")
-        if n_local_attn_heads and (not isinstance(local_attn_window_size, int) or local_attn_window_size < 1):
+        if local_attn_window_size is not None and not n_local_attn_heads:
+            raise ValueError("local_attn_window_size is a setting of local heads, and n_local_attn_heads is 0")
+        local_attn_window_size = 128 if local_attn_window_size is None else local_attn_window_size
+        if n_local_attn_heads and (isinstance(local_attn_window_size, bool) or not isinstance(local_attn_window_size, int)
+                                   or local_attn_window_size < 1):
             raise ValueError(f"local_attn_window_size must be a positive int, got {local_attn_window_size!r}")
         # both shape the causal kernel only: given to a layer without a causal order they would be ignored
         for name, value in (("blindspot_size", blindspot_size), ("chunk_size", chunk_size)):

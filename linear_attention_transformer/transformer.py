@@ -202,7 +202,8 @@ class LinearAttentionTransformer(nn.Module):
         dim, depth, max_seq_len: width, number of layers, longest accepted sequence.
         heads, dim_head: heads of every attention layer and their size (default dim // heads).
         causal: each position sees only itself and the past.
-        local_attn_window_size: w of the local heads, and the stride of ``attend_axially``.
+        local_attn_window_size: w of the local heads, and the stride of ``attend_axially``
+            (default 128); refused when the model has neither.
         attn_layer_dropout: dropout on each attention layer's output.
         reversible: reversible residual pairs (activations recomputed in backward).
         checkpoint: gradient checkpointing: each layer keeps only its input and is run again
@@ -239,7 +240,7 @@ class LinearAttentionTransformer(nn.Module):
         heads=8,
         dim_head=None,
         causal=False,
-        local_attn_window_size=128,
+        local_attn_window_size=None,
         attn_layer_dropout=0.0,
         reversible=False,
         checkpoint=False,
@@ -296,13 +297,18 @@ class LinearAttentionTransformer(nn.Module):
             if window_options and not any(local_heads):
                 raise ValueError(f"{', '.join(window_options)}: settings of local heads, and n_local_attn_heads is 0")
             self_attention = [
-                Attention(dim, causal=causal, n_local_attn_heads=n, local_attn_window_size=local_attn_window_size,
+                Attention(dim, causal=causal, n_local_attn_heads=n, local_attn_window_size=local_attn_window_size if n else None,
                           **shared, **linear)
                 for n in local_heads
             ]
         else:
             taken = options.take("Linformer self-attention", linformer_layers)
             self_attention = linformer_layers(linformer_settings, dim, max_seq_len, depth, **shared, **taken)
+        if local_attn_window_size is not None and not self.uses_local_window(options.given.get("n_local_attn_heads", 0), attend_axially):
+            raise ValueError(
+                "local_attn_window_size is the window of local heads and the stride of attend_axially: "
+                "this model has neither (n_local_attn_heads is 0, attend_axially is False)"
+            )
         if attend_axially:
             axial_options = options.take("axial linear attention", Attention, _LOCAL_OPTIONS)
         if receives_context and context_linformer_settings is None:
@@ -330,7 +336,7 @@ class LinearAttentionTransformer(nn.Module):
 
             if attend_axially:
                 axial = Attention(dim, causal=causal, **shared, **axial_options)
-                fold = FoldAxially(local_attn_window_size, axial)
+                fold = FoldAxially(128 if local_attn_window_size is None else local_attn_window_size, axial)
                 blocks.append((attention_branch(fold, "input_mask"), branch(feedforward(layer))))
 
             if receives_context:
@@ -343,6 +349,12 @@ class LinearAttentionTransformer(nn.Module):
 
         self.layers = ReversibleSequence(blocks) if reversible else SequentialSequence(blocks, checkpoint=checkpoint)
         self.rotary = RotaryEmbedding(resolve_heads(dim, heads, dim_head)[0]) if use_rotary_emb else None
+
+    @staticmethod
+    def uses_local_window(n_local_attn_heads=0, attend_axially=False):
+        """Whether a model with these options has a use for ``local_attn_window_size``."""
+        per_layer = n_local_attn_heads if isinstance(n_local_attn_heads, (tuple, list)) else (n_local_attn_heads,)
+        return bool(attend_axially) or any(per_layer)
 
     def forward(self, x, input_mask=None, context=None, context_mask=None, positions=None, cache=None,
                 return_cache=False):

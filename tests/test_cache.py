@@ -247,6 +247,8 @@ def random_config(rng):
     if cfg["use_gate"]:
         cfg["gate_granularity"] = pick("feature", "head")
     cfg.update(use_rotary_emb=positional == "rotary", use_axial_pos_emb=positional == "axial")
+    if not (cfg["n_local_attn_heads"] or cfg["attend_axially"] or positional == "axial"):
+        del cfg["local_attn_window_size"]  # nothing would use it: refused
     return cfg
 
 

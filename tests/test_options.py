@@ -37,6 +37,7 @@ OPTIONS = [
     ("n_local_attn_heads", 2, dict(local_attn_window_size=4)),
     ("n_local_attn_heads", (2,), dict(local_attn_window_size=4)),
     ("local_attn_window_size", 3, dict(n_local_attn_heads=2)),
+    ("local_attn_window_size", 3, {}),  # no local heads, no axial attention: nothing to shape
     ("local_attn_look_backward", 2, WINDOW),
     ("local_attn_look_forward", 2, WINDOW),
     ("local_attn_exact_windowsize", True, WINDOW),
@@ -163,3 +164,15 @@ def test_axial_and_rotary_position_embeddings_together_refused():
         LinearAttentionTransformerLM(use_axial_pos_emb=True, use_rotary_emb=True, **kw)
     assert LinearAttentionTransformerLM(use_rotary_emb=True, **kw).pos_emb is None
     assert LinearAttentionTransformerLM(**kw).pos_emb is not None  # axial by default
+
+
+def test_lm_window_size_shapes_the_axial_embedding_or_is_refused():
+    """In the LM the window also shapes the axial position table: without local heads it acts
+    there, and with rotary positions (no table) it has no use and is refused."""
+    lm = dict(num_tokens=8, dim=DIM, depth=1, heads=4, max_seq_len=16)
+    axial = LinearAttentionTransformerLM(**lm, local_attn_window_size=4)
+    assert axial.pos_emb.width == 4
+    with pytest.raises(ValueError, match="local_attn_window_size"):
+        LinearAttentionTransformerLM(**lm, local_attn_window_size=4, use_rotary_emb=True)
+    with pytest.raises(ValueError, match="local_attn_window_size"):
+        Attention(DIM, heads=4, local_attn_window_size=4)

@@ -51,6 +51,8 @@ def configs(draw, causal=True):
         shift_tokens=draw(st.booleans()),
         reversible=draw(st.booleans()),
     )
+    if not any(options["n_local_attn_heads"]):
+        del options["local_attn_window_size"]  # a window without local heads is refused
     if causal:  # chunks and blindspots belong to causal layers (refused otherwise)
         options["blindspot_size"] = draw(st.sampled_from([1, 1, 2, 3, 5]))
         options["chunk_size"] = draw(st.sampled_from([4, 8, 16]))
