@@ -51,6 +51,19 @@ exp(G_i - G_j) with i >= j on cumulative sums G, which never exceeds 1 (for expo
 features folded into the logits, see above; for given features formed pair by pair in
 sub-chunks when per feature).
 
+Packed sequences (``segments``, ``segments.py``): key j is visible to query i only in i's
+segment. The explicit matrix masks the pairs; the recurrence empties its state (sums 0,
+references -inf) at a segment's first token; the chunked form masks the (C x C) weights
+to same-segment pairs (valid for every weight form: they are formed, then masked), lets a
+query read the state before its chunk only when the token before the chunk is of its
+segment, and builds the state after a chunk from the keys of the chunk's last segment
+alone, carrying the earlier state only when no segment starts in the chunk. For exponential
+features those kept keys get their own maximum as reference (an earlier segment's keys in
+the chunk may be far larger), the decayed running maximum restarts with the segment, and a
+query of a new segment reads the state against a reference of -inf (factor 0). The safe
+recompute takes the same masks. Blindspot blocks stay counted from position 0 here; the
+attention layer aligns segments to blocks (``Attention._packed``).
+
 The normaliser rides along as an extra all-ones column of v, so the state carries S (d x e)
 and z (d) as one (d x e+1) tensor. Half-precision inputs are computed in float32 (the
 state sums up to n terms and would overflow float16) and cast back on return.
