@@ -204,3 +204,24 @@ def test_refused_model_kinds(options, what):
     x = torch.zeros(1, 8, 16)
     with pytest.raises(ValueError, match=what):
         model(x, context=torch.zeros(1, 3, 16), segment_ids=torch.zeros(1, 8, dtype=torch.long))
+
+
+def test_generate_with_segment_ids_refused():
+    """Sampling continues one sequence through a cache: packed ids are refused, not ignored."""
+    wrapper = AutoregressiveWrapper(lm(True).float())
+    prompt = torch.zeros(1, 4, dtype=torch.long)
+    with pytest.raises(ValueError, match="segment_ids"):
+        wrapper.generate(prompt, 2, segment_ids=torch.zeros(1, 4, dtype=torch.long))
+
+
+def test_transformer_on_vectors_packed_equals_each_segment_alone():
+    """The transformer itself (continuous inputs, rotary positions restarting per segment)."""
+    torch.manual_seed(13)
+    model = LinearAttentionTransformer(dim=16, depth=2, heads=4, max_seq_len=32, causal=True, chunk_size=4,
+                                       n_local_attn_heads=2, use_rotary_emb=True, use_gate=True, **WINDOW).to(D).eval()
+    x = torch.randn(2, 27, 16, dtype=D)
+    _, segment_ids = packed_batch(LENGTHS, seed=14)
+    packed = model(x, segment_ids=segment_ids)
+    for r, row in enumerate(LENGTHS):
+        for a, b in bounds(row):
+            assert_close(packed[r : r + 1, a:b], model(x[r : r + 1, a:b]))
