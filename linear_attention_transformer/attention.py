@@ -24,6 +24,7 @@ from .ops import (
     linear_attention_readout,
     linear_attention_summary,
 )
+from .ops.segments import aligned_layout, check_segment_ids, from_layout, segment_runs, to_layout
 from .ops.windowed_attention import Window, windowed_attention, windowed_attention_by_position, windowed_attention_last
 from .positional import apply_rotary
 
@@ -101,7 +102,8 @@ class Attention(nn.Module):
             on the global heads' q, k and v, before the feature map (causal: left-padded).
     Shapes:
         x (b, n, dim); input_mask (b, n) bool; context (b, m, dim); context_mask (b, m) bool;
-        rotary: (cos, sin) of the positions, each (n, dim_head). Returns (b, n, dim).
+        rotary: (cos, sin) of the positions, each (n, dim_head) or (b, n, dim_head);
+        segment_ids (b, n) integer: packed sequences, see ``forward``. Returns (b, n, dim).
     """
 
     def __init__(
@@ -204,29 +206,29 @@ class Attention(nn.Module):
             k, v = (repeat(t, "b g n d -> b (g r) n d", r=self.heads // self.kv_heads) for t in (k, v))
         return q, k, v
 
-    def local_heads(self, q, k, v, mask):
+    def local_heads(self, q, k, v, mask, segments=None):
         """Windowed softmax attention (positions come from the model, not from the window)."""
-        return windowed_attention(q, k, v, self.local_window, mask)
+        return windowed_attention(q, k, v, self.local_window, mask, segments)
 
-    def noncausal_keys(self, k, mask, source):
+    def noncausal_keys(self, k, mask, source, segments=None):
         """Key features without a causal order; with ``use_gate`` the forget gate's values,
         computed from ``source``, gate each key's contribution (then rows need normalising).
         Returns (features, normalize)."""
-        k, normalize = self.feature_map.noncausal_keys(k, mask)
+        k, normalize = self.feature_map.noncausal_keys(k, mask, segments)
         if self.forget_gate is not None:
             log_gate = self.forget_gate(source)
             log_gate = log_gate if log_gate.ndim == 4 else log_gate[..., None]  # one per head
             k, normalize = k * log_gate.exp().to(k.dtype), True
         return k, normalize
 
-    def global_heads(self, q, k, v, mask, x, cache=None, return_cache=False):
+    def global_heads(self, q, k, v, mask, x, cache=None, return_cache=False, segments=None):
         """Linear attention over the global heads. With ``return_cache`` also returns the
         state a decoder continues from: (causal state, last inputs of the convolution)."""
         conv_cache = None
         if self.local_conv is not None:
             previous = (None,) * 3 if cache is None else cache.conv
             masks, raw = (mask, mask, mask), (q, k, v)
-            q, k, v = (conv(t, m, p) for conv, t, m, p in zip(self.local_conv, raw, masks, previous))
+            q, k, v = (conv(t, m, p, segments) for conv, t, m, p in zip(self.local_conv, raw, masks, previous))
             if return_cache:
                 conv_cache = tuple(
                     _last_inputs(t, m, p, conv.kernel_size - 1) for conv, t, m, p in zip(self.local_conv, raw, masks, previous)
@@ -238,30 +240,64 @@ class Attention(nn.Module):
             out = causal_linear_attention(
                 q, k, v, log_gate, mask, blindspot_size=self.blindspot_size, chunk_size=self.chunk_size,
                 exp_features=exp_features, state=None if cache is None else cache.state, return_state=return_cache,
+                segments=segments,
             )
             if not return_cache:
                 return out
             out, state = out
             return out, GlobalCache(state, conv_cache)
-        k, normalize = self.noncausal_keys(k, mask, x)
-        return linear_attention(fm.queries(q), k, v, mask, normalize=normalize)
+        k, normalize = self.noncausal_keys(k, mask, x, segments)
+        return linear_attention(fm.queries(q), k, v, mask, normalize=normalize, segments=segments)
 
     # ------------------------------------------------------------------ forward
 
     def forward(self, x, input_mask=None, context=None, context_mask=None, rotary=None, cache=None,
-                return_cache=False):
+                return_cache=False, segment_ids=None):
         """x (b, n, dim) -> (b, n, dim); with ``return_cache`` -> (out, AttentionCache).
 
         ``cache``: the ``AttentionCache`` returned for the tokens before x (causal layers
-        only): x then holds just the new tokens."""
+        only): x then holds just the new tokens.
+        ``segment_ids``: (b, n) integer, packed sequences (``ops/segments.py``: a segment is
+        a maximal run of equal consecutive ids): every head attends within the token's
+        segment only, windows, blindspot blocks and convolution taps counted from the
+        segment's start, so each segment's output equals the segment run alone (with
+        ``rotary`` of the positions inside the segment). Not with a cache, nor in a
+        cross-attention layer."""
         if x.ndim != 3 or x.shape[-1] != self.dim:
             raise ValueError(f"x must have shape (batch, seq_len, {self.dim}), got {tuple(x.shape)}")
         check_mask(input_mask, x, "input_mask")
+        if segment_ids is not None:
+            check_segment_ids(segment_ids, x.shape[:2])
+            if cache is not None or return_cache:
+                raise ValueError("segment_ids cannot be combined with a cache (cache / return_cache): "
+                                 "a cache continues one sequence; decode each segment on its own")
+            if self.receives_context:
+                raise ValueError("segment_ids is not supported in a cross-attention layer (receives_context=True)")
+            return self._packed(x, input_mask, rotary, segment_runs(segment_ids))
         if cache is not None or return_cache:
             self.check_cacheable()
         if self.receives_context:
             return self._cross_attention(x, context, context_mask, cache, return_cache)
+        return self._self_attention(x, input_mask, rotary, cache, return_cache)
 
+    def _packed(self, x, mask, rotary, runs):
+        """Self-attention over packed segments (run index ``runs``). Blindspot blocks must
+        start with each segment: then every segment is moved to start at a multiple of the
+        block size (``aligned_layout``, at most B - 1 empty, masked slots per segment), the
+        layer runs there, and the outputs are moved back."""
+        if self.blindspot_size == 1 or self.n_local == self.heads:
+            return self._self_attention(x, mask, rotary, segments=runs)
+        slots, length = aligned_layout(runs, self.blindspot_size)
+        mask = torch.ones_like(runs, dtype=torch.bool) if mask is None else mask
+        if rotary is not None:
+            rotary = tuple(to_layout(t.expand(x.shape[0], *t.shape[-2:]), slots, length) for t in rotary)
+        # an empty slot belongs to the segment before it (cummax of the moved run index)
+        moved_runs = to_layout(runs, slots, length).cummax(dim=1).values
+        out = self._self_attention(to_layout(x, slots, length), to_layout(mask, slots, length, False), rotary,
+                                   segments=moved_runs)
+        return from_layout(out, slots)
+
+    def _self_attention(self, x, input_mask, rotary, cache=None, return_cache=False, segments=None):
         q, k, v = self.project(x, x)
         if rotary is not None:
             q, k = apply_rotary(q, rotary), apply_rotary(k, rotary)
@@ -272,7 +308,7 @@ class Attention(nn.Module):
         (ql, qg), (kl, kg), (vl, vg) = (t.split((self.n_local, self.heads - self.n_local), dim=1) for t in (q, k, v))
         if self.n_local:
             if cache is None:
-                outs.append(self.local_heads(ql, kl, vl, input_mask))
+                outs.append(self.local_heads(ql, kl, vl, input_mask, segments))
                 if return_cache:
                     local_cache = LocalCache(kl, vl, _mask_or_ones(input_mask, kl), 0)
             else:
@@ -281,7 +317,8 @@ class Attention(nn.Module):
             if return_cache:
                 local_cache = local_cache.keep_from(self.local_window.first_key(position + x.shape[1]))
         if self.n_local < self.heads:
-            out = self.global_heads(qg, kg, vg, input_mask, x, None if cache is None else cache.global_, return_cache)
+            out = self.global_heads(qg, kg, vg, input_mask, x, None if cache is None else cache.global_, return_cache,
+                                    segments)
             if return_cache:
                 out, global_cache = out
             outs.append(out)

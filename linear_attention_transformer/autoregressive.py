@@ -40,6 +40,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .ops.segments import check_segment_ids
+
 __all__ = ["top_k", "top_p", "linear_cross_entropy", "AutoregressiveWrapper"]
 
 _INTEGER_DTYPES = (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64)
@@ -267,7 +269,9 @@ class AutoregressiveWrapper(nn.Module):
             return_loss: False returns ``self.net(x, **kwargs)`` unchanged.
             **kwargs: passed to the net. ``input_mask`` (b, n) bool, True for real
                 tokens, is cut to (b, n - 1) for the net, and targets whose token is
-                masked out are ignored in the loss.
+                masked out are ignored in the loss. ``segment_ids`` (b, n) (packed
+                sequences) is cut the same way, and a target that starts a new segment is
+                ignored: predicting it would cross the boundary.
         Returns:
             scalar loss: mean over the targets that are neither ``ignore_index`` nor
             masked out (NaN when there are none, as with ``F.cross_entropy``);
@@ -289,6 +293,11 @@ class AutoregressiveWrapper(nn.Module):
             _check_mask(mask, x.shape)
             kwargs["input_mask"] = mask[:, :-1]
             targets = targets.masked_fill(~mask[:, 1:], self.ignore_index)
+        segment_ids = kwargs.pop("segment_ids", None)
+        if segment_ids is not None:
+            check_segment_ids(segment_ids, x.shape)
+            kwargs["segment_ids"] = segment_ids[:, :-1]
+            targets = targets.masked_fill(segment_ids[:, 1:] != segment_ids[:, :-1], self.ignore_index)
 
         layer = self._output_layer()
         if layer is None:

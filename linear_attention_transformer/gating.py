@@ -90,7 +90,8 @@ class LocalConv(nn.Module):
             otherwise centred, which needs an odd kernel.
     Starts as the identity (the tap on the current token is 1, the others 0), so a model with
     the convolution begins as the one without, and learns how much of its neighbours to mix in.
-    Shapes: x (b, h, n, d) with h * d == channels, mask (b, n) bool -> (b, h, n, d).
+    Shapes: x (b, h, n, d) with h * d == channels, mask (b, n) bool, segments (b, n) run
+    index (``ops/segments.py``: no tap reaches into another segment) -> (b, h, n, d).
     """
 
     def __init__(self, channels, kernel_size=3, causal=True):
@@ -109,8 +110,10 @@ class LocalConv(nn.Module):
         """How many earlier positions each output sees (what a decoder must remember)."""
         return self.kernel_size - 1 if self.causal else self.kernel_size // 2
 
-    def forward(self, x, mask=None, previous=None):
+    def forward(self, x, mask=None, previous=None, segments=None):
         """``previous``: (b, h, kernel_size - 1, d) inputs before x[:, :, 0] (cached decoding)."""
+        if segments is not None and previous is not None:
+            raise ValueError("LocalConv: segments and previous (cached decoding) cannot be combined")
         h = x.shape[1]
         if mask is not None:  # padding never leaks into a real position
             x = x.masked_fill(~rearrange(mask, "b n -> b 1 n 1"), 0.0)
@@ -123,7 +126,14 @@ class LocalConv(nn.Module):
         # a few taps: a sum of shifted, scaled copies is faster than a depthwise conv1d on
         # the CPU and needs no transpose of the (b, h, n, d) layout
         weight = rearrange(self.conv_weight.to(x.dtype), "(h d) 1 k -> k h 1 d", h=h)
-        out = x[:, :, :n] * weight[0]
+        if segments is not None:  # a tap sees zero where it would cross into another segment
+            left = self.left_context
+            runs = F.pad(segments, (left, self.kernel_size - 1 - left), value=-1)
+            within = [rearrange(runs[:, tap : tap + n] == segments, "b n -> b 1 n 1") for tap in range(self.kernel_size)]
+            taps = [x[:, :, tap : tap + n].masked_fill(~within[tap], 0.0) for tap in range(self.kernel_size)]
+        else:
+            taps = [x[:, :, tap : tap + n] for tap in range(self.kernel_size)]
+        out = taps[0] * weight[0]
         for tap in range(1, self.kernel_size):
-            out = out + x[:, :, tap : tap + n] * weight[tap]
+            out = out + taps[tap] * weight[tap]
         return out

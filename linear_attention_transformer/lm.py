@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from .ops.segments import check_segment_ids, positions_in_segment, segment_runs
 from .positional import AbsolutePositionalEmbedding, AxialPositionalEmbedding
 from .transformer import LinearAttentionTransformer
 
@@ -32,7 +33,9 @@ class LinearAttentionTransformerLM(nn.Module):
             n_local_attn_heads, blindspot_size, shift_tokens, ...).
     Shapes:
         x (b, n) integer tokens, n <= max_seq_len; input_mask (b, n) bool; context
-        (b, m, dim) and context_mask (b, m) for a decoder. Returns logits (b, n, num_tokens),
+        (b, m, dim) and context_mask (b, m) for a decoder; segment_ids (b, n) integer for
+        packed sequences (positions restart at each segment, see
+        ``LinearAttentionTransformer.forward``). Returns logits (b, n, num_tokens),
         or (b, n, dim) with return_embeddings. Parameters: token_emb (num_tokens, emb_dim),
         project_in (dim, emb_dim), project_out (emb_dim, dim), to_logits (num_tokens, emb_dim)
         (the projections are Identity when emb_dim == dim).
@@ -103,33 +106,34 @@ class LinearAttentionTransformerLM(nn.Module):
         """Whether ``forward(..., return_cache=True)`` works: causal models without Linformer."""
         return self.transformer.supports_cache
 
-    def forward(self, x, input_mask=None, context=None, context_mask=None, cache=None, return_cache=False):
+    def forward(self, x, input_mask=None, context=None, context_mask=None, cache=None, return_cache=False,
+                segment_ids=None):
         """Logits (b, n, num_tokens) (or embeddings). With ``return_cache=True`` returns
         (logits, cache): a ``DecodingCache`` holding the state after the last token of x.
         Given ``cache``, x holds only the new tokens (one or more) that continue that
         sequence, and ``input_mask`` (if any) covers only them; a cross-attention layer reuses
         the context it reduced on the first call. The cache is never modified in place."""
-        out = self._body(x, input_mask, context, context_mask, cache, return_cache)
+        out = self._body(x, input_mask, context, context_mask, cache, return_cache, segment_ids)
         if not return_cache:
             return self._output(out)
         out, cache = out
         return self._output(out), cache
 
-    def output_features(self, x, input_mask=None, context=None, context_mask=None):
+    def output_features(self, x, input_mask=None, context=None, context_mask=None, segment_ids=None):
         """What the logits are read from: (b, n, emb_dim), with
         ``forward(x, ...) == output_layer(output_features(x, ...))``. ``AutoregressiveWrapper``
         takes its loss from these chunk by chunk, so that the (b, n, num_tokens) logits never
         exist at once."""
         if self.return_embeddings:
             raise ValueError("a model with return_embeddings=True has no output layer")
-        return self.project_out(self.norm(self._body(x, input_mask, context, context_mask, None, False)))
+        return self.project_out(self.norm(self._body(x, input_mask, context, context_mask, None, False, segment_ids)))
 
     @property
     def output_layer(self):
         """The last Linear(emb_dim, num_tokens) (None with return_embeddings)."""
         return self.to_logits
 
-    def _body(self, x, input_mask, context, context_mask, cache, return_cache):
+    def _body(self, x, input_mask, context, context_mask, cache, return_cache, segment_ids=None):
         if not torch.is_tensor(x) or x.dtype.is_floating_point or x.dtype.is_complex or x.dtype == torch.bool:
             raise TypeError(f"x must be a tensor of integer token ids, got {getattr(x, 'dtype', type(x))}")
         if x.ndim != 2:
@@ -139,13 +143,17 @@ class LinearAttentionTransformerLM(nn.Module):
         if start + n > self.max_seq_len:
             raise ValueError(f"sequence length {start + n} exceeds max_seq_len={self.max_seq_len}")
         positions = torch.arange(start, start + n, device=x.device)
+        if segment_ids is not None:  # packed sequences: each token's index inside its segment
+            check_segment_ids(segment_ids, x.shape)
+            segment_ids = segment_runs(segment_ids)
+            positions = positions_in_segment(segment_ids)
         h = self.token_emb(x)
         if self.pos_emb is not None:
             h = h + self.pos_emb(positions).to(h.dtype)
         h = self.project_in(h)
         return self.transformer(
             h, input_mask=input_mask, context=context, context_mask=context_mask, positions=positions,
-            cache=cache, return_cache=return_cache,
+            cache=cache, return_cache=return_cache, segment_ids=segment_ids,
         )
 
     def _output(self, out):

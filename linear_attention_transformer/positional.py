@@ -1,8 +1,9 @@
 """Positional information: absolute and axial embeddings added to the tokens, and rotary
 embeddings applied to queries and keys inside attention.
 
-All of them are looked up by absolute position, so cached decoding can ask for the
-position of the token it is about to process.
+All of them are looked up by position, so cached decoding can ask for the position of the
+token it is about to process, and packed sequences for each token's index inside its
+segment: positions are (n,) (the same for every row) or (b, n) (one per row and token).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from torch import nn
 
 
 class AbsolutePositionalEmbedding(nn.Module):
-    """A learned vector per position. positions (n,) long -> (n, dim)."""
+    """A learned vector per position. positions (n,) or (b, n) long -> (n, dim) or (b, n, dim)."""
 
     def __init__(self, dim, max_seq_len):
         super().__init__()
@@ -28,7 +29,7 @@ class AbsolutePositionalEmbedding(nn.Module):
 class AxialPositionalEmbedding(nn.Module):
     """Axial embedding (``axial_positional_embedding``), the seed's default: position
     t = i * w + j gets emb_i + emb_j, with w the local attention window.
-    positions (n,) long -> (n, dim)."""
+    positions (n,) or (b, n) long -> (n, dim) or (b, n, dim)."""
 
     def __init__(self, dim, max_seq_len, axial_width):
         super().__init__()
@@ -53,7 +54,8 @@ class RotaryEmbedding(nn.Module):
 
     Angles are computed in float32 from integer positions, so positions past 2048 keep
     their precision under float16 autocast (a float16 position is already wrong at 2049).
-    positions (n,) long -> (cos, sin), each (n, dim), float32 (float64 for a float64 model).
+    positions (n,) or (b, n) long -> (cos, sin), each (n, dim) or (b, n, dim), float32
+    (float64 for a float64 model).
     """
 
     def __init__(self, dim, base=10000):
@@ -66,7 +68,7 @@ class RotaryEmbedding(nn.Module):
     def forward(self, positions):
         with torch.autocast(positions.device.type, enabled=False):
             inv_freq = self.inv_freq.to(torch.promote_types(self.inv_freq.dtype, torch.float32))
-            angles = positions.to(inv_freq.dtype)[:, None] * inv_freq[None, :]
+            angles = positions.to(inv_freq.dtype)[..., None] * inv_freq
             angles = torch.cat((angles, angles), dim=-1)
             return angles.cos(), angles.sin()
 
@@ -77,8 +79,11 @@ def rotate_half(x):
 
 
 def apply_rotary(x, cos_sin):
-    """x (..., n, d) rotated by the angles of its positions; computed in at least float32."""
+    """x (b, h, n, d) (or (..., n, d)) rotated by the angles of its positions, cos and sin
+    (n, d) or per row (b, n, d); computed in at least float32."""
     cos, sin = cos_sin
+    if cos.ndim == 3:  # one set of positions per row: broadcast over the heads
+        cos, sin = cos[:, None], sin[:, None]
     dtype = x.dtype
     x = x.to(torch.promote_types(dtype, cos.dtype))
     return (x * cos + rotate_half(x) * sin).to(dtype)

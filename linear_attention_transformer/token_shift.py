@@ -17,7 +17,7 @@ def token_shifts(causal: bool):
     return (1, 0) if causal else (1, -1, 0)
 
 
-def shift_tokens(x, shifts, mask=None, previous=None):
+def shift_tokens(x, shifts, mask=None, previous=None, segments=None):
     """Shift slices of the feature dimension along the sequence.
 
     Args:
@@ -26,11 +26,15 @@ def shift_tokens(x, shifts, mask=None, previous=None):
         mask: optional (b, n) bool; padding is zeroed first so it never leaks into a
             real token.
         previous: optional (b, d) features of the token before x[:, 0] (cached decoding).
+        segments: optional (b, n) segment ids (a run index, ``ops/segments.py``): a token
+            shifted across a segment boundary arrives as zeros, as at a sequence's ends.
     Returns:
         (b, n, d)
     """
     if mask is not None:
         x = x.masked_fill(~rearrange(mask, "b n -> b n 1"), 0.0)
+    if segments is not None and previous is not None:
+        raise ValueError("shift_tokens: segments and previous (cached decoding) cannot be combined")
     if previous is not None:
         x = torch.cat((rearrange(previous, "b d -> b 1 d"), x), dim=1)
     sizes = [x.shape[-1] // len(shifts)] * len(shifts)
@@ -38,6 +42,9 @@ def shift_tokens(x, shifts, mask=None, previous=None):
     parts = []
     for part, s in zip(x.split(sizes, dim=-1), shifts):
         # padding by (s, -s) along the sequence moves the slice s places later
-        parts.append(F.pad(part, (0, 0, s, -s)) if s else part)
+        shifted = F.pad(part, (0, 0, s, -s)) if s else part
+        if s and segments is not None:
+            shifted = shifted.masked_fill(rearrange(F.pad(segments, (s, -s), value=-1) != segments, "b n -> b n 1"), 0.0)
+        parts.append(shifted)
     out = torch.cat(parts, dim=-1)
     return out[:, 1:] if previous is not None else out

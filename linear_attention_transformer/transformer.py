@@ -20,6 +20,7 @@ from .attention import Attention, _pad_to_multiple, check_mask, resolve_heads
 from .cache import AxialCache, BranchCache, DecodingCache, map_tensors, zip_tensors
 from .feedforward import FeedForward
 from .linformer import LinformerContextSettings, LinformerSettings, linformer_layers
+from .ops.segments import check_segment_ids, positions_in_segment, segment_runs
 from .positional import RotaryEmbedding
 from .reversible import ReversibleSequence, SequentialSequence
 from .token_shift import shift_tokens, token_shifts
@@ -57,7 +58,8 @@ class Branch(nn.Module):
             if return_cache:  # the token the next call's first token shifts in
                 last = h[:, -1] if mask is None else h[:, -1].masked_fill(~mask[:, -1:], 0.0)
                 shift = last
-            h = shift_tokens(h, self.shifts, mask, previous=None if cache is None else cache.shift)
+            h = shift_tokens(h, self.shifts, mask, previous=None if cache is None else cache.shift,
+                             segments=kwargs.get("segment_ids"))
         routed = {name: kwargs.get(name) for name in self.routes}
         if not return_cache:
             return self.dropout(self.fn(h, **routed))
@@ -229,7 +231,8 @@ class LinearAttentionTransformer(nn.Module):
             model can honour raises ValueError.
     Shapes:
         x (b, n, dim) with n <= max_seq_len; input_mask (b, n) bool; context (b, m, dim);
-        context_mask (b, m) bool. Returns (b, n, dim).
+        context_mask (b, m) bool; segment_ids (b, n) integer (packed sequences, see
+        ``forward``). Returns (b, n, dim).
     """
 
     def __init__(
@@ -280,7 +283,7 @@ class LinearAttentionTransformer(nn.Module):
 
         self.dim, self.max_seq_len, self.causal = dim, max_seq_len, causal
         self.linformer = linformer_settings is not None
-        self.receives_context = receives_context
+        self.receives_context, self.attend_axially = receives_context, attend_axially
         shifts = token_shifts(causal) if shift_tokens else None
         ff_options = {name[3:]: options.pop(name) for name in list(options) if name.startswith("ff_")}
         unknown_ff = ["ff_" + name for name in ff_options if name not in _parameters(FeedForward) - {"dim"}]
@@ -331,7 +334,7 @@ class LinearAttentionTransformer(nn.Module):
 
         blocks = []
         for layer in range(depth):
-            self_routes = ("input_mask",) if self.linformer else ("input_mask", "rotary")
+            self_routes = ("input_mask",) if self.linformer else ("input_mask", "rotary", "segment_ids")
             blocks.append((attention_branch(self_attention[layer], *self_routes), branch(feedforward(layer))))
 
             if attend_axially:
@@ -357,22 +360,33 @@ class LinearAttentionTransformer(nn.Module):
         return bool(attend_axially) or any(per_layer)
 
     def forward(self, x, input_mask=None, context=None, context_mask=None, positions=None, cache=None,
-                return_cache=False):
+                return_cache=False, segment_ids=None):
         """x (b, n, dim) -> (b, n, dim). With ``return_cache`` -> (out, DecodingCache); given a
-        ``cache``, x holds only the tokens that continue the cached sequence."""
+        ``cache``, x holds only the tokens that continue the cached sequence.
+
+        ``segment_ids`` (b, n) integer: packed sequences. A segment is a maximal run of equal
+        consecutive ids (``[0, 0, 1, 1, 0]`` holds three); each segment's output equals that
+        segment run alone: attention, windows, blindspot, convolution and token shift stay
+        inside it, and rotary positions (unless ``positions`` is given, (n,) or (b, n)) restart
+        at its first token. ``input_mask`` still marks padding. Refused with a cache, with
+        Linformer, attend_axially or receives_context."""
         if x.ndim != 3 or x.shape[-1] != self.dim:
             raise ValueError(f"x must have shape (batch, seq_len, {self.dim}), got {tuple(x.shape)}")
         start = 0 if cache is None else cache.position
         if start + x.shape[1] > self.max_seq_len:
             raise ValueError(f"sequence length {start + x.shape[1]} exceeds max_seq_len={self.max_seq_len}")
         check_mask(input_mask, x, "input_mask")
+        if segment_ids is not None:
+            segment_ids = self._check_segment_ids(segment_ids, x, cache, return_cache)
+            if self.rotary is not None and positions is None:
+                positions = positions_in_segment(segment_ids)
         if self.receives_context and cache is None:
             if context is None:
                 raise ValueError("this model has receives_context=True: pass context=(batch, ctx_len, dim)")
             if context.ndim != 3 or context.shape[-1] != self.dim:
                 raise ValueError(f"context must have shape (batch, ctx_len, {self.dim}), got {tuple(context.shape)}")
             check_mask(context_mask, context, "context_mask")
-        kwargs = dict(input_mask=input_mask, context=context, context_mask=context_mask)
+        kwargs = dict(input_mask=input_mask, context=context, context_mask=context_mask, segment_ids=segment_ids)
         if self.rotary is not None:
             if positions is None:
                 positions = torch.arange(start, start + x.shape[1], device=x.device)
@@ -381,6 +395,21 @@ class LinearAttentionTransformer(nn.Module):
             return self.layers(x, **kwargs)
         out, new_cache = self._forward_cached(x, cache, kwargs)
         return (out, new_cache) if return_cache else out
+
+    def _check_segment_ids(self, segment_ids, x, cache, return_cache):
+        """Validate packed-sequence ids and canonicalise them once to the run index that every
+        layer takes (``ops/segments.py``)."""
+        check_segment_ids(segment_ids, x.shape[:2])
+        if cache is not None or return_cache:
+            raise ValueError("segment_ids cannot be combined with a cache (cache / return_cache): "
+                             "a cache continues one sequence; decode each segment on its own")
+        for refused, what in ((self.linformer, "Linformer self-attention (linformer_settings) projects the whole "
+                               "sequence at once"),
+                              (self.attend_axially, "attend_axially mixes positions across the whole row"),
+                              (self.receives_context, "cross-attention (receives_context) reads one context per row")):
+            if refused:
+                raise ValueError(f"segment_ids is not supported here: {what}")
+        return segment_runs(segment_ids)
 
     def _forward_cached(self, x, cache, kwargs):
         """The layers one branch at a time, each continuing from its cache. Reversible pairs

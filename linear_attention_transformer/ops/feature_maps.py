@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from einops import rearrange
 
 from .linear_attention import _check_mask
+from .segments import segment_softmax
 
 __all__ = ["FeatureMap", "FEATURE_MAP_NAMES"]
 
@@ -63,9 +64,10 @@ class FeatureMap:
     def queries(self, q):
         return q.softmax(dim=-1) if self.is_softmax else self._pointwise(q)
 
-    def noncausal_keys(self, k, mask: Optional[torch.Tensor] = None):
+    def noncausal_keys(self, k, mask: Optional[torch.Tensor] = None, segments: Optional[torch.Tensor] = None):
         """Key features for non-causal attention. Returns (features, normalize): with the
-        softmax map every output row already sums to one."""
+        softmax map every output row already sums to one. With ``segments`` (a (b, n) run
+        index, ``segments.py``) the softmax runs over each segment's keys."""
         _check_mask(mask, k.shape[0], k.shape[2])
         if not self.is_softmax:
             return self._pointwise(k), True
@@ -73,7 +75,7 @@ class FeatureMap:
             # -max rather than -inf: a row with every key masked stays finite (the kernel
             # zeroes masked keys afterwards, so that query gets 0)
             k = k.masked_fill(~rearrange(mask, "b n -> b 1 n 1"), torch.finfo(k.dtype).min)
-        return k.softmax(dim=-2), False
+        return (k.softmax(dim=-2) if segments is None else segment_softmax(k, segments)), False
 
     def causal_features(self, q, k):
         """Query and key inputs of the causal kernels: (q, k, exp_features).

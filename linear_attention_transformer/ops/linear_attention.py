@@ -51,6 +51,19 @@ exp(G_i - G_j) with i >= j on cumulative sums G, which never exceeds 1 (for expo
 features folded into the logits, see above; for given features formed pair by pair in
 sub-chunks when per feature).
 
+Packed sequences (``segments``, ``segments.py``): key j is visible to query i only in i's
+segment. The explicit matrix masks the pairs; the recurrence empties its state (sums 0,
+references -inf) at a segment's first token; the chunked form masks the (C x C) weights
+to same-segment pairs (valid for every weight form: they are formed, then masked), lets a
+query read the state before its chunk only when the token before the chunk is of its
+segment, and builds the state after a chunk from the keys of the chunk's last segment
+alone, carrying the earlier state only when no segment starts in the chunk. For exponential
+features those kept keys get their own maximum as reference (an earlier segment's keys in
+the chunk may be far larger), the decayed running maximum restarts with the segment, and a
+query of a new segment reads the state against a reference of -inf (factor 0). The safe
+recompute takes the same masks. Blindspot blocks stay counted from position 0 here; the
+attention layer aligns segments to blocks (``Attention._packed``).
+
 The normaliser rides along as an extra all-ones column of v, so the state carries S (d x e)
 and z (d) as one (d x e+1) tensor. Half-precision inputs are computed in float32 (the
 state sums up to n terms and would overflow float16) and cast back on return.
@@ -61,6 +74,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from einops import rearrange
+
+from .segments import segment_one_hot, segment_runs
 
 __all__ = [
     "linear_attention",
@@ -144,7 +159,7 @@ def _queries_relative_to(q, ref):
 # ----------------------------------------------------------------- non-causal (global)
 
 
-def linear_attention(q, k, v, mask=None, normalize=True):
+def linear_attention(q, k, v, mask=None, normalize=True, segments=None):
     """Non-causal linear attention, q (kᵀv), in O(n d e).
 
     Args:
@@ -154,10 +169,28 @@ def linear_attention(q, k, v, mask=None, normalize=True):
         mask: optional (b, m) bool, True for keys to attend to.
         normalize: divide by sum_j w_ij. Off for feature maps that already normalise
             (softmax over keys and over query features gives rows that sum to 1).
+        segments: optional (b, n) segment ids (self-attention, m == n, ``segments.py``):
+            each query reads only its own segment's kᵀv, one summary per segment, in
+            O(n S d e) for S segments per row.
     Returns:
         (b, h, n, e)
     """
-    return linear_attention_readout(q, linear_attention_summary(k, v, mask, normalize))
+    if segments is None:
+        return linear_attention_readout(q, linear_attention_summary(k, v, mask, normalize))
+    _check_mask(mask, k.shape[0], k.shape[2])
+    out_dtype, dtype = q.dtype, _compute_dtype(k)
+    with torch.autocast(k.device.type, enabled=False):
+        q, k, v = (t.to(dtype) for t in (q, k, v))
+        k, v, _ = _apply_key_mask(k, v, None, mask, exp_features=False)
+        if normalize:
+            v = _append_ones(v)
+        member = segment_one_hot(segment_runs(segments), dtype)[:, None]  # (b, 1, S, n)
+        # the keys of each segment (zero elsewhere), reduced to one kᵀv per segment
+        summaries = (k[:, :, None] * member[..., None]).transpose(-1, -2) @ v[:, :, None]  # (b, h, S, d, e)
+        out = ((q[:, :, None] @ summaries) * member[..., None]).sum(dim=2)  # each query its own
+        if normalize:
+            out = _divide(out)
+    return out.to(out_dtype)
 
 
 def linear_attention_summary(k, v, mask=None, normalize=True):
@@ -184,11 +217,14 @@ def linear_attention_readout(q, summary):
     return out.to(q.dtype)
 
 
-def naive_linear_attention(q, k, v, mask=None, normalize=True):
-    """Reference for ``linear_attention``: the explicit (n x m) weight matrix."""
+def naive_linear_attention(q, k, v, mask=None, normalize=True, segments=None):
+    """Reference for ``linear_attention``: the explicit (n x m) weight matrix (with
+    ``segments``, zero between tokens of different segments)."""
     w = torch.einsum("bhnd,bhmd->bhnm", q, k)
     if mask is not None:
         w = w.masked_fill(~rearrange(mask, "b m -> b 1 1 m"), 0.0)
+    if segments is not None:
+        w = w.masked_fill(~_same_segment(segments), 0.0)
     out = torch.einsum("bhnm,bhme->bhne", w, v)
     if normalize:
         den = w.sum(-1, keepdim=True)
@@ -199,6 +235,12 @@ def naive_linear_attention(q, k, v, mask=None, normalize=True):
 # --------------------------------------------------------------------- causal: naive
 
 
+def _same_segment(segments):
+    """(b, n) ids -> (b, 1, n, n) bool: query i and key j lie in the same segment."""
+    runs = segment_runs(segments)
+    return (runs[:, :, None] == runs[:, None, :])[:, None]
+
+
 def _visibility(n, blindspot_size, device):
     pos = torch.arange(n, device=device)
     if blindspot_size > 1:
@@ -206,19 +248,24 @@ def _visibility(n, blindspot_size, device):
     return pos[None, :] <= pos[:, None]
 
 
-def naive_causal_linear_attention(q, k, v, log_decay=None, mask=None, blindspot_size=1, exp_features=False):
+def naive_causal_linear_attention(q, k, v, log_decay=None, mask=None, blindspot_size=1, exp_features=False,
+                                  segments=None):
     """Reference for the causal kernels: the explicit (n x n) decayed weight matrix.
 
     w_ij = sum_d q_id k_jd exp(G_id - G_jd) for visible j, with G = cumsum(log_decay);
     with ``exp_features`` the product q_id k_jd is exp(q_id + k_jd), and the weights are
     formed in log space (logsumexp over d, softmax over j), which is stable by itself.
     Key j is visible to query i when j <= i, or, with ``blindspot_size`` B > 1, when j lies
-    in an earlier block of B tokens than i (j // B < i // B).
+    in an earlier block of B tokens than i (j // B < i // B). With ``segments`` (b, n) it
+    must also lie in i's segment (blocks stay counted from position 0; the decays between
+    the two are then the segment's own).
     """
     b, h, n, d = q.shape
     visible = _visibility(n, blindspot_size, q.device)
     if mask is not None:
         visible = visible & rearrange(mask, "b j -> b 1 1 j")
+    if segments is not None:
+        visible = visible & _same_segment(segments)
     pair = q[:, :, :, None, :], k[:, :, None, :, :]  # (b, h, i, j, d) by broadcasting
     if log_decay is not None:
         if log_decay.ndim == 3:
@@ -354,23 +401,36 @@ def _step(q, k, v, state, log_decay, blindspot_size, exp_features):
 
 
 def recurrent_causal_linear_attention(
-    q, k, v, log_decay=None, mask=None, blindspot_size=1, exp_features=False, state=None
+    q, k, v, log_decay=None, mask=None, blindspot_size=1, exp_features=False, state=None, segments=None
 ):
     """Reference for ``causal_linear_attention``: the recurrence, one token at a time.
-    Returns (out (b, h, n, e), state after the last token)."""
+    With ``segments`` (b, n) the state is emptied (sums 0, references -inf) at each
+    segment's first token. Returns (out (b, h, n, e), state after the last token)."""
     b, h, n, d = q.shape
     _check_mask(mask, b, n)
     if state is None:
         state = CausalState.zeros(b, h, d, v.shape[-1], blindspot_size, exp_features, q.device, _compute_dtype(q))
     k, v, log_decay = _apply_key_mask(k, v, log_decay, mask, exp_features)
+    starts = None if segments is None else F.pad(segments[:, 1:] != segments[:, :-1], (1, 0))
     outs = []
     for t in range(n):
+        if starts is not None:
+            state = _emptied(state, starts[:, t])
         ld = None if log_decay is None else log_decay[:, :, t]
         out, state = causal_linear_attention_step(
             q[:, :, t], k[:, :, t], v[:, :, t], state, ld, blindspot_size, exp_features
         )
         outs.append(out)
     return torch.stack(outs, dim=2), state
+
+
+def _emptied(state, rows):
+    """``state`` with the batch rows where ``rows`` (b,) is True emptied: no key seen."""
+    def empty(t, value):
+        return None if t is None else torch.where(rows.view(-1, *(1,) * (t.ndim - 1)), value, t)
+
+    return CausalState(empty(state.kv, 0.0), empty(state.ref, NEG_INF), empty(state.pending, 0.0),
+                       empty(state.pending_ref, NEG_INF), state.position)
 
 
 # --------------------------------------------------------------------- causal: chunked
@@ -425,7 +485,7 @@ def _two_level_weights(q, k, G, s):
     return rearrange(w, "... m s m2 s2 -> ... (m s) (m2 s2)")
 
 
-def _chunk_references(m, chunk_log_decay, start):
+def _chunk_references(m, chunk_log_decay, start, carries=None):
     """Per-feature log references for exponential features, (b, h, c, d) each.
 
     m: (b, h, c, d) maximum over chunk c's keys of their logit decayed to the chunk's end,
@@ -433,11 +493,22 @@ def _chunk_references(m, chunk_log_decay, start):
     or None. start: (b, h, d) reference of the incoming state, or None.
     Returns (r_prev, r): r_c = max(r_{c-1} + chunk_log_decay_c, m_c), the decayed running
     maximum: the state after chunk c is stored relative to r_c, and its largest term is 1.
-    r_prev_c = r_{c-1} (``start``, or -inf) is the reference of the state chunk c reads."""
+    r_prev_c = r_{c-1} (``start``, or -inf) is the reference of the state chunk c reads.
+    carries: optional (b, 1, c) bool, False where a segment starts in chunk c: the running
+    maximum restarts there (a loop over the chunks: a reset cannot be folded into cummax
+    without a large finite stand-in, which would cost float32 its precision)."""
     with torch.no_grad():
         if start is None:
             start = torch.full_like(m[:, :, 0], NEG_INF)
-        if chunk_log_decay is None:
+        if carries is not None:
+            r, previous = [], start
+            decays = [None] * m.shape[2] if chunk_log_decay is None else chunk_log_decay.unbind(2)
+            for m_c, decay_c, carries_c in zip(m.unbind(2), decays, carries[..., None].unbind(2)):
+                carried = previous if decay_c is None else previous + decay_c
+                previous = torch.maximum(torch.where(carries_c, carried, NEG_INF), m_c)
+                r.append(previous)
+            r = torch.stack(r, dim=2)
+        elif chunk_log_decay is None:
             r = torch.cat((start[:, :, None], m), dim=2).cummax(dim=2).values[:, :, 1:]
         else:
             # r_c = T_c + max(start, max_{c' <= c} m_c' - T_c') with T the cumulative decay.
@@ -477,7 +548,7 @@ def _query_factors(parts):
 SAFE_BELOW = 1e-12
 
 
-def _safe_chunk_outputs(q, k, v, G, state, r_prev):
+def _safe_chunk_outputs(q, k, v, G, state, r_prev, same=None, reads=None):
     """Chunks recomputed with a per-query shift over the keys the query sees (exp features).
 
     q, k: (N, l, d) logits (masked keys -inf in every feature); v: (N, l, e + 1);
@@ -486,17 +557,23 @@ def _safe_chunk_outputs(q, k, v, G, state, r_prev):
     Intra-chunk weights are formed pair by pair in log space, l_ij = logsumexp_d (q_id + k_jd
     + G_id - G_jd), the state term as logits a_id = q_id + G_id + r_prev_d against its
     content; M_i = max(max_j l_ij, max_d a_id) over what query i sees, so its largest term
-    is 1 and nothing it depends on underflows. Returns (N, l, e + 1), rows relative to M_i."""
+    is 1 and nothing it depends on underflows. With segments, ``same`` (N, l, l) says which
+    pairs share a segment and ``reads`` (N, l) which queries read the state.
+    Returns (N, l, e + 1), rows relative to M_i."""
     l = q.shape[-2]
     causal = torch.ones(l, l, dtype=torch.bool, device=q.device).tril()
     real = torch.isfinite(k).any(dim=-1)  # (N, l)
     visible = causal & real[:, None, :]
+    if same is not None:
+        visible = visible & same
     # finite stand-ins for masked keys: a logsumexp over -inf only has a NaN gradient
     logits = q[:, :, None, :] + torch.where(torch.isfinite(k), k, torch.zeros_like(k))[:, None, :, :]
     state_logits = q + r_prev[:, None, :]
     if G is not None:
         logits = logits + (G[:, :, None, :] - G[:, None, :, :])
         state_logits = state_logits + G
+    if reads is not None:
+        state_logits = state_logits.masked_fill(~reads[..., None], NEG_INF)
     log_w = torch.logsumexp(logits, dim=-1).masked_fill(~visible, NEG_INF)  # (N, i, j)
     with torch.no_grad():
         M = torch.maximum(log_w.amax(dim=-1), state_logits.amax(dim=-1))[..., None]
@@ -504,14 +581,17 @@ def _safe_chunk_outputs(q, k, v, G, state, r_prev):
     return (log_w - M).exp() @ v + (state_logits - M).exp() @ state
 
 
-def _lost_to_underflow(den, mask, state, n):
+def _lost_to_underflow(den, mask, state, n, runs=None):
     """(b, h, c) bool: chunks with a real query whose fast-form denominator is below
     ``SAFE_BELOW`` although it sees a key (den: (b, h, c, l), the ones column)."""
     with torch.no_grad():
         b, h, c, l = den.shape
         lost = den < SAFE_BELOW
         real = torch.arange(c * l, device=den.device) < n  # padded queries are dropped anyway
-        if mask is not None:  # a query before any real key (and no state) rightly gets 0
+        if mask is not None and runs is not None:  # a real key of its own segment so far
+            last_real = torch.where(mask, runs, -1).cummax(dim=1).values
+            real = real & F.pad(last_real == runs, (0, c * l - n))[:, None]
+        elif mask is not None:  # a query before any real key (and no state) rightly gets 0
             seen = F.pad(mask, (0, c * l - n)).cumsum(dim=1)[:, None] > 0  # (b, 1, c l)
             if state is not None:
                 seen = seen | torch.isfinite(state.ref).any(dim=-1)[..., None]
@@ -519,7 +599,7 @@ def _lost_to_underflow(den, mask, state, n):
         return (lost & rearrange(real, "... (c l) -> ... c l", l=l)).any(dim=-1)
 
 
-def _recompute_chunks(out, lost, q, k, v, G, states, r_prev):
+def _recompute_chunks(out, lost, q, k, v, G, states, r_prev, same=None, reads=None):
     """``out`` with the ``lost`` chunks replaced by ``_safe_chunk_outputs`` (each row is
     divided by its own denominator afterwards, so the two forms' shifts may differ).
 
@@ -530,13 +610,13 @@ def _recompute_chunks(out, lost, q, k, v, G, states, r_prev):
     if torch.compiler.is_compiling():
         # (the branches' outputs, and in backward their gradients for every operand, must
         # agree on strides; where() and the recompute give contiguous ones)
-        given = [t.contiguous() for t in (q, k, v, G, states, r_prev) if t is not None]
+        operands = (q, k, v, G, states, r_prev, same, reads)
+        given = [t.contiguous() for t in operands if t is not None]
 
         def recompute_all(out, lost, *given):
             it = iter(given)
-            operands = [None if t is None else next(it) for t in (q, k, v, G, states, r_prev)]
             b, h, c = lost.shape
-            flat = [None if t is None else t.expand(b, h, c, *t.shape[3:]).flatten(0, 2) for t in operands]
+            flat = [None if t is None else next(it).expand(b, h, c, *t.shape[3:]).flatten(0, 2) for t in operands]
             return torch.where(lost[..., None, None], _safe_chunk_outputs(*flat).view_as(out), out)
 
         def keep(out, lost, *given):
@@ -546,13 +626,14 @@ def _recompute_chunks(out, lost, q, k, v, G, states, r_prev):
     where = lost.nonzero(as_tuple=True)
     if where[0].numel() == 0:
         return out
-    picked = [None if t is None else t.expand(*lost.shape, *t.shape[3:])[where] for t in (q, k, v, G, states, r_prev)]
+    picked = [None if t is None else t.expand(*lost.shape, *t.shape[3:])[where]
+              for t in (q, k, v, G, states, r_prev, same, reads)]
     return out.index_put(where, _safe_chunk_outputs(*picked))
 
 
 def causal_linear_attention(
     q, k, v, log_decay=None, mask=None, blindspot_size=1, chunk_size=64, exp_features=False,
-    state=None, return_state=False,
+    state=None, return_state=False, segments=None,
 ):
     """Causal linear attention, chunk by chunk, in O(n) memory.
 
@@ -571,6 +652,13 @@ def causal_linear_attention(
         exp_features: q, k are logits and the features are exp(q + k) (see module doc).
         state: optional ``CausalState`` to continue from (cached decoding).
         return_state: also return the ``CausalState`` after the last token.
+        segments: optional (b, n) segment ids (``segments.py``): a query sees only keys of
+            its own segment, as in ``naive_causal_linear_attention``. Inside a chunk the
+            weights are masked to same-segment pairs; a query reads the state before its
+            chunk only when the token before the chunk is of its segment; the state after a
+            chunk keeps the keys of the chunk's last segment (on a reference over those keys
+            alone) and carries the earlier state only when no segment starts in the chunk.
+            Not with ``state`` / ``return_state``.
     Returns:
         (b, h, n, e), and the state when ``return_state``.
     """
@@ -578,6 +666,8 @@ def causal_linear_attention(
     _check_mask(mask, b, n)
     if blindspot_size < 1 or chunk_size < 1:
         raise ValueError("blindspot_size and chunk_size must be >= 1")
+    if segments is not None and (state is not None or return_state):
+        raise ValueError("segments cannot be combined with a state (state / return_state): a state continues one sequence")
     if state is not None and n == 1:  # decoding one token: the recurrence is the cheapest form
         out, state = recurrent_causal_linear_attention(q, k, v, log_decay, mask, blindspot_size, exp_features, state)
         return (out, state) if return_state else out
@@ -611,6 +701,17 @@ def causal_linear_attention(
             if log_decay is not None:
                 log_decay = F.pad(log_decay, (0, 0, 0, pad) if log_decay.ndim == 4 else (0, pad))
         q, k, v = (rearrange(t, "b h (c l) d -> b h c l d", l=C) for t in (q, k, v))
+        runs = same = reads = kept = carries = None
+        if segments is not None:
+            runs = segment_runs(segments)
+            # padded positions join the last segment: they hold no key, and their queries are dropped
+            seg = rearrange(torch.cat((runs, runs[:, -1:].expand(b, pad)), dim=1), "b (c l) -> b 1 c l", l=C)
+            last = seg[..., -1]  # (b, 1, c): the segment that the state after chunk c belongs to
+            before = F.pad(last[..., :-1], (1, 0), value=-1)  # the segment of the token before chunk c
+            same = seg[..., :, None] == seg[..., None, :]  # (b, 1, c, l, l)
+            reads = seg == before[..., None]  # (b, 1, c, l): the query reads the state before its chunk
+            kept = seg == last[..., None]  # (b, 1, c, l): the key enters the state after its chunk
+            carries = last == before  # (b, 1, c): no segment starts in chunk c
 
         if log_decay is None:
             G = Gd = G_end = None
@@ -631,16 +732,31 @@ def causal_linear_attention(
             k_end = k if G is None else k + (G_end.detach()[:, :, :, None] - Gd)
             with torch.no_grad():
                 m = k_end.detach().amax(dim=3)
-            r_prev, r = _chunk_references(m, G_end, None if state is None else state.ref.to(dtype))
             k = k_to_end = _exp_relative(k_end, m[:, :, :, None])
-            chunk_scale = _exp_ratio(m, r)  # (b, h, c, d)
+            m_kept = m
+            if segments is not None:
+                # the state keeps only the last segment's keys: on their own maximum, as an
+                # earlier segment's keys in the chunk may be far larger (and would underflow them)
+                k_kept = k_end.masked_fill(~kept[..., None], NEG_INF)
+                with torch.no_grad():
+                    m_kept = k_kept.detach().amax(dim=3)
+                k_to_end = _exp_relative(k_kept, m_kept[:, :, :, None])
+            r_prev, r = _chunk_references(m_kept, G_end, None if state is None else state.ref.to(dtype), carries)
+            chunk_scale = _exp_ratio(m_kept, r)  # (b, h, c, d)
             if G is not None and G_end.requires_grad:
                 chunk_scale = chunk_scale * (G_end - G_end.detach()).exp()
             state_decay = _exp_ratio(r_prev if G is None else r_prev + G_end, r)
         else:
             k_to_end = k if G is None else k * (G_end[:, :, :, None] - Gd).exp()
+            if kept is not None:
+                k_to_end = k_to_end.masked_fill(~kept[..., None], 0.0)
             chunk_scale = None
             state_decay = None if G is None else G_end.exp()
+        if carries is not None:  # a segment that starts in chunk c drops the state before it
+            if state_decay is None:
+                state_decay = carries[..., None].to(dtype)
+            else:
+                state_decay = state_decay.masked_fill(~carries[..., None], 0.0)
 
         # each chunk's own contribution to the state, decayed to the chunk's end
         kv_chunks = torch.einsum("bhcld,bhcle->bhcde", k_to_end, v)
@@ -664,19 +780,27 @@ def causal_linear_attention(
             # and its chunk's keys with exp(G_i - G_end) (>= 1) from their end: both under
             # one shift M_i, so the intra-chunk weights are one plain matmul for any decay
             q_logits = q if G is None else q + Gd
-            parts = [(q_logits, r_prev[:, :, :, None])]
+            r_read = r_prev[:, :, :, None]
+            if reads is not None:  # a query of a new segment reads no state: -inf, factor 0
+                r_read = torch.where(reads[..., None], r_read, NEG_INF)
+            parts = [(q_logits, r_read)]
             if not blindspot:
                 parts.append((q_logits, (m if G is None else m - G_end.detach())[:, :, :, None]))
             q_state, *q_intra = _query_factors(parts)
         else:
             q_state = q if G is None else q * Gd.exp()
+            if reads is not None:
+                q_state = q_state.masked_fill(~reads[..., None], 0.0)
             q_intra = [q]
         out = torch.einsum("bhcld,bhcde->bhcle", q_state, states)
         if not blindspot:
-            out = out + _intra_chunk_weights(q_intra[0], k, None if exp_features else G, PER_FEATURE_SUB_CHUNK) @ v
+            weights = _intra_chunk_weights(q_intra[0], k, None if exp_features else G, PER_FEATURE_SUB_CHUNK)
+            if same is not None:  # any weight form may be masked afterwards: pairs across segments
+                weights = weights.masked_fill(~same, 0.0)
+            out = out + weights @ v
             if exp_features:
-                lost = _lost_to_underflow(out[..., -1], mask, state, n)
-                out = _recompute_chunks(out, lost, q, k_logits, v, Gd, states, r_prev)
+                lost = _lost_to_underflow(out[..., -1], mask, state, n, runs)
+                out = _recompute_chunks(out, lost, q, k_logits, v, Gd, states, r_prev, same, reads)
 
         out = _divide(rearrange(out, "b h c l e -> b h (c l) e")[:, :, :n])
 

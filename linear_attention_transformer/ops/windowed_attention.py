@@ -16,6 +16,12 @@ O(n m) masked softmax (it also serves cached decoding, whose keys start past pos
 ``windowed_attention`` is the blocked form used by the full forward, O(n (L + F + 1) w):
 each window of queries meets only the L + F + 1 windows of keys around it, and the same
 rule masks inside them. The tests hold the two equal.
+
+Packed sequences (``segments``, see ``segments.py``): positions are counted from the start of
+each query's segment, as if the segment ran alone, and only keys of the query's own segment
+are visible. The blocked form then meets one more window of keys on each side that a
+segment may reach (its windows no longer line up with the blocks), and masks by the
+segment-relative positions.
 """
 
 from __future__ import annotations
@@ -25,6 +31,8 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 from einops import rearrange
+
+from .segments import positions_in_segment, segment_runs
 
 
 class Window(NamedTuple):
@@ -51,27 +59,37 @@ class Window(NamedTuple):
         return max(0, position - L * w + 1) if self.exact else max(0, (position // w - L) * w)
 
 
-def windowed_attention_by_position(q, k, v, q_positions, k_positions, window, key_mask=None):
+def windowed_attention_by_position(q, k, v, q_positions, k_positions, window, key_mask=None, q_segments=None,
+                                   k_segments=None):
     """The explicit form. Args:
-        q: (b, h, n, d) queries at absolute positions ``q_positions`` (n,).
-        k, v: (b, h, m, d) keys/values at absolute positions ``k_positions`` (m,).
+        q: (b, h, n, d) queries at positions ``q_positions`` (n,) or (b, n).
+        k, v: (b, h, m, d) keys/values at positions ``k_positions`` (m,) or (b, m).
         window: ``Window``. key_mask: optional (b, m) bool, True for real keys.
+        q_segments, k_segments: optional (b, n) and (b, m) segment labels: a key is visible
+            only to queries of the same label (positions are then the segment-relative ones).
     Returns:
         (b, h, n, d)
     """
     sim = torch.einsum("bhid,bhjd->bhij", q, k) * q.shape[-1] ** -0.5
-    visible = window.visible(q_positions[:, None], k_positions[None, :])
+    visible = window.visible(q_positions[..., :, None], k_positions[..., None, :])
+    if q_segments is not None:
+        visible = visible & (q_segments[:, :, None] == k_segments[:, None, :])
+    if visible.ndim == 3:
+        visible = visible[:, None]
     if key_mask is not None:
         visible = visible & rearrange(key_mask, "b j -> b 1 1 j")
     return _softmax_attend(sim, visible, v)
 
 
-def windowed_attention(q, k, v, window, key_mask=None):
+def windowed_attention(q, k, v, window, key_mask=None, segments=None):
     """The blocked form, for a whole sequence at positions 0 .. n - 1. Args:
         q, k, v: (b, h, n, d). window: ``Window``. key_mask: optional (b, n) bool.
+        segments: optional (b, n) segment ids: each segment attends as if alone.
     Returns:
         (b, h, n, d)
     """
+    if segments is not None:
+        return _windowed_attention_segments(q, k, v, window, key_mask, segment_runs(segments))
     b, _, n, _ = q.shape
     w, before, after = window.size, window.look_backward, window.look_forward
     if key_mask is None:
@@ -91,6 +109,33 @@ def windowed_attention(q, k, v, window, key_mask=None):
     visible = window.visible(q_positions, k_positions[:, None, :]) & key_mask  # (b, 1, u, i, j)
     sim = torch.einsum("bhuid,bhujd->bhuij", q, k) * q.shape[-1] ** -0.5
     out = _softmax_attend(sim, visible, v)
+    return rearrange(out, "b h u i d -> b h (u i) d")[:, :, :n]
+
+
+def _windowed_attention_segments(q, k, v, window, key_mask, runs):
+    """``windowed_attention`` with segments: each block of w queries meets the keys from
+    (L + 1) windows before to (F + 1) after (one more on each side that a segment-relative
+    window can reach: on the left unless exact, on the right unless causal), masked by
+    segment-relative positions and equal runs."""
+    b, _, n, _ = q.shape
+    w = window.size
+    before = window.look_backward + (0 if window.exact else 1)
+    after = window.look_forward + (0 if window.causal else 1)
+    if key_mask is None:
+        key_mask = torch.ones(b, n, dtype=torch.bool, device=q.device)
+    pad = -n % w
+    span = (before + 1 + after) * w
+    sides = (before * w, pad + after * w)
+    q = rearrange(F.pad(q, (0, 0, 0, pad)), "b h (u i) d -> b h u i d", i=w)
+    k, v = (rearrange(F.pad(t, (0, 0, *sides)).unfold(2, span, w), "b h u d j -> b h u j d") for t in (k, v))
+    positions = positions_in_segment(runs)
+    q_positions, q_runs = (rearrange(F.pad(t, (0, pad)), "b (u i) -> b u i 1", i=w) for t in (positions, runs))
+    k_positions = F.pad(positions, sides).unfold(1, span, w)[:, :, None]  # (b, u, 1, j)
+    k_runs = F.pad(runs, sides, value=-1).unfold(1, span, w)[:, :, None]  # padding is no segment
+    key_mask = F.pad(key_mask, sides, value=False).unfold(1, span, w)[:, :, None]
+    visible = window.visible(q_positions, k_positions) & (q_runs == k_runs) & key_mask  # (b, u, i, j)
+    sim = torch.einsum("bhuid,bhujd->bhuij", q, k) * q.shape[-1] ** -0.5
+    out = _softmax_attend(sim, visible[:, None], v)
     return rearrange(out, "b h u i d -> b h (u i) d")[:, :, :n]
 
 
