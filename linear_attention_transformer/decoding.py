@@ -17,11 +17,17 @@ once, and runs each layer as a short fixed list of tensor operations:
   gates' inputs (the projection weights concatenated once, when the decoder is built: the
   model's parameters and state_dict are untouched);
 * local heads: keys and values go to a ring buffer of the window's size (slot = position
-  mod size), so no step concatenates or slices the past; which slots the query sees is one
-  comparison of the slots' positions, shared by every layer;
+  mod size), so no step concatenates or slices the past; which slots the query sees is a
+  0 / -inf bias shared by every layer, added inside the score matmul (``baddbmm``);
 * global heads: the recurrence of ``ops/linear_attention.py`` (``causal_linear_attention_step``,
   its reference, with the same per-feature references for exponential features, so the
-  step stays exact at any logit size) written as few operations;
+  step stays exact at any logit size) written as few operations (``global_step``); with a
+  blindspot and no forget gate, a step only writes its key and value to a buffer of the
+  block and reads the state, and the whole block joins the state when it is complete
+  (``block_sum``: the keys of the block at once, relative to their maximum);
+* the window's bias (once the prompt's padding has left the window) and the global heads'
+  "has every row seen a key yet" follow from the position alone, so the common step reads
+  the bias from a table and carries no guard for the first tokens;
 * feed-forward, norms, token shift, position embedding (looked up from a table built for
   a stretch of positions at a time): plain functional calls, no module dispatch.
 
@@ -38,8 +44,7 @@ from torch import nn
 
 from .attention import Attention
 from .feedforward import FeedForward
-from .ops.linear_attention import _complete_block, _divide
-from .positional import AbsolutePositionalEmbedding, AxialPositionalEmbedding
+from .ops.linear_attention import _complete_block, _divide, _exp_ratio
 from .reversible import ReversibleSequence
 
 __all__ = ["Decoder", "CacheDecoder", "start_decoding"]
@@ -57,7 +62,7 @@ def start_decoding(model, x, input_mask=None, context=None, context_mask=None):
         out, cache = model._body(x, input_mask, context, context_mask, None, True)
         logits = model._output(out[:, -1])
         if Decoder.supports(model):
-            return logits, Decoder(model, cache, x.shape[0])
+            return logits, Decoder(model, cache, x.shape[0], input_mask)
     return logits, CacheDecoder(model, cache)
 
 
@@ -95,9 +100,14 @@ class Decoder:
         branches = [branch for pair in model.transformer.layers.blocks for branch in pair]
         return all(isinstance(branch.fn, Attention) or not branch.stateful for branch in branches)
 
-    def __init__(self, model, cache, batch):
+    def __init__(self, model, cache, batch, input_mask=None):
         transformer = model.transformer
         self.position, self.batch = cache.position, batch
+        # the latest first real token over the rows (prompts are padded on the left)
+        self.first_real = 0
+        if input_mask is not None:  # (a row without any: its first generated token)
+            first = torch.where(input_mask.any(dim=1), input_mask.int().argmax(dim=1), input_mask.shape[1])
+            self.first_real = int(first.max())
         self.reversible = isinstance(transformer.layers, ReversibleSequence)
         self.max_seq_len = model.max_seq_len
         self.device = model.token_emb.weight.device
@@ -123,6 +133,13 @@ class Decoder:
             step = _ModuleStep(fn)
         return _BranchStep(branch, cache.shift, step)
 
+    def seen_from(self, blindspot_size):
+        """The position from which every row's query sees a key of the global heads: the
+        block after each row's first real token (with ``blindspot_size`` 1, its own key)."""
+        if blindspot_size == 1:
+            return 0
+        return (self.first_real // blindspot_size + 1) * blindspot_size
+
     def ring(self, window, cache):
         """The shared slot bookkeeping of ``window``, created from the first layer's cache."""
         ring = self.rings.get(window)
@@ -130,8 +147,13 @@ class Decoder:
             ring = self.rings[window] = _Ring(window, cache, self.batch, self.device)
         return ring
 
-    @torch.inference_mode()
     def step(self, tokens):
+        if torch.is_inference_mode_enabled():  # (generate runs in it: no context to enter)
+            return self._step(tokens)
+        with torch.inference_mode():
+            return self._step(tokens)
+
+    def _step(self, tokens):
         p = self.position
         if p >= self.max_seq_len:
             raise ValueError(f"sequence length {p + 1} exceeds max_seq_len={self.max_seq_len}")
@@ -285,23 +307,37 @@ class _Ring:
     """Slots of a local window's ring buffer: key position p sits in slot p mod size.
 
     ``size`` is the most keys a query can see ((look_backward + 1) * w, or look_backward * w
-    with ``exact``). ``positions`` (size,) holds each slot's key position (-size - 1 when
-    empty), ``real`` (b, size) whether that key was a real token. Entering position p,
-    ``bias`` (b, 1, size) becomes 0 on the slots its query sees and -inf on the others."""
+    with ``exact``). Entering position p, ``bias`` (b or 1, 1, size) becomes 0 on the slots
+    its query sees and -inf on the others (``Window.visible``, and real tokens only).
+
+    While the ring may still hold the prompt's padding or positions before 0, the slots'
+    positions and real-token flags are kept and compared; from then on the pattern depends
+    on p mod size only, and is read from a table made once."""
 
     def __init__(self, window, cache, batch, device):
         w, L = window.size, window.look_backward
         self.window = window
-        self.size = L * w if window.exact else (L + 1) * w
-        self.positions = torch.full((self.size,), -self.size - 1, dtype=torch.long, device=device)
-        self.real = torch.zeros(batch, self.size, dtype=torch.bool, device=device)
+        self.size = size = L * w if window.exact else (L + 1) * w
+        dtype = cache.keys.dtype
+        self.positions = torch.full((size,), -size - 1, dtype=torch.long, device=device)
+        self.real = torch.zeros(batch, size, dtype=torch.bool, device=device)
         self.slot = self.bias = None
-        if cache is not None and cache.keys.shape[2]:
-            slots = self.slots_of(cache.start, cache.keys.shape[2])
-            self.positions[slots] = torch.arange(cache.start, cache.start + cache.keys.shape[2], device=device)
+        m = cache.keys.shape[2]
+        padded_until = -1  # the last position of the prompt's padding still in the cache
+        if m:
+            slots = self.slots_of(cache.start, m)
+            self.positions[slots] = torch.arange(cache.start, cache.start + m, device=device)
             self.real[:, slots] = cache.mask
-        self.zero = torch.zeros((), dtype=cache.keys.dtype, device=device)
-        self.hidden = torch.tensor(NEG_INF, dtype=cache.keys.dtype, device=device)
+            padding = (~cache.mask).any(dim=0).nonzero()
+            if padding.numel():
+                padded_until = cache.start + int(padding[-1])
+        # from `steady` on every slot holds a real key at a position >= 0
+        self.steady = max(size, padded_until + size + 1)
+        self.zero = torch.zeros((), dtype=dtype, device=device)
+        self.hidden = torch.tensor(NEG_INF, dtype=dtype, device=device)
+        p = size + torch.arange(size, device=device)[:, None]  # one query per residue mod size
+        slot_positions = p - (p - torch.arange(size, device=device)) % size
+        self.table = torch.where(window.visible(p, slot_positions), self.zero, self.hidden)[:, None, None]
 
     def slots_of(self, start, count):
         return torch.arange(start, start + count, device=self.positions.device) % self.size
@@ -309,9 +345,12 @@ class _Ring:
     def advance(self, p):
         """Enter position p: its slot now holds a real key at p."""
         self.slot = slot = p % self.size
+        if p >= self.steady:
+            self.bias = self.table[slot]
+            return
         self.positions[slot] = p
         self.real[:, slot] = True
-        seen = (self.positions >= self.window.first_key(p)) & self.real
+        seen = self.window.visible(p, self.positions) & self.real
         self.bias = torch.where(seen, self.zero, self.hidden)[:, None]
 
 
@@ -365,6 +404,15 @@ class _AttentionStep:
             state = cache.global_.state
             self.state = (state.kv, state.ref, state.pending, state.pending_ref)
             self.state_dtype = state.kv.dtype
+            self.seen_from = decoder.seen_from(self.blindspot)
+            self.block = None
+            if self.blindspot > 1 and gate is None:
+                # (b, 2, global heads, B, dh): the keys and values of the current block's steps
+                B = self.blindspot
+                self.block = torch.zeros(b, 2, ng, B, dh, dtype=self.state_dtype, device=state.kv.device)
+                self.block_keys = [self.block[:, 0, :, i] for i in range(B)]
+                self.block_values = [self.block[:, 1, :, i] for i in range(B)]
+                self.block_start = decoder.position % B
             self.conv = None
             if attn.local_conv is not None:
                 # the three convolutions (q, k, v) as one: weights (3, global heads, taps, dh)
@@ -408,7 +456,7 @@ class _AttentionStep:
         self.slot_views[ring.slot].copy_(kv.transpose(0, 1))
         nl = self.n_local
         # scaled scores plus the window's 0 / -inf bias in one call; the query sees its own key
-        bias = ring.bias if b == 1 else ring.bias.repeat_interleave(nl, dim=0)
+        bias = ring.bias if ring.bias.shape[0] == 1 else ring.bias.repeat_interleave(nl, dim=0)
         sim = torch.baddbmm(bias, q.reshape(b * nl, 1, -1), self.keys_t, alpha=self.scale)
         return torch.bmm(sim.softmax(dim=-1), self.values).view(b, nl, -1)
 
@@ -429,8 +477,28 @@ class _AttentionStep:
             dtype = self.state_dtype
             q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
             log_gate = None if log_gate is None else log_gate.to(dtype)
-        out, self.state = global_step(q, k, v, self.state, log_gate, self.blindspot, self.exp_features, position)
-        return out.to(out_dtype)
+        if self.block is None:
+            out, self.state = global_step(q, k, v, self.state, log_gate, self.blindspot, self.exp_features, position,
+                                          position >= self.seen_from)
+        else:
+            out = self._blindspot_step(q, k, v, position)
+        return out if out.dtype == out_dtype else out.to(out_dtype)
+
+    def _blindspot_step(self, q, k, v, position):
+        """Without decay, the keys of a blindspot block wait in a buffer and join the state
+        at once when the block is complete (``block_sum``): a step writes them and reads the
+        state of the earlier blocks."""
+        slot = position % self.blindspot
+        self.block_keys[slot].copy_(k)
+        self.block_values[slot].copy_(v)
+        kv, ref, pending, pending_ref = self.state
+        out = read_state(q, kv, ref, self.exp_features, position >= self.seen_from)
+        if slot == self.blindspot - 1:
+            start, self.block_start = self.block_start, 0  # (the prompt's part of the first block is in pending)
+            keys, values = self.block[:, 0, :, start:], self.block[:, 1, :, start:]
+            pending, pending_ref = block_sum(keys, values, pending, pending_ref, self.exp_features)
+            self.state = _complete_block(kv, ref, pending, pending_ref, self.exp_features)
+        return out
 
 
 def _rotate(x, cos, sin):
@@ -441,13 +509,15 @@ def _rotate(x, cos, sin):
     return (x * cos + torch.cat((-x2, x1), dim=-1) * sin).to(dtype)
 
 
-def global_step(q, k, v, state, log_decay, blindspot_size, exp_features, position):
+def global_step(q, k, v, state, log_decay, blindspot_size, exp_features, position, all_seen=False):
     """One token of causal linear attention on plain tensors: the lean form of
     ``ops.causal_linear_attention_step`` (same math, same references, no autograd care).
 
     q, k: (b, h, d) features, or logits with ``exp_features``; v: (b, h, e);
     state: (kv (b, h, d, e + 1), ref (b, h, d) or None, pending, pending_ref) as in
-    ``CausalState``; log_decay: None, (b, h) or (b, h, d); position: tokens before this one.
+    ``CausalState``; log_decay: None, (b, h) or (b, h, d); position: tokens before this one;
+    all_seen: the caller knows that every row's query sees a key (its denominator is then >= 1
+    with exponential features, and nothing needs guarding against an empty state).
     Returns (out (b, h, e), new state tuple). Every token is real (a decoder's are)."""
     kv, ref, pending, pending_ref = state
     v1 = F.pad(v, (0, 1), value=1.0)[:, :, None, :]  # the normaliser's column of ones
@@ -474,16 +544,35 @@ def global_step(q, k, v, state, log_decay, blindspot_size, exp_features, positio
         pending, pending_ref = acc, acc_ref
     else:
         kv, ref = acc, acc_ref
-    if exp_features:
-        # exp(q + ref - M), M = max_d (q_d + ref_d): the largest factor is 1, so the
-        # denominator is >= 1 once a key is seen; before any key (ref all -inf) every
-        # factor is 0 and so is the output
-        logits = q + ref
-        top = logits.amax(dim=-1, keepdim=True).clamp(min=-torch.finfo(logits.dtype).max)  # finite
-        out = ((logits - top).exp()[:, :, None] @ kv)[:, :, 0]
-        out = out[..., :-1] / out[..., -1:].clamp(min=1.0)
-    else:
-        out = _divide((q[:, :, None] @ kv)[:, :, 0])
+    out = read_state(q, kv, ref, exp_features, all_seen)
     if blindspot and (position + 1) % blindspot_size == 0:
         return out, _complete_block(kv, ref, pending, pending_ref, exp_features)
     return out, (kv, ref, pending, pending_ref)
+
+
+def read_state(q, kv, ref, exp_features, all_seen=False):
+    """A query reads a state: q (b, h, d), kv (b, h, d, e + 1) relative to ref (b, h, d) (or
+    None) -> (b, h, e). With exponential features the query's factors are exp(q + ref - M),
+    M = max_d (q_d + ref_d): the largest is 1, so the denominator is >= 1 once a key is seen;
+    before any key (ref all -inf) every factor is 0 and so is the output."""
+    if not exp_features:
+        return _divide((q[:, :, None] @ kv)[:, :, 0])
+    logits = q + ref
+    top = logits.amax(dim=-1, keepdim=True)
+    if not all_seen:  # a row before any key: ref and top are -inf; a finite top gives 0 / 0 -> 0 / 1
+        top = top.clamp(min=-torch.finfo(logits.dtype).max)
+    out = ((logits - top).exp()[:, :, None] @ kv)[:, :, 0]
+    den = out[..., -1:]
+    return out[..., :-1] / (den if all_seen else den.clamp(min=1.0))
+
+
+def block_sum(keys, values, pending, pending_ref, exp_features):
+    """The keys (b, h, l, d) and values (b, h, l, e) of a blindspot block's steps added to
+    ``pending`` at once (no decay inside the block): what l steps of the recurrence add, with
+    the reference moved to the largest key first. Returns (pending, pending_ref)."""
+    v1 = F.pad(values, (0, 1), value=1.0)
+    if not exp_features:
+        return pending + keys.transpose(-1, -2) @ v1, pending_ref
+    new_ref = torch.maximum(pending_ref, keys.amax(dim=2))
+    added = (keys - new_ref[:, :, None]).exp().transpose(-1, -2) @ v1
+    return pending * _exp_ratio(pending_ref, new_ref)[..., None] + added, new_ref

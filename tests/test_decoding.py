@@ -23,6 +23,7 @@ DECODER_CONFIGS = {
         n_local_attn_heads=2, local_attn_window_size=4, blindspot_size=2,
     ),
     "global only, blindspot 5": dict(blindspot_size=5, shift_tokens=True),
+    "elu, blindspot 3, no gate": dict(feature_map="elu", blindspot_size=3, n_local_attn_heads=1, local_attn_window_size=6),
 }
 
 
@@ -47,6 +48,24 @@ def test_decoder_equals_full_forward_float64(name, prompt):
     scale = full[mask].abs().max()
     assert (out - full[:, prompt - 1:])[mask[:, prompt - 1:]].abs().max() <= 1e-12 * scale
     assert list(model.state_dict()) == keys
+
+
+@pytest.mark.parametrize("name", ["local+blindspot+shift+reversible", "gate+conv+rotary+exact window"])
+def test_decoder_exact_at_large_logits(name):
+    """Queries and keys scaled to logits in the hundreds: the exponential features' references
+    keep every step finite and equal to the full forward."""
+    cfg = DECODER_CONFIGS[name]
+    model = make(cfg)
+    with torch.no_grad():
+        for layer in model.modules():
+            if hasattr(layer, "to_kv"):
+                layer.to_q.weight.mul_(300.0)
+                layer.to_kv.weight.mul_(300.0)
+    x, mask, kw = inputs(cfg)
+    full = model(x, input_mask=mask, **kw)
+    out, _ = decoded(model, x, mask, kw, 5)
+    assert torch.isfinite(out).all()
+    assert (out - full[:, 4:])[mask[:, 4:]].abs().max() <= 1e-9 * full[mask].abs().max()
 
 
 def test_decoder_float32_close_to_full_forward():
