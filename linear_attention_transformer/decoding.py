@@ -18,7 +18,9 @@ once, and runs each layer as a short fixed list of tensor operations:
   model's parameters and state_dict are untouched);
 * local heads: keys and values go to a ring buffer of the window's size (slot = position
   mod size), so no step concatenates or slices the past; which slots the query sees is a
-  0 / -inf bias shared by every layer, added inside the score matmul (``baddbmm``);
+  0 / -inf bias shared by every layer; scores and readouts are products and sums, not
+  batched matmuls (those of such tiny shapes run on every thread, and on a busy machine
+  waiting for the other threads costs milliseconds per call);
 * global heads: the recurrence of ``ops/linear_attention.py`` (``causal_linear_attention_step``,
   its reference, with the same per-feature references for exponential features, so the
   step stays exact at any logit size) written as few operations (``global_step``); with a
@@ -394,8 +396,7 @@ class _AttentionStep:
                 ring[0, :, :, slots] = local.keys
                 ring[1, :, :, slots] = local.values
             self.slot_views = [ring[:, :, :, slot] for slot in range(size)]  # (2, b, nl, dh) each
-            self.keys_t = ring[0].view(b * nl, size, dh).transpose(1, 2)
-            self.values = ring[1].view(b * nl, size, dh)
+            self.keys, self.values = ring[0], ring[1]  # (b, nl, slots, dh) views
             self.ring_buffer = ring
         if ng:
             self.blindspot = attn.blindspot_size
@@ -454,11 +455,10 @@ class _AttentionStep:
     def _local(self, q, kv, b):
         ring = self.ring
         self.slot_views[ring.slot].copy_(kv.transpose(0, 1))
-        nl = self.n_local
-        # scaled scores plus the window's 0 / -inf bias in one call; the query sees its own key
-        bias = ring.bias if ring.bias.shape[0] == 1 else ring.bias.repeat_interleave(nl, dim=0)
-        sim = torch.baddbmm(bias, q.reshape(b * nl, 1, -1), self.keys_t, alpha=self.scale)
-        return torch.bmm(sim.softmax(dim=-1), self.values).view(b, nl, -1)
+        # products and sums, not matmuls: a batched matmul of these tiny shapes runs on every
+        # thread, and on a busy machine waiting for the other threads costs milliseconds
+        sim = (q[:, :, None] * self.keys).sum(dim=-1) * self.scale + ring.bias  # (b, h, slots)
+        return (sim.softmax(dim=-1)[..., None] * self.values).sum(dim=-2)  # the query sees its own key
 
     def _log_gate(self, down):
         logits = F.linear(down, self.gate_up.weight, self.gate_up.bias)
@@ -555,13 +555,13 @@ def read_state(q, kv, ref, exp_features, all_seen=False):
     None) -> (b, h, e). With exponential features the query's factors are exp(q + ref - M),
     M = max_d (q_d + ref_d): the largest is 1, so the denominator is >= 1 once a key is seen;
     before any key (ref all -inf) every factor is 0 and so is the output."""
-    if not exp_features:
-        return _divide((q[:, :, None] @ kv)[:, :, 0])
+    if not exp_features:  # (products and sums rather than a batched matmul: see _local)
+        return _divide((q[..., None] * kv).sum(dim=-2))
     logits = q + ref
     top = logits.amax(dim=-1, keepdim=True)
     if not all_seen:  # a row before any key: ref and top are -inf; a finite top gives 0 / 0 -> 0 / 1
         top = top.clamp(min=-torch.finfo(logits.dtype).max)
-    out = ((logits - top).exp()[:, :, None] @ kv)[:, :, 0]
+    out = ((logits - top).exp()[..., None] * kv).sum(dim=-2)
     den = out[..., -1:]
     return out[..., :-1] / (den if all_seen else den.clamp(min=1.0))
 
