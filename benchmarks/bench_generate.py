@@ -13,10 +13,11 @@ generates 1024 tokens after a 16-token prompt, with
 1. check: cached and recompute paths produce the same tokens over a short run (64 tokens),
    and the largest difference between their logits;
 2. cached path: the real total time of ``generate(..., use_cache=True)``; then the same
-   decoding driven step by step (``model(prompt, return_cache=True)``, then
-   ``model(token[:, None], cache=cache, return_cache=True)`` per token, each step timed) for
-   the per-token time over the first and the last 256 generated tokens (flat cost: ratio
-   near 1);
+   decoding driven step by step (``model.start_decoding(prompt)``, then ``decoder.step(token)``
+   per token, each step timed: what generate() runs) for the per-token time over the first
+   and the last 256 generated tokens (flat cost: ratio near 1) and over each quarter of the
+   positions; and, for comparison, one step of the general cached form
+   ``model(token[:, None], cache=cache, return_cache=True)``;
 3. recompute path (``use_cache=False``, each step a full forward over the sequence so far,
    O(n^2) in all): single forwards timed at a few lengths, interpolated linearly in n and
    summed over the steps to estimate the total; when that estimate is below
@@ -84,24 +85,34 @@ def greedy(logits):
     return logits[:, -1].float().argmax(dim=-1)
 
 
-@torch.no_grad()
+@torch.inference_mode()
 def stepwise_cached(model, prompt, new_tokens, device):
-    """Greedy decoding driven by hand with the model's cache, every step timed.
+    """Greedy decoding driven by hand with the model's decoder, every step timed.
 
     Returns (tokens (1, new_tokens), seconds of the prompt call, seconds per later step):
     step i (i = 1 .. new_tokens - 1) feeds token i - 1 and yields token i."""
-    (logits, cache), t_prompt = timed(lambda: model(prompt, return_cache=True), device)
-    token = greedy(logits)
+    (logits, decoder), t_prompt = timed(lambda: model.start_decoding(prompt), device)
+    token = logits.argmax(dim=-1)
     tokens, steps = [token], []
     for _ in range(new_tokens - 1):
         synchronize(device)
         t0 = time.perf_counter()
-        logits, cache = model(token[:, None], cache=cache, return_cache=True)
-        token = greedy(logits)
+        token = decoder.step(token).argmax(dim=-1)
         synchronize(device)
         steps.append(time.perf_counter() - t0)
         tokens.append(token)
     return torch.stack(tokens, dim=1), t_prompt, steps
+
+
+@torch.inference_mode()
+def general_step_seconds(model, prompt, device, reps=50):
+    """Median seconds of one step of the general cached form (model(..., cache=...)) after
+    the prompt, for comparison with the decoder's step."""
+    _, cache = model(prompt, return_cache=True)
+    token = prompt[:, -1:]
+    model(token, cache=cache, return_cache=True)  # warm
+    return statistics.median(timed(lambda: model(token, cache=cache, return_cache=True), device)[1]
+                             for _ in range(reps))
 
 
 @torch.no_grad()
@@ -188,12 +199,11 @@ def main(argv=None):
     short = min(args.check_tokens, N)
     cached_short, recomputed_short = generate(short, True), generate(short, False)
     same = torch.equal(cached_short, recomputed_short)
-    with torch.no_grad():  # the logits that chose each token: cached steps vs one full forward
-        logits, cache = model(prompt, return_cache=True)
-        step_logits = [logits[:, -1]]
+    with torch.inference_mode():  # the logits that chose each token: decoder steps vs one full forward
+        logits, decoder = model.start_decoding(prompt)
+        step_logits = [logits]
         for i in range(short - 1):
-            logits, cache = model(cached_short[:, i:i + 1], cache=cache, return_cache=True)
-            step_logits.append(logits[:, -1])
+            step_logits.append(decoder.step(cached_short[:, i]))
         full_logits = model(torch.cat((prompt, cached_short[:, :-1]), dim=1))[:, P - 1:]
         max_logit_diff = (torch.stack(step_logits, dim=1) - full_logits).abs().max().item()
     print(f"check ({short} tokens): cached and recompute tokens "
@@ -203,6 +213,7 @@ def main(argv=None):
     # 2. cached path: the real generate(), then the same decoding step by step
     cached_tokens, t_cached = timed(lambda: generate(N, True), device)
     step_tokens, t_prompt, steps = stepwise_cached(model, prompt, N, device)
+    t_general = general_step_seconds(model, prompt, device)
     t_stepwise = t_prompt + sum(steps)
     stepwise_same = torch.equal(step_tokens, cached_tokens)
     first, last = steps[:W], steps[-W:]  # generated tokens 1 .. W and N - W .. N - 1
@@ -236,7 +247,7 @@ def main(argv=None):
     print(f"generating {N} tokens after a {P}-token prompt, greedy:")
     rows = [
         ["cached: generate(use_cache=True)", f"{t_cached:.2f}", f"{1e3 * t_cached / N:.2f}", "measured"],
-        ["cached: stepwise (model(..., cache=...))", f"{t_stepwise:.2f}", f"{1e3 * t_stepwise / N:.2f}",
+        ["cached: stepwise (decoder.step)", f"{t_stepwise:.2f}", f"{1e3 * t_stepwise / N:.2f}",
          f"measured; tokens {'same as' if stepwise_same else 'DIFFER FROM'} generate()"],
         ["recompute: generate(use_cache=False)", f"{t_estimate:.2f}", f"{1e3 * t_estimate / N:.2f}",
          "ESTIMATE (forwards at the lengths above, interpolated)"],
@@ -252,6 +263,13 @@ def main(argv=None):
         [f"first {W} (1 .. {W})", ms(first)],
         [f"last {W} ({N - W} .. {N - 1})", ms(last)],
     ]))
+    quarter = len(steps) // 4
+    print(f"per-token ms by position (median of each quarter of the generated tokens; after the "
+          f"{P}-token prompt): " + ", ".join(
+              f"{P + 1 + i * quarter}-{P + (i + 1) * quarter}: {1e3 * statistics.median(steps[i * quarter:(i + 1) * quarter]):.2f}"
+              for i in range(4)))
+    print(f"one step of the general cached form model(token, cache=cache, return_cache=True): "
+          f"{1e3 * t_general:.2f} ms (median) = {t_general / statistics.median(steps):.1f}x the decoder's step")
     flat_median = statistics.median(last) / statistics.median(first)
     flat_mean = statistics.mean(last) / statistics.mean(first)
     print()

@@ -93,11 +93,11 @@ class Attention(nn.Module):
         receives_context: keys and values come from ``context`` (cross-attention); all
             heads are then global and non-causal with respect to the context.
         chunk_size: chunk length of the causal linear attention kernel (default 64); causal only.
-        use_gate: seed 000's sigmoid gating (``gating.py``): a forget gate per global head and
-            key feature (rank ``gate_rank`` = 16, exponent 1 / ``gate_temperature``, 16) decays the causal
+        use_gate: seed 000's sigmoid gating (``gating.py``): a forget gate per global head
+            (rank ``gate_rank`` = 16, exponent 1 / ``gate_temperature``, 16) decays the causal
             state, or gates each key without a causal order; and a sigmoid output gate on
-            every head's output. ``gate_granularity``: ``'feature'`` (default) or ``'head'``,
-            one decay per head and position (see ``ForgetGate``).
+            every head's output. ``gate_granularity``: ``'head'`` (default), one decay per
+            head and position, or ``'feature'``, one per head and key feature (see ``ForgetGate``).
         use_local_conv: depthwise convolution of ``local_conv_kernel`` (3) taps along the sequence
             on the global heads' q, k and v, before the feature map (causal: left-padded).
     Shapes:
@@ -180,7 +180,7 @@ class Attention(nn.Module):
             raise ValueError("local_conv_kernel is a setting of use_local_conv=True")
         gate_rank = 16 if gate_rank is None else gate_rank
         gate_temperature = 16.0 if gate_temperature is None else gate_temperature
-        gate_granularity = "feature" if gate_granularity is None else gate_granularity
+        gate_granularity = "head" if gate_granularity is None else gate_granularity
         local_conv_kernel = 3 if local_conv_kernel is None else local_conv_kernel
         self.forget_gate = self.output_gate = self.local_conv = None
         if use_gate:

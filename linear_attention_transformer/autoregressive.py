@@ -23,6 +23,13 @@ A net that can decode incrementally also sets ``supports_cache = True`` and acce
 
 where ``cache=None`` means "start from nothing" and otherwise ``x`` holds only the
 tokens that follow those already in ``cache`` (see ``AutoregressiveWrapper.generate``).
+Such a net may also offer the faster one-token form,
+
+    net.start_decoding(x, input_mask=..., **kwargs) -> (logits (b, num_tokens), decoder)
+    decoder.step(tokens (b,)) -> logits (b, num_tokens)
+
+(the logits at the prompt's last position, then after each token fed); ``generate`` then
+uses it instead of the cache.
 
 Sampling filters
 ----------------
@@ -329,8 +336,8 @@ class AutoregressiveWrapper(nn.Module):
             seq: (b, n) the running sequence (prompt and tokens generated so far).
             mask: (b, n) bool or None, the running input mask.
             cache_state: None for the recompute path; otherwise a dict that this method
-                updates, holding ``cache`` (the net's cache, or None before the first
-                call) and ``length`` (how many tokens of ``seq`` the cache covers).
+                updates, holding ``cache`` (the net's cache or decoder, or None before the
+                first call) and ``length`` (how many tokens of ``seq`` it covers).
             kwargs: other keyword arguments for the net, passed unchanged.
         """
         window = self.max_seq_len
@@ -347,13 +354,25 @@ class AutoregressiveWrapper(nn.Module):
         # The cache can only grow: once the running sequence is longer than the window,
         # dropping its oldest token means building the cache anew from the last window.
         incremental = cache is not None and n <= window and cache_state["length"] == n - 1
-        start = n - 1 if incremental else max(n - window, 0)
-        if mask is not None:
-            net_kwargs["input_mask"] = mask[:, start:]
-        logits, cache = self.net(seq[:, start:], cache=cache if incremental else None,
-                                 return_cache=True, **net_kwargs)
+        decoding = self._starts_decoding()
+        if incremental and decoding:  # the newest token is real: no mask to pass
+            logits = cache.step(seq[:, -1])
+        else:
+            start = n - 1 if incremental else max(n - window, 0)
+            if mask is not None:
+                net_kwargs["input_mask"] = mask[:, start:]
+            if decoding:
+                logits, cache = self.net.start_decoding(seq[:, start:], **net_kwargs)
+            else:
+                logits, cache = self.net(seq[:, start:], cache=cache if incremental else None,
+                                         return_cache=True, **net_kwargs)
+                logits = logits[:, -1]
         cache_state["cache"], cache_state["length"] = cache, n
-        return logits[:, -1]
+        return logits
+
+    def _starts_decoding(self):
+        """Whether the net offers the one-token decoder (see the module docstring)."""
+        return callable(getattr(self.net, "start_decoding", None))
 
     def generate(self, start_tokens, seq_len, eos_token=None, temperature=1.0,
                  filter_logits_fn=top_k, filter_thres=0.9, use_cache=None, **kwargs):
@@ -384,7 +403,9 @@ class AutoregressiveWrapper(nn.Module):
                 recomputes. With the cache, the first step primes it with
                 ``net(window, cache=None, return_cache=True, ...)`` and each later step
                 feeds only the newest token, ``net(x[:, -1:], cache=cache,
-                return_cache=True, ...)`` (with ``input_mask`` cut to the tokens fed).
+                return_cache=True, ...)`` (with ``input_mask`` cut to the tokens fed); a net
+                with ``start_decoding`` is primed with ``net.start_decoding(window, ...)``
+                and fed with ``decoder.step(newest tokens)``.
                 Once the sequence outgrows ``max_seq_len`` the cache is rebuilt from the
                 last ``max_seq_len`` tokens at every step, so both paths see the same
                 window.
@@ -440,6 +461,9 @@ class AutoregressiveWrapper(nn.Module):
         if use_cache is None:
             use_cache = self._supports_cache()
 
+        if kwargs.get("segment_ids") is not None:
+            raise ValueError("segment_ids: generate continues one sequence per row; "
+                             "packed prompts are not supported (generate each document on its own)")
         was_1d = start_tokens.ndim == 1
         seq = start_tokens[None] if was_1d else start_tokens
         mask = kwargs.pop("input_mask", None)

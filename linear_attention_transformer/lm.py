@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from .decoding import start_decoding
 from .ops.segments import check_segment_ids, positions_in_segment, segment_runs
 from .positional import AbsolutePositionalEmbedding, AxialPositionalEmbedding
 from .transformer import LinearAttentionTransformer
@@ -118,6 +119,13 @@ class LinearAttentionTransformerLM(nn.Module):
             return self._output(out)
         out, cache = out
         return self._output(out), cache
+
+    def start_decoding(self, x, input_mask=None, context=None, context_mask=None):
+        """Read the prompt x (b, n) and return (logits (b, num_tokens) at its last position,
+        decoder); ``decoder.step(tokens (b,))`` then feeds one token per row and returns the
+        logits after it. The fast form of ``forward(..., cache=...)`` for one token at a time
+        (``decoding.py``); it runs without gradients and assumes eval mode."""
+        return start_decoding(self, x, input_mask, context, context_mask)
 
     def output_features(self, x, input_mask=None, context=None, context_mask=None, segment_ids=None):
         """What the logits are read from: (b, n, emb_dim), with

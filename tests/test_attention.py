@@ -105,9 +105,9 @@ CONFIGS = [
     dict(causal=True, blindspot_size=4, use_gate=True, use_local_conv=True, local_conv_kernel=4, kv_heads=2),
     dict(causal=False, n_local_attn_heads=1, local_attn_window_size=8, use_gate=True, use_local_conv=True),
     dict(causal=False, use_gate=True, use_local_conv=True, local_conv_kernel=5),
-    dict(causal=True, n_local_attn_heads=1, local_attn_window_size=8, use_gate=True, gate_granularity="head", kv_heads=2),
-    dict(causal=True, blindspot_size=4, use_gate=True, gate_granularity="head", use_local_conv=True),
-    dict(causal=False, use_gate=True, gate_granularity="head"),
+    dict(causal=True, n_local_attn_heads=1, local_attn_window_size=8, use_gate=True, gate_granularity="feature", kv_heads=2),
+    dict(causal=True, blindspot_size=4, use_gate=True, gate_granularity="feature", use_local_conv=True),
+    dict(causal=False, use_gate=True, gate_granularity="feature"),
 ]
 
 

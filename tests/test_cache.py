@@ -30,7 +30,7 @@ CONFIGS = {
         kv_heads=2,
     ),
     "elu+gate+blindspot 3+conv 4+per-layer local": dict(
-        feature_map="elu", use_gate=True, gate_granularity="head", blindspot_size=3, use_local_conv=True, local_conv_kernel=4,
+        feature_map="elu", use_gate=True, gate_granularity="feature", blindspot_size=3, use_local_conv=True, local_conv_kernel=4,
         n_local_attn_heads=(2, 0), local_attn_window_size=5,
     ),
 }

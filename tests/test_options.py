@@ -51,7 +51,7 @@ OPTIONS = [
     ("use_gate", True, {}),
     ("gate_rank", 3, dict(use_gate=True)),
     ("gate_temperature", 2.0, dict(use_gate=True)),
-    ("gate_granularity", "head", dict(use_gate=True)),  # the kernel's gate setting, when present
+    ("gate_granularity", "feature", dict(use_gate=True)),  # the kernel's gate setting, when present
     ("use_local_conv", True, {}),
     ("local_conv_kernel", 5, dict(use_local_conv=True)),
     ("ff_mult", 2, {}),

@@ -21,7 +21,7 @@ WINDOW = dict(local_attn_window_size=5)  # divides none of the segment lengths b
 CAUSAL = {
     "plain": dict(),
     "gate(feature)+conv": dict(use_gate=True, use_local_conv=True),
-    "gate(head), elu": dict(use_gate=True, gate_granularity="head", feature_map="elu"),
+    "gate(feature), elu": dict(use_gate=True, gate_granularity="feature", feature_map="elu"),
     "local heads, shift": dict(n_local_attn_heads=2, shift_tokens=True, **WINDOW),
     "local exact, look back 2": dict(n_local_attn_heads=1, local_attn_exact_windowsize=True,
                                      local_attn_look_backward=2, **WINDOW),

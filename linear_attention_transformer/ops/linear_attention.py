@@ -389,15 +389,20 @@ def _step(q, k, v, state, log_decay, blindspot_size, exp_features):
 
     position = state.position + 1
     if blindspot_size > 1 and position % blindspot_size == 0:
-        # the block is complete: its keys become visible to the next block's queries
-        if exp_features:
-            new_ref = torch.maximum(ref, pending_ref)
-            kv = kv * _exp_ratio(ref, new_ref)[..., None] + pending * _exp_ratio(pending_ref, new_ref)[..., None]
-            ref, pending_ref = new_ref, torch.full_like(pending_ref, NEG_INF)
-        else:
-            kv = kv + pending
-        pending = torch.zeros_like(pending)
+        kv, ref, pending, pending_ref = _complete_block(kv, ref, pending, pending_ref, exp_features)
     return out, CausalState(kv, ref, pending, pending_ref, position)
+
+
+def _complete_block(kv, ref, pending, pending_ref, exp_features):
+    """A blindspot block is complete: its keys (pending) become visible to the next block's
+    queries. Returns the new (kv, ref, pending, pending_ref)."""
+    if exp_features:
+        new_ref = torch.maximum(ref, pending_ref)
+        kv = kv * _exp_ratio(ref, new_ref)[..., None] + pending * _exp_ratio(pending_ref, new_ref)[..., None]
+        ref, pending_ref = new_ref, torch.full_like(pending_ref, NEG_INF)
+    else:
+        kv = kv + pending
+    return kv, ref, torch.zeros_like(pending), pending_ref
 
 
 def recurrent_causal_linear_attention(
