@@ -28,6 +28,11 @@ generates 1024 tokens after a 16-token prompt, with
    against the batch-1 time (target: at most 2x; the per-step work is tiny, so a batch should
    cost little more than one sequence).
 
+5. floor: every ``nn.Linear`` of the model applied to one token, back to back. A decoding
+   step reads each weight once in a matrix-vector product, which runs at memory speed, not at
+   the square matmul rate: this is the step's floor, measured in the same run, and
+   recompute / (new tokens x floor) is the most any cached decoder could reach here.
+
 The square matmul rate is measured at the start and at the end as the drift reference.
 
 Usage:  python benchmarks/bench_generate.py [--device cpu] [--threads 1] [--new-tokens 1024]
@@ -43,6 +48,7 @@ import sys
 import time
 
 import torch
+import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import (  # noqa: E402  (the folder of this script, see common.py)
@@ -122,6 +128,25 @@ def forward_seconds(model, seq, length, device, reps):
     x = seq[:, :length]
     greedy(model(x))  # warm
     return statistics.median(timed(lambda: greedy(model(x)), device)[1] for _ in range(reps))
+
+
+@torch.inference_mode()
+def matvec_floor_seconds(model, device, reps=200):
+    """Median seconds of every ``nn.Linear`` of the model applied to one token (batch 1),
+    back to back, and the bytes of their weights: what one decoding step cannot avoid (it
+    reads every weight once, at the memory speed of a matrix-vector product), measured in
+    the same run as the step."""
+    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    inputs = [torch.randn(1, m.in_features, device=device) for m in linears]
+
+    def chain():
+        for m, x in zip(linears, inputs):
+            F.linear(x, m.weight, m.bias)
+
+    for _ in range(10):
+        chain()
+    seconds = statistics.median(timed(chain, device)[1] for _ in range(reps))
+    return seconds, sum(m.weight.numel() * m.weight.element_size() for m in linears)
 
 
 def estimate_recompute(points, prompt_len, new_tokens):
@@ -234,6 +259,7 @@ def main(argv=None):
     wrapper.generate(prompts, 8, temperature=0, use_cache=True)  # warm
     batch_tokens, t_batch = timed(lambda: wrapper.generate(prompts, N, temperature=0, use_cache=True), device)
     batch_row0_same = torch.equal(batch_tokens[:1], generate_for(prompts[:1], N))
+    t_floor, weight_bytes = matvec_floor_seconds(model, device)
     ref_end = square_matmul_rate(device, size)
 
     print(f"matmul reference (drift): {square_matmul_desc(size)}, fp32, best of 5: "
@@ -270,6 +296,10 @@ def main(argv=None):
               for i in range(4)))
     print(f"one step of the general cached form model(token, cache=cache, return_cache=True): "
           f"{1e3 * t_general:.2f} ms (median) = {t_general / statistics.median(steps):.1f}x the decoder's step")
+    step_median = statistics.median(steps)
+    print(f"matvec floor of a step (every nn.Linear of the model on one token, back to back, median): "
+          f"{1e3 * t_floor:.3f} ms ({weight_bytes / 1e6:.1f} MB of weights, {weight_bytes / t_floor / 1e9:.1f} GB/s); "
+          f"the decoder's step is {step_median / t_floor:.1f}x it")
     flat_median = statistics.median(last) / statistics.median(first)
     flat_mean = statistics.mean(last) / statistics.mean(first)
     print()
@@ -280,6 +310,8 @@ def main(argv=None):
     print(f"speed-up, recompute / cached total: {speedup:.1f}x "
           f"({'measured' if measured else 'recompute total is an ESTIMATE'}: {t_re:.2f} s / {t_cached:.2f} s; "
           f"target >= {SPEEDUP_TARGET:.0f}x: {'ok' if speedup >= SPEEDUP_TARGET else 'BELOW TARGET'})")
+    print(f"  the most a decoder at the matvec floor could reach: {t_re / (N * t_floor):.0f}x "
+          f"(recompute total / ({N} x the floor); generate() at {t_cached / (N * t_floor):.1f}x the floor per token)")
     if measured:
         print(f"  (with the estimated recompute total instead: {t_estimate / t_cached:.1f}x; "
               f"estimate / measured = {t_estimate / t_recompute:.2f})")
