@@ -10,7 +10,12 @@ chunked causal kernel, so its floor is its matmul FLOPs at the machine's matmul 
     floor = FLOPs / (square matmul rate measured in the same subprocess, before and after)
 
 and the figure to read is floor / time, the fraction of the limit reached (100 % = the layer
-runs as fast as its matmuls alone could). FLOPs, a multiply-add counting 2, D = dim, hd =
+runs as fast as its matmuls alone could at the square rate).
+
+The pseudo-map 'projections' runs the same layer's four projections with no attention between
+them (out = to_out(q + k + v)): its floor / time is what these tall, thin matmuls reach on
+their own, the ceiling for the layer in practice; the summary prints each map's figure as a
+fraction of it. FLOPs, a multiply-add counting 2, D = dim, hd =
 heads * dim_head, C = chunk, e = d = dim_head, n padded to a multiple of C:
 
     projections     q, k, v, out: 4 * 2 n D hd
@@ -56,6 +61,7 @@ from common import (  # noqa: E402  (the folder of this script, see common.py)
 
 LAYER = dict(dim=512, heads=8, dim_head=64, causal=True)
 TARGET = 0.85  # floor / time
+PROJECTIONS = "projections"  # the pseudo-map: the projections alone
 
 
 def layer_flops(n, dim, heads, dim_head, chunk):
@@ -67,11 +73,28 @@ def layer_flops(n, dim, heads, dim_head, chunk):
     return 3 * (projections + kernel)
 
 
+class ProjectionsOnly(torch.nn.Module):
+    """The layer's q, k, v and out projections with no attention between them."""
+
+    def __init__(self, layer):
+        super().__init__()
+        self.layer = layer
+        self.chunk_size = layer.chunk_size
+
+    def forward(self, x):
+        q = self.layer.to_q(x)
+        k, v = self.layer.to_kv(x).chunk(2, dim=-1)
+        return self.layer.to_out(q + k + v)
+
+
 def build(feature_map, n, device):
     from linear_attention_transformer import LinearSelfAttention
 
     torch.manual_seed(0)
-    layer = LinearSelfAttention(**LAYER, feature_map=feature_map).to(device).train()
+    if feature_map == PROJECTIONS:
+        layer = ProjectionsOnly(LinearSelfAttention(**LAYER).to(device).train())
+    else:
+        layer = LinearSelfAttention(**LAYER, feature_map=feature_map).to(device).train()
     g = torch.Generator(device="cpu").manual_seed(1)
     x = torch.randn(1, n, LAYER["dim"], generator=g).to(device).requires_grad_()
     grad_out = torch.randn(1, n, LAYER["dim"], generator=g).to(device)
@@ -97,6 +120,8 @@ def worker(args):
     peak = mem.increase()
     ref_after = square_matmul_rate(device, args.matmul_size)
     flops = layer_flops(n, LAYER["dim"], LAYER["heads"], LAYER["dim_head"], layer.chunk_size)
+    if feature_map == PROJECTIONS:
+        flops = 3 * 4 * 2 * n * LAYER["dim"] * LAYER["heads"] * LAYER["dim_head"]
     emit_result(dict(map=feature_map, n=n, times=times, flops=flops, peak=peak, mem_method=mem.method,
                      threads=torch.get_num_threads(), ref_before=ref_before, ref_after=ref_after))
 
@@ -105,7 +130,8 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", default=default_device(), help="cpu, cuda, ... (default: %(default)s)")
     p.add_argument("--lengths", type=int, nargs="+", default=[4096, 16384, 65536])
-    p.add_argument("--maps", nargs="+", default=["elu", "softmax"], choices=["elu", "relu", "softmax"])
+    p.add_argument("--maps", nargs="+", default=[PROJECTIONS, "elu", "softmax"],
+                   choices=[PROJECTIONS, "elu", "relu", "softmax"])
     p.add_argument("--steps", type=int, default=None, help="timed steps (default: 5 up to n=16384, 2 above)")
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: leave as is)")
@@ -121,7 +147,7 @@ def main(argv=None):
     print_header(args.device, args.threads,
                  [f"LinearSelfAttention({kwargs_text(LAYER)}, feature_map={m!r}), batch 1, fp32" for m in args.maps])
     t_start = time.perf_counter()
-    rows, errors, verdicts = [], [], []
+    rows, errors, verdicts, fractions = [], [], [], {}
     for n in args.lengths:
         steps = args.steps if args.steps is not None else (5 if n <= 16384 else 2)
         for feature_map in args.maps:
@@ -136,7 +162,9 @@ def main(argv=None):
             t = statistics.median(r["times"])
             rate = (r["ref_before"] + r["ref_after"]) / 2
             floor = r["flops"] / rate
-            verdicts.append(floor / t >= TARGET)
+            fractions[feature_map, n] = floor / t
+            if feature_map != PROJECTIONS:
+                verdicts.append(floor / t >= TARGET)
             rows.append([feature_map, n, f"{len(r['times'])}+{args.warmup}", f"{t:.3f}", f"{r['flops'] / 1e9:.1f}",
                          f"{r['ref_before'] / 1e9:.0f} / {r['ref_after'] / 1e9:.0f}", f"{floor:.3f}",
                          f"{100 * floor / t:.0f} %", f"{r['peak'] / GiB:.3f}"])
@@ -149,6 +177,10 @@ def main(argv=None):
                      "floor s", "floor / time", "peak +GiB"], rows))
         print(f"(floor: the layer's matmul FLOPs at the mean of the two matmul rates of its subprocess; "
               f"target floor / time >= {100 * TARGET:.0f} %)")
+        ceiling = [f"{m} n={n}: {100 * f / fractions[PROJECTIONS, n]:.0f} %" for (m, n), f in fractions.items()
+                   if m != PROJECTIONS and (PROJECTIONS, n) in fractions]
+        if ceiling:
+            print("each map's floor / time as a fraction of the projections' own: " + ", ".join(ceiling))
         print(f"targets: {verdicts.count(True)} of {len(verdicts)} met")
     print(f"(total benchmark time {time.perf_counter() - t_start:.0f} s; {load_average()} at the end)")
     return 1 if errors else 0

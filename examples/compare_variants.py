@@ -24,7 +24,9 @@ Variants (``--variants``):
 Writes to ``--out``: ``loss_comparison.png`` (validation BPC against steps, one line per variant:
 the mean over seeds, the band between the lowest and highest seed), ``results.md`` (a table:
 final validation BPC mean ± sample standard deviation over seeds, per seed, parameters, seconds
-per step) and every run's JSON log.
+per step) and every run's JSON log. With ``--reuse``, a run whose log in ``--out`` was written
+with the same options is read from it instead of trained again: an interrupted comparison
+continues where it stopped, and variants or seeds can be added to a finished one.
 """
 
 from __future__ import annotations
@@ -61,6 +63,22 @@ def run_options(base, name, seed):
     for key, value in VARIANTS[name].items():
         setattr(args, key, value)
     return args
+
+
+def reusable_log(run):
+    """The log at ``run.log`` when it was written by a finished run with exactly the options of
+    ``run`` (the log's own path aside), else None. Only the options are compared: after
+    upgrading the library, or where a default changed (e.g. ``gate_granularity='default'``),
+    run again without ``--reuse``."""
+    path = Path(run.log)
+    if not path.is_file():
+        return None
+    log = json.loads(path.read_text())
+    wanted = {k: v for k, v in vars(run).items() if k != "log"}
+    recorded = {k: v for k, v in log.get("config", {}).items() if k != "log"}
+    if recorded != json.loads(json.dumps(wanted)) or log.get("steps_done") is None:
+        return None
+    return log
 
 
 def summarize(results, names, seeds):
@@ -145,6 +163,9 @@ def build_parser():
     p.add_argument("--steps", type=int, default=600, help="steps per run")
     p.add_argument("--max-minutes", type=float, default=0.0, help="also stop every run after this much training time")
     p.add_argument("--out", default="compare_runs", help="folder for the plot, the table and the logs")
+    p.add_argument("--reuse", action="store_true",
+                   help="take a run from its log in --out instead of training it, when the log's options equal "
+                        "the run's (to finish an interrupted comparison, or add variants or seeds to one)")
     p.add_argument("--set", nargs="*", default=[], metavar="OPTION=VALUE",
                    help="train_enwik8.py options for every run, e.g. --set dim=256 eval_every=50")
     return p
@@ -170,11 +191,14 @@ def main(argv=None):
         for name in names:
             run = run_options(base, name, seed)
             run.log = str(out / f"{name}_seed{seed}.json")
-            log = train(run, quiet=True)
+            log = reusable_log(run) if args.reuse else None
+            reused = log is not None
+            if not reused:
+                log = train(run, quiet=True)
             results[(name, seed)] = log
             print(f"{name:<14} seed {seed}: valid {log['final_val_bpc']:.4f} bpc after {log['steps_done']} steps, "
-                  f"{log['median_step_s']:.3f} s/step (median), load {log['machine']['load_average_at_end'][0]:.1f}",
-                  flush=True)
+                  f"{log['median_step_s']:.3f} s/step (median), load {log['machine']['load_average_at_end'][0]:.1f}"
+                  + (f" (reused {run.log}, {log['date']})" if reused else ""), flush=True)
 
     rows = summarize(results, names, seeds)
     table = format_table(rows, seeds)

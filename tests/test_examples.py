@@ -113,6 +113,27 @@ def test_compare_variants_writes_table_and_plot(text, tmp_path):
     assert png_size(out / "loss_comparison.png") == (700, 450)
 
 
+def test_compare_variants_reuses_only_logs_with_the_same_options(text, tmp_path):
+    out = tmp_path / "cmp"
+    tiny = [f"{k.lstrip('-').replace('-', '_')}={v}" for k, v in zip(TINY[::2], TINY[1::2])]
+    argv = ["--data", str(text), "--variants", "baseline", "--seeds", "0", "--out", str(out), "--set", *tiny]
+    compare_variants.main([*argv, "--steps", "3"])
+    log_path = out / "baseline_seed0.json"
+    log = json.loads(log_path.read_text())
+    log["final_val_bpc"] = 12.3456  # a mark no training run can produce (bytes: at most 8 bits)
+    log_path.write_text(json.dumps(log))
+
+    def table_bpc():
+        rows = [line for line in (out / "results.md").read_text().splitlines() if line.startswith("| baseline")]
+        return rows[0].split("|")[2].strip()
+
+    compare_variants.main([*argv, "--steps", "3", "--reuse"])  # same options: read, not trained
+    assert table_bpc().startswith("12.3456")
+    compare_variants.main([*argv, "--steps", "4", "--reuse"])  # other options: trained again
+    assert not table_bpc().startswith("12.3456")
+    assert json.loads(log_path.read_text())["steps_done"] == 4
+
+
 def test_image_attention_loss_falls():
     result = image_attention.main(["--steps", "100", "--print-every", "50"])
     loss_before, _ = result["held_out_before"]
