@@ -397,7 +397,6 @@ class _AttentionStep:
                 ring[1, :, :, slots] = local.values
             self.slot_views = [ring[:, :, :, slot] for slot in range(size)]  # (2, b, nl, dh) each
             self.keys, self.values = ring[0], ring[1]  # (b, nl, slots, dh) views
-            self.ring_buffer = ring
         if ng:
             self.blindspot = attn.blindspot_size
             self.exp_features = attn.feature_map.is_softmax
