@@ -30,8 +30,9 @@ generates 1024 tokens after a 16-token prompt, with
 
 5. floor: every ``nn.Linear`` of the model applied to one token, back to back. A decoding
    step reads each weight once in a matrix-vector product, which runs at memory speed, not at
-   the square matmul rate: this is the step's floor, measured in the same run, and
+   the square matmul rate: this is the step's floor (the best of 200), measured in the same run, and
    recompute / (new tokens x floor) is the most any cached decoder could reach here.
+   ``--compare-compile`` also times the first feed-forward on one token, eager and compiled.
 
 The square matmul rate is measured at the start and at the end as the drift reference.
 
@@ -132,10 +133,11 @@ def forward_seconds(model, seq, length, device, reps):
 
 @torch.inference_mode()
 def matvec_floor_seconds(model, device, reps=200):
-    """Median seconds of every ``nn.Linear`` of the model applied to one token (batch 1),
-    back to back, and the bytes of their weights: what one decoding step cannot avoid (it
-    reads every weight once, at the memory speed of a matrix-vector product), measured in
-    the same run as the step."""
+    """Seconds of every ``nn.Linear`` of the model applied to one token (batch 1), back to
+    back, and the bytes of their weights: what one decoding step cannot avoid (it reads every
+    weight once, at the memory speed of a matrix-vector product), measured in the same run as
+    the step. The best of ``reps``, like the square matmul rate: a floor is the fastest the
+    machine went (memory-bound work is the first to slow down when other processes run)."""
     linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
     inputs = [torch.randn(1, m.in_features, device=device) for m in linears]
 
@@ -145,8 +147,25 @@ def matvec_floor_seconds(model, device, reps=200):
 
     for _ in range(10):
         chain()
-    seconds = statistics.median(timed(chain, device)[1] for _ in range(reps))
+    seconds = min(timed(chain, device)[1] for _ in range(reps))
     return seconds, sum(m.weight.numel() * m.weight.element_size() for m in linears)
+
+
+@torch.no_grad()
+def compiled_feedforward_seconds(model, device, reps=300):
+    """Median seconds of the first feed-forward (its module, eval mode) on one token, eager and
+    under ``torch.compile``: whether compiling a decoding step's parts pays at batch 1."""
+    from linear_attention_transformer.feedforward import FeedForward
+
+    ff = next(m for m in model.modules() if isinstance(m, FeedForward))
+    x = torch.randn(1, 1, ff.proj_in.in_features, device=device)
+    compiled = torch.compile(ff)
+    out = {}
+    for name, fn in (("eager", ff), ("compiled", compiled)):
+        for _ in range(10):  # (the first compiled call compiles)
+            fn(x)
+        out[name] = statistics.median(timed(lambda: fn(x), device)[1] for _ in range(reps))
+    return out
 
 
 def estimate_recompute(points, prompt_len, new_tokens):
@@ -189,6 +208,8 @@ def main(argv=None):
     p.add_argument("--estimate-reps", type=int, default=3, help="timed forwards per length, median (default: 3)")
     p.add_argument("--matmul-size", type=int, default=None, help="square matmul size (default 2048 cpu, 8192 cuda)")
     p.add_argument("--batch", type=int, default=8, help="prompts in the batched cached run (default: %(default)s)")
+    p.add_argument("--compare-compile", action="store_true",
+                   help="also time the first feed-forward on one token eager and under torch.compile")
     args = p.parse_args(argv)
     size = args.matmul_size or default_matmul_size(args.device)
     device, P, N = args.device, args.prompt_len, args.new_tokens
@@ -260,6 +281,7 @@ def main(argv=None):
     batch_tokens, t_batch = timed(lambda: wrapper.generate(prompts, N, temperature=0, use_cache=True), device)
     batch_row0_same = torch.equal(batch_tokens[:1], generate_for(prompts[:1], N))
     t_floor, weight_bytes = matvec_floor_seconds(model, device)
+    t_ff = compiled_feedforward_seconds(model, device) if args.compare_compile else None
     ref_end = square_matmul_rate(device, size)
 
     print(f"matmul reference (drift): {square_matmul_desc(size)}, fp32, best of 5: "
@@ -297,9 +319,12 @@ def main(argv=None):
     print(f"one step of the general cached form model(token, cache=cache, return_cache=True): "
           f"{1e3 * t_general:.2f} ms (median) = {t_general / statistics.median(steps):.1f}x the decoder's step")
     step_median = statistics.median(steps)
-    print(f"matvec floor of a step (every nn.Linear of the model on one token, back to back, median): "
+    print(f"matvec floor of a step (every nn.Linear of the model on one token, back to back, best of 200): "
           f"{1e3 * t_floor:.3f} ms ({weight_bytes / 1e6:.1f} MB of weights, {weight_bytes / t_floor / 1e9:.1f} GB/s); "
           f"the decoder's step is {step_median / t_floor:.1f}x it")
+    if t_ff is not None:
+        print(f"the first feed-forward on one token: eager {1e6 * t_ff['eager']:.0f} us, torch.compile "
+              f"{1e6 * t_ff['compiled']:.0f} us (median; {t_ff['compiled'] / t_ff['eager']:.2f}x)")
     flat_median = statistics.median(last) / statistics.median(first)
     flat_mean = statistics.mean(last) / statistics.mean(first)
     print()
