@@ -45,6 +45,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import (  # noqa: E402  (the folder of this script, see common.py)
     GiB,
     PeakMemory,
+    causal_kernel_flops,
     default_device,
     default_matmul_size,
     emit_result,
@@ -66,11 +67,8 @@ PROJECTIONS = "projections"  # the pseudo-map: the projections alone
 
 def layer_flops(n, dim, heads, dim_head, chunk):
     """Matmul FLOPs of one forward + backward of the layer on n tokens (see the module doc)."""
-    hd, d = heads * dim_head, dim_head
-    n_pad = -(-n // chunk) * chunk
-    projections = 4 * 2 * n * dim * hd
-    kernel = heads * (2 * n_pad * chunk * d + 2 * n_pad * chunk * (d + 1) + 4 * n_pad * d * (d + 1))
-    return 3 * (projections + kernel)
+    projections = 4 * 2 * n * dim * heads * dim_head
+    return 3 * (projections + causal_kernel_flops(heads, n, dim_head, dim_head, chunk))
 
 
 class ProjectionsOnly(torch.nn.Module):

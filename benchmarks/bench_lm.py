@@ -32,6 +32,7 @@ from common import (  # noqa: E402  (the folder of this script, see common.py)
     GiB,
     PeakMemory,
     best_seconds,
+    causal_kernel_flops,
     default_device,
     default_matmul_size,
     emit_result,
@@ -123,10 +124,9 @@ def model_flops(n, cfg):
     D, h, d = cfg["dim"], cfg["heads"], cfg["dim_head"]
     e, hd, C = d, cfg["heads"] * cfg["dim_head"], cfg["chunk"]
     kv_hd = 2 * cfg["kv_heads"] * d
-    n_pad = -(-n // C) * C
     proj = 2 * n * D * hd + 2 * n * D * kv_hd + 2 * n * hd * D
     ff = 2 * n * D * cfg["ff_in"] + 2 * n * cfg["ff_hidden"] * D
-    attn = h * (2 * n_pad * C * d + 2 * n_pad * C * (e + 1) + 2 * n_pad * d * (e + 1) + 2 * n_pad * d * (e + 1))
+    attn = causal_kernel_flops(h, n, d, e, C)
     L = cfg["depth"]
     parts = {
         "projections": L * proj,

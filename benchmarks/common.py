@@ -163,6 +163,16 @@ def best_seconds(fn, device, reps, min_time=0.05):
     return best
 
 
+def causal_kernel_flops(heads, n, d, e, chunk):
+    """Matmul FLOPs of one forward of the chunked causal kernel on n tokens (one sequence; a
+    multiply-add counts 2). Per head, with C = chunk and v carrying the normaliser's column
+    of ones (hence e + 1): intra-chunk q kᵀ 2 n C d and weights @ v 2 n C (e + 1) (the full
+    C x C block, upper half masked: work the kernel does), q @ state 2 n d (e + 1), chunk
+    states kᵀ v 2 n d (e + 1). n is padded to a multiple of C."""
+    n_pad = -(-n // chunk) * chunk
+    return heads * (2 * n_pad * chunk * d + 2 * n_pad * chunk * (e + 1) + 4 * n_pad * d * (e + 1))
+
+
 def default_matmul_size(device):
     """Side of the square reference matmul: 2048 on CPU, 8192 on CUDA."""
     return 8192 if torch.device(device).type == "cuda" else 2048

@@ -186,13 +186,14 @@ def main(argv=None):
           + (f" or {args.max_minutes} min" if args.max_minutes else "")
           + f"; dim {base.dim}, depth {base.depth}, heads {base.heads} ({base.n_local_attn_heads} local, window "
           f"{base.local_attn_window_size}), seq_len {base.seq_len}, batch {base.batch_size}", flush=True)
-    results = {}
+    results, reused_runs = {}, 0
     for seed in seeds:  # all variants of one seed, then the next: a slow drift of the machine hits all
         for name in names:
             run = run_options(base, name, seed)
             run.log = str(out / f"{name}_seed{seed}.json")
             log = reusable_log(run) if args.reuse else None
             reused = log is not None
+            reused_runs += reused
             if not reused:
                 log = train(run, quiet=True)
             results[(name, seed)] = log
@@ -207,7 +208,9 @@ def main(argv=None):
     plot_comparison(results, names, seeds, out / "loss_comparison.png",
                     f"{Path(data).name}, dim {base.dim}, depth {base.depth}, seq {base.seq_len}, seeds {seeds}")
     caption = (f"Final validation BPC on {Path(data).name} ({base.eval_batches * base.batch_size} fixed windows of "
-               f"{base.seq_len} bytes), {started:%Y-%m-%d}, {minutes:.1f} min in all.")
+               f"{base.seq_len} bytes), {started:%Y-%m-%d}, {minutes:.1f} min in all"
+               + (f" ({reused_runs} of {len(results)} runs read from their logs, each with its own date)." if reused_runs
+                  else "."))
     (out / "results.md").write_text(caption + "\n\n" + table + "\n")
     (out / "results.json").write_text(json.dumps(
         {"date": started.isoformat(timespec="seconds"), "seeds": seeds, "options": vars(base), "rows": rows}, indent=2))

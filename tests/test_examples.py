@@ -129,6 +129,7 @@ def test_compare_variants_reuses_only_logs_with_the_same_options(text, tmp_path)
 
     compare_variants.main([*argv, "--steps", "3", "--reuse"])  # same options: read, not trained
     assert table_bpc().startswith("12.3456")
+    assert "(1 of 1 runs read from their logs" in (out / "results.md").read_text()
     compare_variants.main([*argv, "--steps", "4", "--reuse"])  # other options: trained again
     assert not table_bpc().startswith("12.3456")
     assert json.loads(log_path.read_text())["steps_done"] == 4
