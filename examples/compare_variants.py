@@ -71,12 +71,15 @@ def reusable_log(run):
     upgrading the library, or where a default changed (e.g. ``gate_granularity='default'``),
     run again without ``--reuse``."""
     path = Path(run.log)
-    if not path.is_file():
+    try:
+        log = json.loads(path.read_text())
+    except (OSError, ValueError):  # no log, or one cut short: train the run
         return None
-    log = json.loads(path.read_text())
     wanted = {k: v for k, v in vars(run).items() if k != "log"}
+    if not isinstance(log, dict) or log.get("steps_done") is None:
+        return None
     recorded = {k: v for k, v in log.get("config", {}).items() if k != "log"}
-    if recorded != json.loads(json.dumps(wanted)) or log.get("steps_done") is None:
+    if recorded != json.loads(json.dumps(wanted)):
         return None
     return log
 

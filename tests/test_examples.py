@@ -133,6 +133,10 @@ def test_compare_variants_reuses_only_logs_with_the_same_options(text, tmp_path)
     compare_variants.main([*argv, "--steps", "4", "--reuse"])  # other options: trained again
     assert not table_bpc().startswith("12.3456")
     assert json.loads(log_path.read_text())["steps_done"] == 4
+    log_path.write_text(log_path.read_text()[:50])  # a log cut short: trained again, no crash
+    compare_variants.main([*argv, "--steps", "4", "--reuse"])
+    assert json.loads(log_path.read_text())["steps_done"] == 4
+    assert "runs read from their logs" not in (out / "results.md").read_text()
 
 
 def test_image_attention_loss_falls():
