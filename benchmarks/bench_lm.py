@@ -11,7 +11,7 @@ absolute times drift from run to run and only same-run ratios are meaningful):
    model's FLOP/s (counted analytically, see ``model_flops``) as a fraction of the square
    matmul rate, and the peak memory over the baseline taken after building the model.
 
-Usage:  python benchmarks/bench_lm.py [--device cpu] [--lengths 4096 16384] [--steps 5]
+Usage:  python benchmarks/bench_lm.py [--device cpu] [--lengths 4096 16384 65536] [--steps 5]
         python benchmarks/bench_lm.py --profile 4096     # torch.profiler table instead
 See benchmarks/README.md for what each figure means and the targets.
 """
@@ -249,7 +249,7 @@ def run_worker(args, n, steps):
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", default=default_device(), help="cpu, cuda, cuda:1 ... (default: %(default)s)")
-    p.add_argument("--lengths", type=int, nargs="+", default=[4096, 16384], help="sequence lengths")
+    p.add_argument("--lengths", type=int, nargs="+", default=[4096, 16384, 65536], help="sequence lengths")
     p.add_argument("--steps", type=int, default=None,
                    help="timed steps per length (default: 5 up to n=8192, 3 above)")
     p.add_argument("--warmup", type=int, default=1, help="untimed steps before timing (default: 1)")
