@@ -65,10 +65,14 @@ TARGET = 0.85  # floor / time
 PROJECTIONS = "projections"  # the pseudo-map: the projections alone
 
 
+def projection_flops(n, dim, heads, dim_head):
+    """Matmul FLOPs of one forward + backward of the four projections on n tokens."""
+    return 3 * 4 * 2 * n * dim * heads * dim_head
+
+
 def layer_flops(n, dim, heads, dim_head, chunk):
     """Matmul FLOPs of one forward + backward of the layer on n tokens (see the module doc)."""
-    projections = 4 * 2 * n * dim * heads * dim_head
-    return 3 * (projections + causal_kernel_flops(heads, n, dim_head, dim_head, chunk))
+    return projection_flops(n, dim, heads, dim_head) + 3 * causal_kernel_flops(heads, n, dim_head, dim_head, chunk)
 
 
 class ProjectionsOnly(torch.nn.Module):
@@ -77,7 +81,6 @@ class ProjectionsOnly(torch.nn.Module):
     def __init__(self, layer):
         super().__init__()
         self.layer = layer
-        self.chunk_size = layer.chunk_size
 
     def forward(self, x):
         q = self.layer.to_q(x)
@@ -117,9 +120,8 @@ def worker(args):
             times.append(time.perf_counter() - t0)
     peak = mem.increase()
     ref_after = square_matmul_rate(device, args.matmul_size)
-    flops = layer_flops(n, LAYER["dim"], LAYER["heads"], LAYER["dim_head"], layer.chunk_size)
-    if feature_map == PROJECTIONS:
-        flops = 3 * 4 * 2 * n * LAYER["dim"] * LAYER["heads"] * LAYER["dim_head"]
+    shape = (n, LAYER["dim"], LAYER["heads"], LAYER["dim_head"])
+    flops = projection_flops(*shape) if feature_map == PROJECTIONS else layer_flops(*shape, layer.chunk_size)
     emit_result(dict(map=feature_map, n=n, times=times, flops=flops, peak=peak, mem_method=mem.method,
                      threads=torch.get_num_threads(), ref_before=ref_before, ref_after=ref_after))
 

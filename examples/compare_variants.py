@@ -75,13 +75,11 @@ def reusable_log(run):
         log = json.loads(path.read_text())
     except (OSError, ValueError):  # no log, or one cut short: train the run
         return None
-    wanted = {k: v for k, v in vars(run).items() if k != "log"}
     if not isinstance(log, dict) or log.get("steps_done") is None:
         return None
     recorded = {k: v for k, v in log.get("config", {}).items() if k != "log"}
-    if recorded != json.loads(json.dumps(wanted)):
-        return None
-    return log
+    wanted = json.loads(json.dumps({k: v for k, v in vars(run).items() if k != "log"}))  # as the log stores them
+    return log if recorded == wanted else None
 
 
 def summarize(results, names, seeds):
