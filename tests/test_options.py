@@ -32,10 +32,11 @@ MODES = {
 }
 
 WINDOW = dict(n_local_attn_heads=2, local_attn_window_size=4)
-# (option, value, the options it needs beside it)
+# (option, value, the options it needs beside it in both models[, options that go with it into the
+# model under test only: a window of 4 shapes local heads, but alone it is refused])
 OPTIONS = [
-    ("n_local_attn_heads", 2, dict(local_attn_window_size=4)),
-    ("n_local_attn_heads", (2,), dict(local_attn_window_size=4)),
+    ("n_local_attn_heads", 2, {}, dict(local_attn_window_size=4)),
+    ("n_local_attn_heads", (2,), {}, dict(local_attn_window_size=4)),
     ("local_attn_window_size", 3, dict(n_local_attn_heads=2)),
     ("local_attn_window_size", 3, {}),  # no local heads, no axial attention: nothing to shape
     ("local_attn_look_backward", 2, WINDOW),
@@ -62,7 +63,7 @@ OPTIONS = [
     ("shift_tokens", True, {}),
     ("reversible", True, {}),
     ("checkpoint", True, {}),
-    ("attend_axially", True, dict(local_attn_window_size=4)),
+    ("attend_axially", True, {}, dict(local_attn_window_size=4)),
     ("pkm_layers", (1,), dict(pkm_num_keys=4)),
     ("use_rotary_emb", True, {}),
     ("bogus_option", 1, {}),
@@ -104,16 +105,26 @@ def copy_shared_parameters(source, target):
                 t.add_(torch.randn_like(t) * 0.5)
 
 
+OPTIONS = [entry if len(entry) == 4 else (*entry, {}) for entry in OPTIONS]
+
+
+@pytest.mark.parametrize("option, value, needs, alongside", OPTIONS, ids=[f"{o}={v}" for o, v, *_ in OPTIONS])
+def test_every_entry_is_checked_in_the_causal_mode(option, value, needs, alongside):
+    # the walk below skips a mode whose base model is refused; in the most permissive mode no
+    # base may be, or the entry would check nothing anywhere
+    build(**MODES["linear causal"], **needs)
+
+
 @pytest.mark.parametrize("mode", list(MODES))
-@pytest.mark.parametrize("option, value, needs", OPTIONS, ids=[f"{o}={v}" for o, v, _ in OPTIONS])
-def test_every_option_acts_or_is_refused(mode, option, value, needs):
+@pytest.mark.parametrize("option, value, needs, alongside", OPTIONS, ids=[f"{o}={v}" for o, v, *_ in OPTIONS])
+def test_every_option_acts_or_is_refused(mode, option, value, needs, alongside):
     base_kw = {**MODES[mode], **needs}
     try:
         base = build(**base_kw)
     except (TypeError, ValueError):
         return  # the companion itself is refused in this mode; its own entry checks the message
     try:
-        model = build(**base_kw, **{option: value})
+        model = build(**base_kw, **alongside, **{option: value})
     except (TypeError, ValueError) as error:
         assert option in str(error), f"the error does not name {option!r}: {error}"
         return
