@@ -34,8 +34,8 @@ CONFIGS = {
 
 
 def segment_ids_for(n, count, seed=1):
-    """(1, n) ids of ``count`` segments with random boundaries (none on a chunk boundary
-    by design)."""
+    """(1, n) ids of ``count`` segments with boundaries at random positions (anywhere,
+    on or off the chunk grid)."""
     g = torch.Generator().manual_seed(seed)
     cuts = torch.randperm(n - 1, generator=g)[: count - 1].sort().values + 1
     ids = torch.zeros(n, dtype=torch.long)
