@@ -361,7 +361,9 @@ class AutoregressiveWrapper(nn.Module):
             start = n - 1 if incremental else max(n - window, 0)
             if mask is not None:
                 net_kwargs["input_mask"] = mask[:, start:]
-            if decoding:
+            if decoding and n >= window:  # the next step rebuilds from its own window: no decoder to keep
+                logits, cache = self.net(seq[:, start:], **net_kwargs)[:, -1], None
+            elif decoding:
                 logits, cache = self.net.start_decoding(seq[:, start:], **net_kwargs)
             else:
                 logits, cache = self.net(seq[:, start:], cache=cache if incremental else None,

@@ -47,6 +47,7 @@ from torch import nn
 from .attention import Attention
 from .feedforward import FeedForward
 from .ops.linear_attention import _complete_block, _divide, _exp_ratio
+from .positional import apply_rotary
 from .reversible import ReversibleSequence
 
 __all__ = ["Decoder", "CacheDecoder", "start_decoding"]
@@ -198,7 +199,7 @@ class _PositionTables:
     general form, without a module call per step."""
 
     def __init__(self, model, device):
-        self.model = model
+        self.max_seq_len = model.max_seq_len
         self.token = model.token_emb.weight
         self.pos_emb = model.pos_emb
         self.project_in = None if isinstance(model.project_in, nn.Identity) else model.project_in
@@ -210,7 +211,7 @@ class _PositionTables:
         self.rotary_start = self.rotary_table = None
 
     def _positions(self, p):
-        stop = min(p + POSITION_TABLE, self.model.max_seq_len)
+        stop = min(p + POSITION_TABLE, self.max_seq_len)
         return torch.arange(p, stop, device=self.device)
 
     def __call__(self, tokens, p):
@@ -431,7 +432,7 @@ class _AttentionStep:
         proj = F.linear(h, self.weight, self.bias)
         q_end, kv_end = self.ends[0], self.ends[1]
         if self.rotary:  # q and k are side by side: rotate them at once
-            qk = _rotate(proj[:, : q_end + kvh * dh].view(b, heads + kvh, dh), *ctx.rotary)
+            qk = apply_rotary(proj[:, : q_end + kvh * dh].view(b, heads + kvh, dh), ctx.rotary)
             q = qk[:, :heads]
             kv = torch.stack((qk[:, heads:], proj[:, q_end + kvh * dh : kv_end].view(b, kvh, dh)), dim=1)
         else:
@@ -498,14 +499,6 @@ class _AttentionStep:
             pending, pending_ref = block_sum(keys, values, pending, pending_ref, self.exp_features)
             self.state = _complete_block(kv, ref, pending, pending_ref, self.exp_features)
         return out
-
-
-def _rotate(x, cos, sin):
-    """Rotary embedding of x (..., dh) at one position (positional.apply_rotary)."""
-    dtype = x.dtype
-    x = x.to(torch.promote_types(dtype, cos.dtype))
-    x1, x2 = x.chunk(2, dim=-1)
-    return (x * cos + torch.cat((-x2, x1), dim=-1) * sin).to(dtype)
 
 
 def global_step(q, k, v, state, log_decay, blindspot_size, exp_features, position, all_seen=False):

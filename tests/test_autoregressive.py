@@ -691,3 +691,19 @@ def test_wrapper_return_loss_false_still_returns_logits():
     out = AutoregressiveWrapper(net)(x, return_loss=False)
     assert out.shape == (2, 9, 23)
     assert torch.equal(out, net(x))
+
+
+def test_generate_past_max_seq_len_builds_no_decoder_it_will_not_step(monkeypatch):
+    # past the window every step rebuilds from its own last max_seq_len tokens, so a decoder
+    # primed there would never be stepped: only the first one (primed on the prompt) is built
+    torch.manual_seed(5)
+    net = small_lm(False).eval()
+    wrapper = AutoregressiveWrapper(net)
+    prompt = torch.randint(0, 23, (2, 10))
+    recomputed = wrapper.generate(prompt, 40, temperature=0, use_cache=False)
+    primed = []
+    start_decoding = type(net).start_decoding
+    monkeypatch.setattr(type(net), "start_decoding", lambda self, *a, **k: primed.append(1) or start_decoding(self, *a, **k))
+    cached = wrapper.generate(prompt, 40, temperature=0, use_cache=True)
+    assert torch.equal(cached, recomputed)  # 10 + 40 tokens: 18 steps beyond max_seq_len = 32
+    assert len(primed) == 1
