@@ -52,12 +52,11 @@ def segment_one_hot(runs, dtype):
     return F.one_hot(runs, count).to(dtype).transpose(1, 2)
 
 
-def segment_softmax(x, runs, dim=-2):
-    """Softmax of x (b, h, n, d) over the sequence (``dim`` -2) within each segment."""
-    if dim not in (-2, x.ndim - 2):
-        raise ValueError("segment_softmax normalises over the sequence dimension (-2)")
+def segment_softmax(x, segments):
+    """Softmax of x (b, h, n, d) over the sequence within each segment; ``segments`` (b, n)
+    ids or run index."""
     b, h, n, d = x.shape
-    index = runs[:, None, :, None].expand(b, h, n, d)
+    index = segment_runs(segments)[:, None, :, None].expand(b, h, n, d)  # (ids are not indices)
     with torch.no_grad():  # the shift cancels: no gradient
         top = torch.full_like(x, float("-inf")).scatter_reduce(2, index, x.detach(), "amax", include_self=True)
         top = top.gather(2, index)

@@ -21,6 +21,7 @@ from linear_attention_transformer.ops.segments import (
     from_layout,
     positions_in_segment,
     segment_runs,
+    segment_softmax,
     to_layout,
 )
 from linear_attention_transformer.ops.windowed_attention import (
@@ -223,3 +224,13 @@ def test_changing_one_segment_leaves_the_others_unchanged(lengths, changed, exp_
     outside[a:z] = False
     # equal up to rounding: a chunk's shared shifts may move with the changed keys
     helpers.assert_matches(out2[:, :, outside], out[:, :, outside], rtol=1e-12)
+
+
+def test_segment_softmax_takes_raw_ids_and_normalises_each_run():
+    # raw ids whose values repeat in different runs ([0, 0, 1, 1, 0, 7]: four segments)
+    ids = torch.tensor([[0, 0, 1, 1, 0, 7], [5, 5, 5, 5, 5, 5]])
+    x = torch.randn(2, 3, 6, 4, dtype=torch.float64) * 30
+    runs = [[(0, 2), (2, 4), (4, 5), (5, 6)], [(0, 6)]]
+    expected = torch.cat([torch.cat([x[r:r + 1, :, a:b].softmax(dim=-2) for a, b in row], dim=2)
+                          for r, row in enumerate(runs)])
+    torch.testing.assert_close(segment_softmax(x, ids), expected, rtol=1e-12, atol=1e-14)
