@@ -87,40 +87,17 @@ def windowed_attention(q, k, v, window, key_mask=None, segments=None):
         segments: optional (b, n) segment ids: each segment attends as if alone.
     Returns:
         (b, h, n, d)
-    """
-    if segments is not None:
-        return _windowed_attention_segments(q, k, v, window, key_mask, segment_runs(segments))
-    b, _, n, _ = q.shape
-    w, before, after = window.size, window.look_backward, window.look_forward
-    if key_mask is None:
-        key_mask = torch.ones(b, n, dtype=torch.bool, device=q.device)
-    pad = -n % w
-    span = (before + 1 + after) * w
-    # keys (and their mask) padded by whole windows on both sides, then viewed as the span of
-    # windows around each query window; the padding is masked out
-    q = F.pad(q, (0, 0, 0, pad))
-    k, v = (F.pad(t, (0, 0, before * w, pad + after * w)) for t in (k, v))
-    key_mask = F.pad(key_mask, (before * w, pad + after * w), value=False)
-    k, v = (rearrange(t.unfold(2, span, w), "b h u d j -> b h u j d") for t in (k, v))
-    key_mask = rearrange(key_mask.unfold(1, span, w), "b u j -> b 1 u 1 j")
-    q = rearrange(q, "b h (u i) d -> b h u i d", i=w)
-    q_positions = torch.arange(n + pad, device=q.device).view(-1, w, 1)
-    k_positions = torch.arange(-before * w, n + pad + after * w, device=q.device).unfold(0, span, w)
-    visible = window.visible(q_positions, k_positions[:, None, :]) & key_mask  # (b, 1, u, i, j)
-    sim = torch.einsum("bhuid,bhujd->bhuij", q, k) * q.shape[-1] ** -0.5
-    out = _softmax_attend(sim, visible, v)
-    return rearrange(out, "b h u i d -> b h (u i) d")[:, :, :n]
 
-
-def _windowed_attention_segments(q, k, v, window, key_mask, runs):
-    """``windowed_attention`` with segments: each block of w queries meets the keys from
-    (L + 1) windows before to (F + 1) after (one more on each side that a segment-relative
-    window can reach: on the left unless exact, on the right unless causal), masked by
-    segment-relative positions and equal runs."""
+    Each block of w queries meets the keys of the windows around it, padded by whole windows
+    on both sides and masked. With segments, positions are segment-relative, so a window can
+    reach one window further on each side (on the left unless exact, on the right unless
+    causal), and keys of other segments are masked too."""
     b, _, n, _ = q.shape
     w = window.size
-    before = window.look_backward + (0 if window.exact else 1)
-    after = window.look_forward + (0 if window.causal else 1)
+    runs = None if segments is None else segment_runs(segments)
+    packed = runs is not None
+    before = window.look_backward + int(packed and not window.exact)
+    after = window.look_forward + int(packed and not window.causal)
     if key_mask is None:
         key_mask = torch.ones(b, n, dtype=torch.bool, device=q.device)
     pad = -n % w
@@ -128,12 +105,17 @@ def _windowed_attention_segments(q, k, v, window, key_mask, runs):
     sides = (before * w, pad + after * w)
     q = rearrange(F.pad(q, (0, 0, 0, pad)), "b h (u i) d -> b h u i d", i=w)
     k, v = (rearrange(F.pad(t, (0, 0, *sides)).unfold(2, span, w), "b h u d j -> b h u j d") for t in (k, v))
-    positions = positions_in_segment(runs)
-    q_positions, q_runs = (rearrange(F.pad(t, (0, pad)), "b (u i) -> b u i 1", i=w) for t in (positions, runs))
-    k_positions = F.pad(positions, sides).unfold(1, span, w)[:, :, None]  # (b, u, 1, j)
-    k_runs = F.pad(runs, sides, value=-1).unfold(1, span, w)[:, :, None]  # padding is no segment
-    key_mask = F.pad(key_mask, sides, value=False).unfold(1, span, w)[:, :, None]
-    visible = window.visible(q_positions, k_positions) & (q_runs == k_runs) & key_mask  # (b, u, i, j)
+    key_mask = F.pad(key_mask, sides, value=False).unfold(1, span, w)[:, :, None]  # (b, u, 1, j)
+    if runs is None:
+        q_positions = torch.arange(n + pad, device=q.device).view(-1, w, 1)  # (u, i, 1)
+        k_positions = torch.arange(-before * w, n + pad + after * w, device=q.device).unfold(0, span, w)[:, None]
+        visible = window.visible(q_positions, k_positions) & key_mask  # (b, u, i, j)
+    else:
+        positions = positions_in_segment(runs)
+        q_positions, q_runs = (rearrange(F.pad(t, (0, pad)), "b (u i) -> b u i 1", i=w) for t in (positions, runs))
+        k_positions = F.pad(positions, sides).unfold(1, span, w)[:, :, None]  # (b, u, 1, j)
+        k_runs = F.pad(runs, sides, value=-1).unfold(1, span, w)[:, :, None]  # padding is no segment
+        visible = window.visible(q_positions, k_positions) & (q_runs == k_runs) & key_mask
     sim = torch.einsum("bhuid,bhujd->bhuij", q, k) * q.shape[-1] ** -0.5
     out = _softmax_attend(sim, visible[:, None], v)
     return rearrange(out, "b h u i d -> b h (u i) d")[:, :, :n]
