@@ -10,7 +10,7 @@ features (``--map elu``).
 
 ``--against FILE`` loads another version of ``ops/linear_attention.py`` (for instance
 ``git show REV:linear_attention_transformer/ops/linear_attention.py > /tmp/kernel_rev.py``;
-it must import nothing from the package) and times both in the same process, alternating
+its relative imports resolve in the installed package) and times both in the same process, alternating
 rounds so that a drifting machine hits both alike; the ratio this / against is the figure to
 read (best of each).
 
@@ -50,7 +50,8 @@ CHUNK = 64
 
 def load_kernel(path):
     """The module in ``path`` (a file like ops/linear_attention.py)."""
-    spec = importlib.util.spec_from_file_location("kernel_against", path)
+    # named inside the package, so that its relative imports (.segments) resolve there
+    spec = importlib.util.spec_from_file_location("linear_attention_transformer.ops._kernel_against", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     if not callable(getattr(module, "causal_linear_attention", None)):

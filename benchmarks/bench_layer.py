@@ -51,6 +51,7 @@ from common import (  # noqa: E402  (the folder of this script, see common.py)
     emit_result,
     kwargs_text,
     load_average,
+    matmul_replay,
     print_header,
     run_in_subprocess,
     set_threads,
@@ -120,10 +121,12 @@ def worker(args):
             times.append(time.perf_counter() - t0)
     peak = mem.increase()
     ref_after = square_matmul_rate(device, args.matmul_size)
+    replay, replay_flops, _ = matmul_replay(lambda: layer(x).backward(grad_out), device)
     shape = (n, LAYER["dim"], LAYER["heads"], LAYER["dim_head"])
     flops = projection_flops(*shape) if feature_map == PROJECTIONS else layer_flops(*shape, layer.chunk_size)
     emit_result(dict(map=feature_map, n=n, times=times, flops=flops, peak=peak, mem_method=mem.method,
-                     threads=torch.get_num_threads(), ref_before=ref_before, ref_after=ref_after))
+                     threads=torch.get_num_threads(), ref_before=ref_before, ref_after=ref_after,
+                     replay=replay, replay_flops=replay_flops))
 
 
 def main(argv=None):
@@ -167,16 +170,21 @@ def main(argv=None):
                 verdicts.append(floor / t >= TARGET)
             rows.append([feature_map, n, f"{len(r['times'])}+{args.warmup}", f"{t:.3f}", f"{r['flops'] / 1e9:.1f}",
                          f"{r['ref_before'] / 1e9:.0f} / {r['ref_after'] / 1e9:.0f}", f"{floor:.3f}",
-                         f"{100 * floor / t:.0f} %", f"{r['peak'] / GiB:.3f}"])
+                         f"{100 * floor / t:.0f} %", f"{r['replay']:.3f}", f"{100 * r['replay'] / t:.0f} %",
+                         f"{r['replay_flops'] / 1e9:.1f}", f"{r['peak'] / GiB:.3f}"])
     for err in errors:
         print(err, "\n")
     if rows:
         print(f"one layer, forward + backward (input requires grad, fixed output gradient), batch 1; "
               f"matmul reference: {square_matmul_desc(args.matmul_size)}, fp32, best of 5:")
         print(table(["map", "n", "steps+warmup", "s median", "GFLOP", "matmul GFLOP/s before/after",
-                     "floor s", "floor / time", "peak +GiB"], rows))
+                     "floor s", "floor / time", "matmuls alone s", "alone / time", "their GFLOP",
+                     "peak +GiB"], rows))
         print(f"(floor: the layer's matmul FLOPs at the mean of the two matmul rates of its subprocess; "
               f"target floor / time >= {100 * TARGET:.0f} %)")
+        print("(matmuls alone: every mm / addmm / bmm / baddbmm of one step replayed on fresh operands of its "
+              "own shapes and strides, best of 3 each, summed; their GFLOP as run, masked halves of the "
+              "kernel's blocks and padding included)")
         ceiling = [f"{m} n={n}: {100 * f / fractions[PROJECTIONS, n]:.0f} %" for (m, n), f in fractions.items()
                    if m != PROJECTIONS and (PROJECTIONS, n) in fractions]
         if ceiling:

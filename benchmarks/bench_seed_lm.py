@@ -45,6 +45,7 @@ from common import (  # noqa: E402  (the folder of this script, see common.py)
     emit_result,
     kwargs_text,
     load_average,
+    matmul_replay,
     print_header,
     run_in_subprocess,
     set_threads,
@@ -176,9 +177,11 @@ def worker(args):
             times.append(time.perf_counter() - t0)
     peak = mem.increase()
     ref_after = square_matmul_rate(device, size)
+    replay, replay_flops, replay_calls = matmul_replay(step, device)
     result = dict(times=times, peak=peak, mem_method=mem.method, loss=float(loss), where=where,
                   threads=torch.get_num_threads(), ref=max(ref_before, ref_after),
-                  ref_before=ref_before, ref_after=ref_after)
+                  ref_before=ref_before, ref_after=ref_after,
+                  replay=replay, replay_flops=replay_flops, replay_calls=replay_calls)
     if not upstream:
         result["flops"], result["parts"] = training_flops(model, n)
     emit_result(result)
@@ -273,14 +276,21 @@ def main(argv=None):
             f"{r['ref_before'] / 1e9:.0f} / {r['ref_after'] / 1e9:.0f}",
             "-" if floor_s is None else f"{floor_s:.2f}",
             "-" if floor_s is None else f"{100 * floor_s / r['median']:.0f}%",
+            f"{r['replay']:.2f}", f"{100 * r['replay'] / r['median']:.0f}%",
             f"{r['peak'] / GiB:.2f}",
         ])
     print("forward + backward, batch 1:")
     print(table(["impl", "case", "steps+warmup", "s/step", "tok/s", "matmul GFLOP/s before/after",
-                 "floor s", "% of floor", "peak +GiB"], rows))
+                 "floor s", "% of floor", "matmuls alone s", "% of that", "peak +GiB"], rows))
     first = next(iter(results.values()))
     print(f"(floor: our step's matmul FLOPs at the better {square_matmul_desc(args.matmul_size)} fp32 "
           f"rate of the same subprocess; peak: {first['mem_method']}; threads {first['threads']})")
+    print("(matmuls alone: every mm / addmm / bmm / baddbmm of one step, forward and backward, replayed on "
+          "fresh operands of its own shapes and strides, best of 3 each, summed: the step with nothing "
+          "but its matmuls, each at the rate its shape gets)")
+    for (case, impl), r in results.items():
+        print(f"  {impl} {case}: {r['replay_calls']} matmul calls, {r['replay_flops'] / 1e9:.1f} GFLOP "
+              f"({r['replay_flops'] / r['replay'] / 1e9:.0f} GFLOP/s replayed alone)")
     ours = [r for (c, i), r in results.items() if i == "ours"]
     if ours:
         parts = ours[0]["parts"]

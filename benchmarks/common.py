@@ -21,6 +21,7 @@ import sys
 import time
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 GiB = 2 ** 30
 RESULT_TAG = "BENCH_RESULT "
@@ -171,6 +172,66 @@ def causal_kernel_flops(heads, n, d, e, chunk):
     states kᵀ v 2 n d (e + 1). n is padded to a multiple of C."""
     n_pad = -(-n // chunk) * chunk
     return heads * (2 * n_pad * chunk * d + 2 * n_pad * chunk * (e + 1) + 4 * n_pad * d * (e + 1))
+
+
+class _MatmulRecorder(TorchDispatchMode):
+    """Notes every matmul that runs under it (forward and backward): the op, and each tensor
+    operand's shape, strides and dtype; scalars (addmm's beta, alpha) are noted as given."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = func.overloadpacket.__name__.rstrip("_")  # addmm_ is timed as addmm
+        if name in _REPLAY_OPS:
+            operands = tuple((tuple(a.shape), tuple(a.stride()), a.dtype) if isinstance(a, torch.Tensor) else a
+                             for a in args)
+            self.calls.append((name, operands))
+        return func(*args, **kwargs)
+
+
+_REPLAY_OPS = {"mm": torch.mm, "addmm": torch.addmm, "bmm": torch.bmm, "baddbmm": torch.baddbmm}
+
+
+def _matmul_flops(name, operands):
+    """2 m n k for mm/addmm (times the batch for bmm/baddbmm), from the operand shapes."""
+    a, b = (operands[0], operands[1]) if name in ("mm", "bmm") else (operands[1], operands[2])
+    (*batch, m, k), n = a[0], b[0][-1]
+    return 2 * math.prod(batch) * m * n * k
+
+
+def _random_like(spec, device):
+    """A random tensor of a noted (shape, strides, dtype); anything else is returned as is."""
+    if not isinstance(spec, tuple):
+        return spec
+    shape, stride, dtype = spec
+    size = 1 + sum((d - 1) * st for d, st in zip(shape, stride)) if all(shape) else 0
+    return torch.randn(size, dtype=dtype, device=device).as_strided(shape, stride)
+
+
+def matmul_replay(fn, device, reps=3):
+    """The matmuls that one call of ``fn`` runs, each replayed alone at its own shapes.
+
+    ``fn`` runs once under a dispatch mode that notes every mm / addmm / bmm / baddbmm, with
+    the operands' shapes, strides (a transposed weight stays transposed) and dtypes. Each
+    distinct call is then timed on fresh random operands of the same layout (best of
+    ``reps``, see ``best_seconds``) and counted as often as it ran. The sum is what the
+    step's matmuls cost at their own shapes, thin and batched ones included, with nothing
+    between them: a ceiling that the square-matmul floor can be read against.
+    Returns (seconds, FLOPs, number of matmul calls)."""
+    with _MatmulRecorder() as recorder:
+        fn()
+    counts = {}
+    for call in recorder.calls:
+        counts[call] = counts.get(call, 0) + 1
+    seconds = flops = 0.0
+    for (name, operands), count in counts.items():
+        args = [_random_like(spec, device) for spec in operands]
+        seconds += count * best_seconds(lambda: _REPLAY_OPS[name](*args), device, reps)
+        flops += count * _matmul_flops(name, operands)
+    return seconds, flops, len(recorder.calls)
 
 
 def default_matmul_size(device):

@@ -110,9 +110,11 @@ def _divide(out_aug: torch.Tensor) -> torch.Tensor:
     first blindspot block) has numerator and denominator 0, and gets 0 with zero gradient."""
     num, den = out_aug[..., :-1], out_aug[..., -1:]
     # where(), not a clamped denominator: dividing by a tiny clamp would give a gradient of
-    # 1 / tiny that turns into inf and NaN further back
+    # 1 / tiny that turns into inf and NaN further back. The where()s and the reciprocal act
+    # on the (…, 1) column and one product scales the rows: forward and backward then make
+    # one pass over the (…, e) numerator each, not four (measured in bench_kernel.py)
     seen = den > 0
-    return torch.where(seen, num / torch.where(seen, den, 1.0), 0.0)
+    return num * torch.where(seen, torch.where(seen, den, 1.0).reciprocal(), 0.0)
 
 
 def _check_mask(mask, b, n, name="mask"):
