@@ -1,0 +1,39 @@
+"""The benchmarks' shared measuring helpers (benchmarks/common.py) count what they claim."""
+
+import os
+import sys
+
+import torch
+from torch import nn
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
+from common import _MatmulRecorder, _random_like, causal_kernel_flops, matmul_replay  # noqa: E402
+
+
+def test_matmul_replay_counts_every_matmul_of_forward_and_backward():
+    lin = nn.Linear(32, 48)
+    x = torch.randn(16, 32, requires_grad=True)
+    seconds, flops, calls = matmul_replay(lambda: lin(x).sum().backward(), "cpu", reps=1)
+    # forward addmm, then the input's and the weight's gradients: 3 matmuls of 2 m n k each
+    assert calls == 3
+    assert flops == 3 * 2 * 16 * 32 * 48
+    assert seconds > 0
+
+
+def test_matmul_replay_keeps_each_operand_layout():
+    a, b = torch.randn(4, 6), torch.randn(5, 6)
+    with _MatmulRecorder() as recorder:
+        torch.mm(a, b.t())
+    (name, (spec_a, spec_b)), = recorder.calls
+    assert name == "mm"
+    replayed = _random_like(spec_b, "cpu")
+    assert replayed.shape == (6, 5) and replayed.stride() == b.t().stride() == (1, 6)
+
+
+def test_matmul_replay_counts_batched_matmuls_as_the_kernel_formula_does():
+    # the causal kernel without a state read runs bmm's only; its FLOPs must match the formula
+    from linear_attention_transformer.ops.linear_attention import causal_linear_attention
+
+    q, k, v = (torch.rand(1, 2, 64, 8) for _ in range(3))
+    _, flops, _ = matmul_replay(lambda: causal_linear_attention(q, k, v, chunk_size=16), "cpu", reps=1)
+    assert flops == causal_kernel_flops(2, 64, 8, 8, 16)
