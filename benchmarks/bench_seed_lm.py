@@ -15,10 +15,18 @@ For each: seconds per step (median), tokens/s, the matmul floor and the fraction
 and the peak memory over a baseline taken after building the model. With ``--upstream-python``
 (an interpreter that imports ``linear-attention-transformer==0.19.1``, e.g. a scratch venv) the
 same two steps run on upstream's model and wrapper, built with the same arguments, and the
-ratios are printed.
+ratios are printed. Upstream does less work with these arguments: its main layers build
+``FeedForward(dim)`` and so ignore ``ff_glu`` and ``ff_dropout`` (0.19.1,
+linear_attention_transformer.py line 388; only axial and context layers receive them). So a
+third row, ``ours, upstream's work``, times our model built as upstream runs it
+(``UPSTREAM_RUNS``: no GLU, no feed-forward dropout): equal work, the fair speed comparison.
 
-The floor (``training_flops``): the step's matmul FLOPs at the square fp32 matmul rate measured in
-the same subprocess just before and after the timed steps (the better of the two).
+The floor: the step's matmul FLOPs at the square fp32 matmul rate measured in the same subprocess
+just before and after the timed steps (the better of the two). The FLOPs are those of the
+step's own matmuls, recorded as they run (``common.matmul_replay``), so each implementation is
+read against its own work; for ours they are also counted by hand (``training_flops``) and the
+two counts are printed side by side. "matmuls alone" is those matmuls replayed at their own
+shapes with nothing between them.
 
 Usage:  python benchmarks/bench_seed_lm.py [--steps 3] [--threads 2]
         python benchmarks/bench_seed_lm.py --upstream-python /tmp/upstream/bin/python
@@ -64,6 +72,9 @@ SEED_LM = dict(
     attend_axially=False, shift_tokens=True,
 )
 CASES = ("plain", "wrapper")
+# what upstream 0.19.1 runs for SEED_LM: its main layers' FeedForward(dim) drops both options
+UPSTREAM_RUNS = dict(ff_glu=False, ff_dropout=0.0)
+IMPL_LABELS = {"ours": "ours", "ours_upstream_work": "ours, upstream's work", "upstream": "upstream"}
 FLOOR_TARGET = 0.8  # fraction of the matmul floor
 SPEED_TARGET = 1.2  # upstream seconds / ours
 MEMORY_TARGET = 0.6  # our wrapper peak / upstream's
@@ -130,16 +141,17 @@ def training_flops(model, n):
 # ------------------------------------------------------------------------------ worker
 
 
-def build(upstream, device):
-    """(model, wrapper) of seed 000's LM from this repository or from upstream."""
+def build(impl, device):
+    """(model, wrapper, package file) of seed 000's LM: ours, ours as upstream runs it, or upstream's."""
     import linear_attention_transformer as lat
 
-    if upstream:
+    if impl == "upstream":
         from linear_attention_transformer.autoregressive_wrapper import AutoregressiveWrapper
     else:
         from linear_attention_transformer import AutoregressiveWrapper
     torch.manual_seed(0)
-    model = lat.LinearAttentionTransformerLM(**SEED_LM).to(device).train()
+    kwargs = {**SEED_LM, **UPSTREAM_RUNS} if impl == "ours_upstream_work" else SEED_LM
+    model = lat.LinearAttentionTransformerLM(**kwargs).to(device).train()
     return model, AutoregressiveWrapper(model), lat.__file__
 
 
@@ -160,7 +172,7 @@ def make_step(case, model, wrapper, x, upstream):
 def worker(args):
     set_threads(args.threads)
     device, n, upstream = args.device, args.n, args.impl == "upstream"
-    model, wrapper, where = build(upstream, device)
+    model, wrapper, where = build(args.impl, device)
     g = torch.Generator(device="cpu").manual_seed(1)
     x = torch.randint(0, SEED_LM["num_tokens"], (1, n + 1), generator=g).to(device)
     step = make_step(args.worker, model, wrapper, x, upstream)
@@ -192,7 +204,7 @@ def profile(args):
     from torch.profiler import profile as torch_profile
 
     set_threads(args.threads)
-    model, wrapper, _ = build(False, args.device)
+    model, wrapper, _ = build("ours", args.device)
     x = torch.randint(0, SEED_LM["num_tokens"], (1, args.n + 1), device=args.device)
     step = make_step(args.profile, model, wrapper, x, False)
     step()
@@ -212,7 +224,7 @@ def run_case(args, case, impl):
     if args.threads is not None:
         argv += ["--threads", args.threads]
     env = dict(os.environ)
-    if impl == "ours":  # this repository's package, whatever is installed
+    if impl != "upstream":  # this repository's package, whatever is installed
         env["PYTHONPATH"] = REPO + os.pathsep + env.get("PYTHONPATH", "")
         python = None
     else:  # upstream's interpreter sees only its own packages
@@ -235,7 +247,7 @@ def main(argv=None):
     p.add_argument("--profile", choices=CASES, default=None, help="profile one step of this case instead")
     p.add_argument("--profile-rows", type=int, default=25)
     p.add_argument("--worker", choices=CASES, default=None, help=argparse.SUPPRESS)
-    p.add_argument("--impl", choices=["ours", "upstream"], default="ours", help=argparse.SUPPRESS)
+    p.add_argument("--impl", choices=list(IMPL_LABELS), default="ours", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     args.matmul_size = args.matmul_size or default_matmul_size(args.device)
     if not 1 <= args.n <= SEED_LM["max_seq_len"]:
@@ -252,7 +264,7 @@ def main(argv=None):
         f"wrapper: AutoregressiveWrapper(model)(x)",
     ])
     t_start = time.perf_counter()
-    impls = ["ours"] + (["upstream"] if args.upstream_python else [])
+    impls = ["ours"] + (["ours_upstream_work", "upstream"] if args.upstream_python else [])
     results, errors = {}, []
     for case in args.cases:
         for impl in impls:
@@ -269,13 +281,11 @@ def main(argv=None):
     rows = []
     for (case, impl), r in results.items():
         r["median"] = statistics.median(r["times"])
-        floor = results.get((case, "ours"), {}).get("flops")
-        floor_s = None if floor is None else floor / r["ref"]
+        floor_s = r["replay_flops"] / r["ref"]
         rows.append([
-            impl, case, f"{len(r['times'])}+{args.warmup}", f"{r['median']:.2f}", f"{args.n / r['median']:.0f}",
+            IMPL_LABELS[impl], case, f"{len(r['times'])}+{args.warmup}", f"{r['median']:.2f}", f"{args.n / r['median']:.0f}",
             f"{r['ref_before'] / 1e9:.0f} / {r['ref_after'] / 1e9:.0f}",
-            "-" if floor_s is None else f"{floor_s:.2f}",
-            "-" if floor_s is None else f"{100 * floor_s / r['median']:.0f}%",
+            f"{floor_s:.2f}", f"{100 * floor_s / r['median']:.0f}%",
             f"{r['replay']:.2f}", f"{100 * r['replay'] / r['median']:.0f}%",
             f"{r['peak'] / GiB:.2f}",
         ])
@@ -283,30 +293,31 @@ def main(argv=None):
     print(table(["impl", "case", "steps+warmup", "s/step", "tok/s", "matmul GFLOP/s before/after",
                  "floor s", "% of floor", "matmuls alone s", "% of that", "peak +GiB"], rows))
     first = next(iter(results.values()))
-    print(f"(floor: our step's matmul FLOPs at the better {square_matmul_desc(args.matmul_size)} fp32 "
+    print(f"(floor: the step's own matmul FLOPs at the better {square_matmul_desc(args.matmul_size)} fp32 "
           f"rate of the same subprocess; peak: {first['mem_method']}; threads {first['threads']})")
     print("(matmuls alone: every mm / addmm / bmm / baddbmm of one step, forward and backward, replayed on "
           "fresh operands of its own shapes and strides, best of 3 each, summed: the step with nothing "
           "but its matmuls, each at the rate its shape gets)")
     for (case, impl), r in results.items():
-        print(f"  {impl} {case}: {r['replay_calls']} matmul calls, {r['replay_flops'] / 1e9:.1f} GFLOP "
+        print(f"  {IMPL_LABELS[impl]} {case}: {r['replay_calls']} matmul calls, {r['replay_flops'] / 1e9:.1f} GFLOP "
               f"({r['replay_flops'] / r['replay'] / 1e9:.0f} GFLOP/s replayed alone)")
     ours = [r for (c, i), r in results.items() if i == "ours"]
     if ours:
         parts = ours[0]["parts"]
-        print(f"FLOPs per step: {ours[0]['flops'] / 1e9:.1f} G = 3 x forward "
+        print(f"our FLOPs per step counted by hand: {ours[0]['flops'] / 1e9:.1f} G = 3 x forward "
               + "(" + ", ".join(f"{k} {v / 1e9:.1f} G" for k, v in parts.items() if k != "reversible recompute") + ")"
               + (f" + reversible recompute {parts['reversible recompute'] / 1e9:.1f} G" if "reversible recompute" in parts else ""))
     for impl in impls:
         where = [r["where"] for (c, i), r in results.items() if i == impl]
         if where:
-            print(f"{impl} package: {where[0]}")
+            print(f"{IMPL_LABELS[impl]} package: {where[0]}")
     print()
 
     for case in args.cases:
         o, u = results.get((case, "ours")), results.get((case, "upstream"))
-        if o is not None and "flops" in o:
-            frac = o["flops"] / o["ref"] / o["median"]
+        same_work = results.get((case, "ours_upstream_work"))
+        if o is not None:
+            frac = o["replay_flops"] / o["ref"] / o["median"]
             print(f"{case}: {o['median']:.2f} s/step, {args.n / o['median']:.0f} tok/s, {100 * frac:.0f}% of the "
                   f"matmul floor (target >= {100 * FLOOR_TARGET:.0f}%: {'ok' if frac >= FLOOR_TARGET else 'BELOW TARGET'}), "
                   f"peak +{o['peak'] / GiB:.2f} GiB")
@@ -316,7 +327,12 @@ def main(argv=None):
                    f"{'ok' if speed >= SPEED_TARGET else 'BELOW TARGET'}), peak memory {mem:.2f}x upstream's"
             if case == "wrapper":
                 line += f" (target <= {MEMORY_TARGET}x: {'ok' if mem <= MEMORY_TARGET else 'ABOVE TARGET'})"
-            print(line)
+            print(line + f"; upstream skips ff_glu and ff_dropout: its step is {u['replay_flops'] / 1e9:.0f} "
+                  f"GFLOP, ours {o['replay_flops'] / 1e9:.0f}")
+        if same_work is not None and u is not None:
+            print(f"  equal work (ours built as upstream runs it, {kwargs_text(UPSTREAM_RUNS)}): "
+                  f"{u['median'] / same_work['median']:.2f}x upstream's speed, "
+                  f"{same_work['median']:.2f} s vs {u['median']:.2f} s")
     print(f"(total benchmark time {time.perf_counter() - t_start:.0f} s; {load_average()} at the end)")
     return 1 if errors else 0
 
