@@ -28,6 +28,31 @@ __all__ = ["FeatureMap", "FEATURE_MAP_NAMES"]
 FEATURE_MAP_NAMES = ("softmax", "elu", "relu")
 
 
+def _elu_plus_one(x):
+    """elu(x) + 1, with exp(x) for x <= 0 formed directly: (exp(x) - 1) + 1 cancels to 0 in low
+    precision (bfloat16 already for x < -5.5, float32 for x < -17) and the key would vanish.
+    As the sum of the two halves relu(x) + exp(min(x, 0)); the slope at 0 is 1 from both sides."""
+    return x.clamp(max=0).exp_().add_(x.clamp(min=0))
+
+
+class _EluPlusOne(torch.autograd.Function):
+    """``_elu_plus_one`` with a backward that reads only the output y: the slope is min(y, 1)
+    (x > 0: y = x + 1 > 1 and the slope is 1; x <= 0: y = exp(x) is its own slope). Autograd
+    through the two halves saved x and made five passes over it in backward (a comparison and a
+    where() for the clamp, relu's threshold, exp's product, the sum); this makes two."""
+
+    @staticmethod
+    def forward(ctx, x):
+        y = _elu_plus_one(x)
+        ctx.save_for_backward(y)
+        return y
+
+    @staticmethod
+    def backward(ctx, grad):
+        (y,) = ctx.saved_tensors
+        return grad * y.clamp(max=1)
+
+
 class FeatureMap:
     """A named or user-given feature map.
 
@@ -52,11 +77,7 @@ class FeatureMap:
 
     def _pointwise(self, x):
         if self.kind == "elu":
-            # elu(x) + 1, but exp(x) for x <= 0 directly: (exp(x) - 1) + 1 cancels to 0 in
-            # low precision (bfloat16 already for x < -5.5) and the key would vanish. As a
-            # sum of the two halves (relu(x) + exp(min(x, 0))): half the time of a where()
-            # forward and backward, and the slope at 0 is 1 from both sides
-            return F.relu(x) + x.clamp(max=0).exp()
+            return _EluPlusOne.apply(x) if x.requires_grad else _elu_plus_one(x)
         if self.kind == "relu":
             return F.relu(x)
         return self.kind(x)
