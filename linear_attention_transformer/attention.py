@@ -303,9 +303,12 @@ class Attention(nn.Module):
             q, k = apply_rotary(q, rotary), apply_rotary(k, rotary)
         position = 0 if cache is None else cache.position
         outs, local_cache, global_cache = [], None, None
-        # one split per tensor: its backward is one cat, where two slices would each fill a
-        # full-size zero gradient and copy into it
-        (ql, qg), (kl, kg), (vl, vg) = (t.split((self.n_local, self.heads - self.n_local), dim=1) for t in (q, k, v))
+        if 0 < self.n_local < self.heads:
+            # one split per tensor: its backward is one cat, where two slices would each fill a
+            # full-size zero gradient and copy into it
+            (ql, qg), (kl, kg), (vl, vg) = (t.split((self.n_local, self.heads - self.n_local), dim=1) for t in (q, k, v))
+        else:  # one group holds every head (the other is unused): a split's backward would copy for nothing
+            (ql, qg), (kl, kg), (vl, vg) = (q, q), (k, k), (v, v)
         if self.n_local:
             if cache is None:
                 outs.append(self.local_heads(ql, kl, vl, input_mask, segments))

@@ -447,8 +447,8 @@ def _intra_chunk_weights(q, k, G, sub_chunk):
     """w_ij inside each chunk for j <= i.  q, k: (…, C, d) factors; G: (…, C) or (…, C, d) or None."""
     C = q.shape[-2]
     causal = torch.ones(C, C, dtype=torch.bool, device=q.device).tril()
-    if G is None:
-        return (q @ k.transpose(-1, -2)).masked_fill(~causal, 0.0)
+    if G is None:  # (in place: the fresh product is not needed for backward)
+        return (q @ k.transpose(-1, -2)).masked_fill_(~causal, 0.0)
     if G.ndim == q.ndim - 1:  # decay per position: one (C x C) factor per chunk
         diff = (G[..., :, None] - G[..., None, :]).masked_fill(~causal, NEG_INF)
         return (q @ k.transpose(-1, -2)) * diff.exp()
@@ -685,7 +685,10 @@ def causal_linear_attention(
     out_dtype = q.dtype
     dtype = _compute_dtype(q)
     with torch.autocast(q.device.type, enabled=False):
-        q, k, v = (t.to(dtype) for t in (q, k, v))
+        # q and k contiguous once: heads split off a fused projection are strided views, and
+        # every elementwise result keeps that layout, so each batched matmul below would copy
+        # its operand again (forward and backward). v is copied by _append_ones anyway.
+        q, k, v = q.to(dtype).contiguous(), k.to(dtype).contiguous(), v.to(dtype)
         log_decay = None if log_decay is None else log_decay.to(dtype)
         k, v, log_decay = _apply_key_mask(k, v, log_decay, mask, exp_features)
         v = _append_ones(v)
