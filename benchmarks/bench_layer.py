@@ -10,7 +10,7 @@ chunked causal kernel, so its floor is its matmul FLOPs at the machine's matmul 
     floor = FLOPs / (square matmul rate measured in the same subprocess, before and after)
 
 and the figure to read is floor / time, the fraction of the limit reached (100 % = the layer
-runs as fast as its matmuls alone could at the square rate).
+runs as fast as its matmuls could if all ran at the square rate).
 
 The pseudo-map 'projections' runs the same layer's four projections with no attention between
 them (out = to_out(q + k + v)): its floor / time is what these tall, thin matmuls reach on
@@ -26,6 +26,11 @@ heads * dim_head, C = chunk, e = d = dim_head, n padded to a multiple of C:
 Every (map, n) runs in a fresh subprocess, one after the other, so that its peak memory is its
 own. On a shared machine absolute times drift; the fraction of the floor is taken against the
 matmul rate of the same subprocess.
+
+Besides, every matmul of one step is replayed alone on fresh operands of its own shapes and
+strides (``common.matmul_replay``): "matmuls alone" is their summed time, the step with nothing
+between its matmuls, and "alone / time" the share of the step spent in them (a ratio inside one
+subprocess, steadier than floor / time when the matmul rate drifts).
 
 Usage:  python benchmarks/bench_layer.py [--lengths 4096 16384 65536] [--maps elu softmax]
         python benchmarks/bench_layer.py --threads 2 --steps 3

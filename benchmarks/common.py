@@ -176,7 +176,9 @@ def causal_kernel_flops(heads, n, d, e, chunk):
 
 class _MatmulRecorder(TorchDispatchMode):
     """Notes every matmul that runs under it (forward and backward): the op, and each tensor
-    operand's shape, strides and dtype; scalars (addmm's beta, alpha) are noted as given."""
+    operand's shape, strides and dtype. Keyword arguments (beta, alpha, out=) are not noted: the
+    replay runs the plain op, which does the same multiply-adds. Ops outside ``_REPLAY_OPS``
+    (addbmm, mv, addmv, dot, fused attention) are not seen; this package runs none of them."""
 
     def __init__(self):
         super().__init__()

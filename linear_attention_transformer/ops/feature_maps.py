@@ -41,11 +41,15 @@ class _EluPlusOne(torch.autograd.Function):
     through the two halves saved x and made five passes over it in backward (a comparison and a
     where() for the clamp, relu's threshold, exp's product, the sum); this makes two."""
 
+    generate_vmap_rule = True  # (and forward apart from setup_context: torch.func works)
+
     @staticmethod
-    def forward(ctx, x):
-        y = _elu_plus_one(x)
-        ctx.save_for_backward(y)
-        return y
+    def forward(x):
+        return _elu_plus_one(x)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.save_for_backward(output)
 
     @staticmethod
     def backward(ctx, grad):

@@ -108,13 +108,42 @@ def _append_ones(v: torch.Tensor) -> torch.Tensor:
 def _divide(out_aug: torch.Tensor) -> torch.Tensor:
     """Split the ones column off and divide. A query that sees no key (all masked, or the
     first blindspot block) has numerator and denominator 0, and gets 0 with zero gradient."""
-    num, den = out_aug[..., :-1], out_aug[..., -1:]
-    # where(), not a clamped denominator: dividing by a tiny clamp would give a gradient of
-    # 1 / tiny that turns into inf and NaN further back. The where()s and the reciprocal act
-    # on the (…, 1) column and one product scales the rows: forward and backward then make
-    # one pass over the (…, e) numerator each, not four (measured in bench_kernel.py)
+    return _DivideRows.apply(out_aug[..., :-1], out_aug[..., -1:])
+
+
+def _row_inverse(den):
+    """1 / den where den > 0, else 0, on the (…, 1) column. where(), not a clamped denominator:
+    dividing by a tiny clamp would give a gradient of 1 / tiny that turns into inf further back."""
     seen = den > 0
-    return num * torch.where(seen, torch.where(seen, den, 1.0).reciprocal(), 0.0)
+    return torch.where(seen, 1.0 / torch.where(seen, den, 1.0), 0.0)
+
+
+class _DivideRows(torch.autograd.Function):
+    """num (…, e) / den (…, 1), and 0 with zero gradient where den is 0.
+
+    The inverse is taken on the column and one product scales the rows, so forward and
+    backward each make one pass over the numerator (two where()s and a division over the
+    whole output made four; measured in bench_kernel.py). Backward is written out because
+    autograd through the inverse would form d(1/den) = -1/den², which overflows float32 for
+    den < 5e-20 while the output is still finite; here d den = -sum(grad * out) / den."""
+
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(num, den):
+        return num * _row_inverse(den)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.save_for_backward(inputs[1], output)
+
+    @staticmethod
+    def backward(ctx, grad):
+        den, out = ctx.saved_tensors
+        inv = _row_inverse(den)
+        grad_num = grad * inv if ctx.needs_input_grad[0] else None
+        grad_den = -(grad * out).sum(dim=-1, keepdim=True) * inv if ctx.needs_input_grad[1] else None
+        return grad_num, grad_den
 
 
 def _check_mask(mask, b, n, name="mask"):

@@ -171,3 +171,13 @@ def test_elu_map_keeps_small_features_in_low_precision(dtype, lowest, rtol):
     assert torch.allclose(y.flatten(), exact, rtol=1e-15, atol=0)
     assert torch.allclose(exact, torch.nn.functional.elu(t.detach()) + 1, rtol=1e-15, atol=1e-16)
     assert torch.isfinite(t.grad).all() and torch.allclose(t.grad, torch.where(t > 0, 1.0, t.detach().exp()).double())
+
+
+def test_elu_map_works_under_torch_func():
+    """The elu map's own backward (an autograd.Function) composes with torch.func."""
+    x = torch.linspace(-30.0, 3.0, 12, dtype=torch.float64).view(3, 4)
+    fm = FeatureMap("elu")
+    slopes = torch.func.vmap(torch.func.grad(lambda t: fm.queries(t).sum()))(x)
+    assert torch.allclose(slopes, torch.where(x > 0, 1.0, x.exp()), rtol=1e-15, atol=0)
+    jac = torch.func.jacrev(lambda t: fm.queries(t))(x[0])
+    assert torch.allclose(jac, torch.diag(torch.where(x[0] > 0, 1.0, x[0].exp())), rtol=1e-15, atol=0)

@@ -181,3 +181,26 @@ def test_softmax_pipeline_gradient_is_exactly_causal(masked, helpers):
             future = g[:, :, i + 1 :]
             assert torch.equal(future, torch.zeros_like(future)), f"d out[{i}] / d {name}[j > {i}] != 0"
         assert grads[2][:, :, : i + 1].abs().max() > 0
+
+
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "noncausal"])
+def test_tiny_denominators_keep_float32_gradients_finite_and_exact(causal):
+    """Features of elu-like pre-activations near -25 make every denominator ~1e-21: the
+    output is an ordinary weighted average, and its float32 gradients must be finite and agree
+    with float64 (d(1/den) = -1/den² alone would overflow float32 below den ~ 5e-20)."""
+    g = torch.Generator().manual_seed(0)
+    q, k = ((torch.randn(1, 2, 37, 4, generator=g, dtype=torch.float64) - 25).exp() for _ in range(2))
+    v = torch.randn(1, 2, 37, 3, generator=g, dtype=torch.float64)
+    grads = {}
+    for dtype in (torch.float64, torch.float32):
+        ins = [leaf(t.to(dtype)) for t in (q, k, v)]
+        if causal:
+            out = causal_linear_attention(*ins, chunk_size=16)
+        else:
+            out = linear_attention(*ins)
+        (out * torch.linspace(-1, 1, out.numel(), dtype=dtype).view_as(out)).sum().backward()
+        grads[dtype] = [t.grad for t in ins]
+    for g32, g64 in zip(grads[torch.float32], grads[torch.float64]):
+        assert torch.isfinite(g32).all()
+        scale = g64.abs().max()
+        assert ((g32.double() - g64).abs() <= 1e-4 * scale).all()
