@@ -11,6 +11,7 @@ The scripts import this file as ``common`` from their own folder: run them as
 
 from __future__ import annotations
 
+import collections
 import datetime
 import json
 import math
@@ -225,9 +226,7 @@ def matmul_replay(fn, device, reps=3):
     Returns (seconds, FLOPs, number of matmul calls)."""
     with _MatmulRecorder() as recorder:
         fn()
-    counts = {}
-    for call in recorder.calls:
-        counts[call] = counts.get(call, 0) + 1
+    counts = collections.Counter(recorder.calls)
     seconds = flops = 0.0
     for (name, operands), count in counts.items():
         args = [_random_like(spec, device) for spec in operands]
