@@ -10,16 +10,17 @@ Where things live:
     reversible.py    reversible residual composition (activations recomputed in backward)
     transformer.py   the layer stack;  lm.py  the token model
     autoregressive.py  training loss and sampling
-    seed_names.py    the names users of seeds 001 and 003 know (Linformer, LinformerLM, ...)
+    compat.py        names the upstream packages use (Linformer, LinformerLM, LinearImageAttention);
+                     seed_names.py is its former name, kept as an alias
 """
 
 from .attention import Attention, LinearSelfAttention
 from .autopadder import Autopadder
 from .autoregressive import AutoregressiveWrapper
+from .compat import LinearImageAttention, Linformer, LinformerLM
 from .images import ImageLinearAttention
 from .linformer import LinformerContextSettings, LinformerSelfAttention, LinformerSettings
 from .lm import LinearAttentionTransformerLM
-from .seed_names import LinearImageAttention, Linformer, LinformerLM
 from .transformer import LinearAttentionTransformer
 
 __all__ = [

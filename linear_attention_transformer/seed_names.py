@@ -1,32 +1,9 @@
-"""The names users of seeds 001 and 003 know, as thin constructors over this package's models.
+"""Former name of :mod:`linear_attention_transformer.compat`, kept so that old imports work.
 
-``Linformer`` and ``LinformerLM`` (seed 003) build a ``LinearAttentionTransformer`` /
-``LinearAttentionTransformerLM`` whose self-attention is Linformer: there is no second
-implementation, and every other option of those models is accepted as a keyword.
-``LinearImageAttention`` (seed 001) is ``ImageLinearAttention``.
+``from linear_attention_transformer.seed_names import Linformer`` gives the very objects that
+``linear_attention_transformer.compat`` defines; new code should import from ``compat``.
 """
 
-from __future__ import annotations
+from .compat import LinearImageAttention, Linformer, LinformerLM
 
-from .images import ImageLinearAttention
-from .linformer import LinformerSettings
-from .lm import LinearAttentionTransformerLM
-from .transformer import LinearAttentionTransformer
-
-LinearImageAttention = ImageLinearAttention
-
-
-def Linformer(dim, seq_len, depth, heads=8, k=256, one_kv_head=False, share_kv=False, **options):
-    """Seed 003's ``Linformer``: a non-causal Linformer encoder. x (b, n, dim), n <= seq_len
-    -> (b, n, dim). ``options``: any ``LinearAttentionTransformer`` keyword."""
-    settings = LinformerSettings(k=k, one_kv_head=one_kv_head, share_kv=share_kv)
-    return LinearAttentionTransformer(dim, depth, seq_len, heads=heads, linformer_settings=settings, **options)
-
-
-def LinformerLM(num_tokens, dim, seq_len, depth, heads=8, k=256, one_kv_head=False, share_kv=False, **options):
-    """Seed 003's ``LinformerLM``: tokens (b, n), n <= seq_len -> logits (b, n, num_tokens).
-    ``options``: any ``LinearAttentionTransformerLM`` keyword."""
-    settings = LinformerSettings(k=k, one_kv_head=one_kv_head, share_kv=share_kv)
-    return LinearAttentionTransformerLM(
-        num_tokens, dim, depth, seq_len, heads=heads, linformer_settings=settings, **options
-    )
+__all__ = ["LinearImageAttention", "Linformer", "LinformerLM"]
