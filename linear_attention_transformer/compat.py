@@ -19,24 +19,50 @@ __all__ = ["LinearImageAttention", "Linformer", "LinformerLM"]
 LinearImageAttention = ImageLinearAttention
 
 
-def Linformer(dim, seq_len, depth, heads=8, k=256, one_kv_head=False, share_kv=False, **options):
+def _linformer_options(k, one_kv_head, share_kv, dropout, options):
+    """The model keywords the ``linformer`` package's arguments stand for."""
+    if isinstance(dropout, bool) or not isinstance(dropout, (int, float)) or not 0.0 <= dropout < 1.0:
+        raise ValueError(f"dropout must be a float in [0, 1), got {dropout!r}")
+    for name in ("attn_dropout", "ff_dropout"):
+        if name in options and dropout:
+            raise ValueError(f"give dropout (the linformer package's one rate) or {name}, not both")
+    settings = LinformerSettings(k=k, one_kv_head=one_kv_head, share_kv=share_kv)
+    merged = {"attn_dropout": dropout, "ff_dropout": dropout}
+    merged.update(options)
+    return settings, merged
+
+
+def Linformer(dim, seq_len, depth, k=256, heads=8, dim_head=None, one_kv_head=False, share_kv=False,
+              reversible=False, dropout=0.0, **options):
     """The ``linformer`` package's ``Linformer``: a non-causal Linformer encoder.
 
-    x (b, n, dim), n <= seq_len -> (b, n, dim). ``k`` is the projected length, ``one_kv_head``
-    shares one key/value head, ``share_kv`` uses one projection for keys and values.
-    ``options``: any ``LinearAttentionTransformer`` keyword.
+    The arguments keep that package's order and meaning: ``k`` is the projected length,
+    ``one_kv_head`` shares one key/value head, ``share_kv`` uses one projection for keys and
+    values, ``dropout`` is the rate of both the attention weights' dropout (``attn_dropout``)
+    and the feed-forward's (``ff_dropout``). ``options``: any other
+    ``LinearAttentionTransformer`` keyword.
+    Shapes: x (b, n, dim), n <= seq_len -> (b, n, dim).
     """
-    settings = LinformerSettings(k=k, one_kv_head=one_kv_head, share_kv=share_kv)
-    return LinearAttentionTransformer(dim, depth, seq_len, heads=heads, linformer_settings=settings, **options)
+    settings, options = _linformer_options(k, one_kv_head, share_kv, dropout, options)
+    return LinearAttentionTransformer(
+        dim, depth, seq_len, heads=heads, dim_head=dim_head, reversible=reversible,
+        linformer_settings=settings, **options,
+    )
 
 
-def LinformerLM(num_tokens, dim, seq_len, depth, heads=8, k=256, one_kv_head=False, share_kv=False, **options):
-    """The ``linformer`` package's ``LinformerLM``: tokens (b, n), n <= seq_len -> logits (b, n, num_tokens).
+def LinformerLM(num_tokens, dim, seq_len, depth, k=256, heads=8, dim_head=None, one_kv_head=False,
+                share_kv=False, reversible=False, dropout=0.0, **options):
+    """The ``linformer`` package's ``LinformerLM``, with its argument order and meanings.
 
-    ``k``, ``one_kv_head``, ``share_kv`` as in ``Linformer``. ``options``: any
+    ``k``, ``heads``, ``dim_head``, ``one_kv_head``, ``share_kv``, ``reversible``,
+    ``dropout`` as in ``Linformer``. Positions are a learned absolute embedding, as in that
+    package, unless ``use_axial_pos_emb=True`` is given. ``options``: any other
     ``LinearAttentionTransformerLM`` keyword.
+    Shapes: tokens (b, n), n <= seq_len -> logits (b, n, num_tokens).
     """
-    settings = LinformerSettings(k=k, one_kv_head=one_kv_head, share_kv=share_kv)
+    settings, options = _linformer_options(k, one_kv_head, share_kv, dropout, options)
+    options.setdefault("use_axial_pos_emb", False)
     return LinearAttentionTransformerLM(
-        num_tokens, dim, depth, seq_len, heads=heads, linformer_settings=settings, **options
+        num_tokens, dim, depth, seq_len, heads=heads, dim_head=dim_head, reversible=reversible,
+        linformer_settings=settings, **options,
     )

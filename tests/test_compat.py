@@ -2,6 +2,8 @@
 
 import importlib
 
+import pytest
+
 import torch
 
 import linear_attention_transformer
@@ -31,3 +33,33 @@ def test_compat_names_build_the_package_models():
     assert isinstance(lm, linear_attention_transformer.LinearAttentionTransformerLM)
     assert lm(torch.randint(0, 50, (1, 64))).shape == (1, 64, 50)
     assert compat.LinearImageAttention is linear_attention_transformer.ImageLinearAttention
+
+
+def test_positional_arguments_keep_the_linformer_package_order():
+    # linformer's order: (dim, seq_len, depth, k, heads, ...): the fourth positional argument is k
+    encoder = compat.Linformer(32, 64, 1, 16, 4)
+    attention = encoder.layers.blocks[0][0].fn
+    assert attention.heads == 4 and attention.k == 16
+    lm = compat.LinformerLM(50, 32, 64, 1, 8, 2)
+    attention = lm.transformer.layers.blocks[0][0].fn
+    assert attention.heads == 2 and attention.k == 8
+
+
+def test_linformer_lm_positions_are_absolute_as_upstream():
+    from linear_attention_transformer.positional import AbsolutePositionalEmbedding, AxialPositionalEmbedding
+
+    assert isinstance(compat.LinformerLM(50, 32, 64, 1, k=8).pos_emb, AbsolutePositionalEmbedding)
+    lm = compat.LinformerLM(50, 32, 64, 1, k=8, use_axial_pos_emb=True, local_attn_window_size=16)
+    assert isinstance(lm.pos_emb, AxialPositionalEmbedding)
+
+
+def test_dropout_sets_both_rates_and_refuses_a_second_rate():
+    encoder = compat.Linformer(32, 64, 1, k=16, heads=4, dropout=0.25)
+    rates = {m.p for m in encoder.modules() if isinstance(m, torch.nn.Dropout)}
+    assert 0.25 in rates
+    feedforward = encoder.layers.blocks[0][1].fn
+    assert any(isinstance(m, torch.nn.Dropout) and m.p == 0.25 for m in feedforward.modules())
+    with pytest.raises(ValueError, match="not both"):
+        compat.Linformer(32, 64, 1, k=16, heads=4, dropout=0.1, attn_dropout=0.2)
+    with pytest.raises(ValueError, match="dropout"):
+        compat.Linformer(32, 64, 1, k=16, heads=4, dropout=1.5)
