@@ -45,6 +45,13 @@ In the causal case the same computation has three views:
 * chunks: quadratic inside a chunk of C tokens, the running state S between
   chunks                                          -> ``causal_linear_attention``
 
+Between chunks the state obeys S_c = a_c S_{c-1} + x_c (x_c the chunk's keys decayed to its
+end, a_c its total decay; for exponential features both relative to the references r, see
+above). That is a scan of chunk summaries under one associative operator (``ops/scan.py``,
+also the summary that context parallelism exchanges): ``CHUNK_FORM`` picks a loop over the
+chunks (the CPU's form: faster there) or a work-efficient log-depth scan whose backward is the
+reverse scan (every other device: launches grow as log n, not n).
+
 ``log_decay`` (log a_t <= 0), per position (b, h, n) or per position and key feature
 (b, h, n, d), is the forget gate of gated linear attention. Decays are applied as
 exp(G_i - G_j) with i >= j on cumulative sums G, which never exceeds 1 (for exponential
@@ -75,6 +82,7 @@ import torch
 import torch.nn.functional as F
 from einops import rearrange
 
+from .scan import linear_scan, linear_terms, references, sequential_linear_scan
 from .segments import segment_one_hot, segment_runs
 
 __all__ = [
@@ -91,6 +99,20 @@ __all__ = [
 
 NEG_INF = float("-inf")
 PER_FEATURE_CHUNK, PER_FEATURE_SUB_CHUNK = 16, 4
+
+# The form of ``causal_linear_attention``: "parallel" (the state across chunks as a log-depth
+# scan, exponential-feature chunks exact by construction: no host sync, launches ~ log n),
+# "sequential" (a loop over chunks, lost chunks recomputed after reading their count back: the
+# faster form on the CPU), or "auto": parallel except on the CPU. Both equal the same naive forms.
+CHUNK_FORM = "auto"
+
+
+def _parallel_form(device):
+    if CHUNK_FORM == "auto":
+        return device.type != "cpu"
+    if CHUNK_FORM not in ("parallel", "sequential"):
+        raise ValueError(f"CHUNK_FORM must be 'auto', 'parallel' or 'sequential', got {CHUNK_FORM!r}")
+    return CHUNK_FORM == "parallel"
 
 
 # --------------------------------------------------------------------------- helpers
@@ -521,43 +543,6 @@ def _two_level_weights(q, k, G, s):
     return rearrange(w, "... m s m2 s2 -> ... (m s) (m2 s2)")
 
 
-def _chunk_references(m, chunk_log_decay, start, carries=None):
-    """Per-feature log references for exponential features, (b, h, c, d) each.
-
-    m: (b, h, c, d) maximum over chunk c's keys of their logit decayed to the chunk's end,
-    k_jd + G_end,d - G_jd. chunk_log_decay: (b, h, c, 1 or d) the chunk's total log decay,
-    or None. start: (b, h, d) reference of the incoming state, or None.
-    Returns (r_prev, r): r_c = max(r_{c-1} + chunk_log_decay_c, m_c), the decayed running
-    maximum: the state after chunk c is stored relative to r_c, and its largest term is 1.
-    r_prev_c = r_{c-1} (``start``, or -inf) is the reference of the state chunk c reads.
-    carries: optional (b, 1, c) bool, False where a segment starts in chunk c: the running
-    maximum restarts there (a loop over the chunks: a reset cannot be folded into cummax
-    without a large finite stand-in, which would cost float32 its precision)."""
-    with torch.no_grad():
-        if start is None:
-            start = torch.full_like(m[:, :, 0], NEG_INF)
-        if carries is not None:
-            r, previous = [], start
-            decays = [None] * m.shape[2] if chunk_log_decay is None else chunk_log_decay.unbind(2)
-            for m_c, decay_c, carries_c in zip(m.unbind(2), decays, carries[..., None].unbind(2)):
-                carried = previous if decay_c is None else previous + decay_c
-                previous = torch.maximum(torch.where(carries_c, carried, NEG_INF), m_c)
-                r.append(previous)
-            r = torch.stack(r, dim=2)
-        elif chunk_log_decay is None:
-            r = torch.cat((start[:, :, None], m), dim=2).cummax(dim=2).values[:, :, 1:]
-        else:
-            # r_c = T_c + max(start, max_{c' <= c} m_c' - T_c') with T the cumulative decay.
-            # The references need not be exact, only used consistently: T's rounding and the
-            # clamp (a decay of exp(-1e4) per chunk is a complete reset) change nothing.
-            T = chunk_log_decay.clamp(min=-1e4).cumsum(dim=2)
-            T = T.expand_as(m)
-            rel = torch.cat((start[:, :, None], m - T), dim=2).cummax(dim=2).values[:, :, 1:]
-            r = T + rel
-        r_prev = torch.cat((start[:, :, None], r[:, :, :-1]), dim=2)
-    return r_prev, r
-
-
 def _exp_relative(logits, ref):
     """exp(logits - ref) for a reference without gradient that may be -inf (no key): the
     non-finite references become 0, whose features are then -inf - 0 -> 0 anyway."""
@@ -713,6 +698,7 @@ def causal_linear_attention(
 
     out_dtype = q.dtype
     dtype = _compute_dtype(q)
+    parallel = _parallel_form(q.device)
     with torch.autocast(q.device.type, enabled=False):
         # q and k contiguous once: heads split off a fused projection are strided views, and
         # every elementwise result keeps that layout, so each batched matmul below would copy
@@ -759,6 +745,11 @@ def causal_linear_attention(
             G = rearrange(log_decay, pattern, l=C).cumsum(dim=3)  # decay since the chunk start
             Gd = G if G.ndim == 5 else G[..., None]  # (b, h, c, l, 1 or d)
             G_end = Gd[:, :, :, -1]  # (b, h, c, 1 or d): the chunk's total log decay
+        # the log decay of the state across chunk c: -inf where a segment starts in it (drops it)
+        state_log_decay = G_end
+        if carries is not None:
+            state_log_decay = (torch.zeros(b, 1, carries.shape[-1], 1, dtype=dtype, device=q.device)
+                               if G_end is None else G_end).masked_fill(~carries[..., None], NEG_INF)
 
         if exp_features:
             # keys decayed to their chunk's end, relative to their maximum m_c there: one
@@ -780,22 +771,17 @@ def causal_linear_attention(
                 with torch.no_grad():
                     m_kept = k_kept.detach().amax(dim=3)
                 k_to_end = _exp_relative(k_kept, m_kept[:, :, :, None])
-            r_prev, r = _chunk_references(m_kept, G_end, None if state is None else state.ref.to(dtype), carries)
-            chunk_scale = _exp_ratio(m_kept, r)  # (b, h, c, d)
+            r_prev, r = references(m_kept, state_log_decay, None if state is None else state.ref.to(dtype), 2,
+                                   drops=carries is not None)
+            state_decay, chunk_scale = linear_terms(state_log_decay, m_kept, r_prev, r)
             if G is not None and G_end.requires_grad:
                 chunk_scale = chunk_scale * (G_end - G_end.detach()).exp()
-            state_decay = _exp_ratio(r_prev if G is None else r_prev + G_end, r)
         else:
             k_to_end = k if G is None else k * (G_end[:, :, :, None] - Gd).exp()
             if kept is not None:
                 k_to_end = k_to_end.masked_fill(~kept[..., None], 0.0)
             chunk_scale = None
-            state_decay = None if G is None else G_end.exp()
-        if carries is not None:  # a segment that starts in chunk c drops the state before it
-            if state_decay is None:
-                state_decay = carries[..., None].to(dtype)
-            else:
-                state_decay = state_decay.masked_fill(~carries[..., None], 0.0)
+            state_decay, _ = linear_terms(state_log_decay, None, None, None)
 
         # each chunk's own contribution to the state, decayed to the chunk's end
         kv_chunks = torch.einsum("bhcld,bhcle->bhcde", k_to_end, v)
@@ -803,16 +789,11 @@ def causal_linear_attention(
             kv_chunks = kv_chunks * chunk_scale[..., None]
 
         # the scan over chunks: states[c] is the state before chunk c (for exponential
-        # features relative to r_prev_c, which every query of chunk c sees)
-        kv = torch.zeros_like(kv_chunks[:, :, 0]) if state is None else state.kv.to(dtype)
-        # (unbind once: indexing chunk c inside the loop would cost a full-size zero gradient
-        # per chunk in backward, quadratic in the number of chunks)
-        states = []
-        decays = [None] * kv_chunks.shape[2] if state_decay is None else state_decay[..., None].unbind(2)
-        for kv_c, decay_c in zip(kv_chunks.unbind(2), decays):
-            states.append(kv)
-            kv = kv_c + (kv if decay_c is None else kv * decay_c)
-        states = torch.stack(states, dim=2)
+        # features relative to r_prev_c, which every query of chunk c sees), kv the state after
+        # the last. S_c = a_c S_{c-1} + x_c as a log-depth scan, or as a loop (ops/scan.py)
+        start = None if state is None else state.kv.to(dtype)
+        scan_states = linear_scan if parallel else sequential_linear_scan
+        states, kv = scan_states(None if state_decay is None else state_decay[..., None], kv_chunks, start, 2)
 
         if exp_features:
             # query i of chunk c reads the state with the decay G_i since the chunk's start,

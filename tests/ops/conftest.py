@@ -156,3 +156,17 @@ def helpers():
         rebase=rebase,
         assert_same_state=assert_same_state,
     )
+
+
+KERNEL_MODULE = "linear_attention_transformer.ops.linear_attention"
+
+
+@pytest.fixture(params=["sequential", "parallel"])
+def kernel_form(request, monkeypatch):
+    """Runs a test under both forms of ``causal_linear_attention`` (``CHUNK_FORM``): the loop
+    over chunks that the CPU takes, and the scan without host sync that other devices take.
+    Both must equal the same naive forms."""
+    import importlib
+
+    monkeypatch.setattr(importlib.import_module(KERNEL_MODULE), "CHUNK_FORM", request.param)
+    return request.param

@@ -10,6 +10,9 @@ from linear_attention_transformer.ops import (
     recurrent_causal_linear_attention,
 )
 
+# every test here runs under both forms of the causal kernel (conftest.kernel_form)
+pytestmark = pytest.mark.usefixtures("kernel_form")
+
 EXP = [False, True]
 
 

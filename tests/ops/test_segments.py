@@ -31,6 +31,9 @@ from linear_attention_transformer.ops.windowed_attention import (
 )
 from linear_attention_transformer.token_shift import shift_tokens
 
+# every test here runs under both forms of the causal kernel (conftest.kernel_form)
+pytestmark = pytest.mark.usefixtures("kernel_form")
+
 D = torch.float64
 
 

@@ -29,6 +29,9 @@ from linear_attention_transformer.ops import (
     recurrent_causal_linear_attention,
 )
 
+# every test here runs under both forms of the causal kernel (conftest.kernel_form)
+pytestmark = pytest.mark.usefixtures("kernel_form")
+
 KINDS = ["softmax", "elu", "relu", "callable"]
 KERNEL_MODULE = "linear_attention_transformer.ops.linear_attention"  # (ops re-exports a function of that name)
 

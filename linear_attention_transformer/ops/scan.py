@@ -1,0 +1,348 @@
+"""Chunk summaries and the one operator that combines them.
+
+The causal kernel carries a state across chunks. A span of tokens (a chunk, or a whole
+slice of the sequence held by one process) is summarised by
+
+    Summary(kv, log_decay, ref)
+
+* ``kv`` (…, d, e): the state the span adds, its keys decayed to the span's end;
+* ``log_decay`` (…, 1 or d): the span's total log decay g <= 0, per head or per key
+  feature; -inf for a span that drops the state before it (a segment starts in it); None
+  for no decay;
+* ``ref`` (…, d): for exponential features the per-feature log reference of ``kv`` (kv
+  holds sum_j exp(k_j - ref) [v_j, 1]; -inf where no key), None for given features.
+
+Applying span 1 and then span 2 is the span
+
+    (S1, g1, r1) ∘ (S2, g2, r2) = (S1 exp(r1 + g2 - r) + S2 exp(r2 - r),  g1 + g2,  r)
+                                   with r = max(r1 + g2, r2)
+
+(given features: no r, S = S1 exp(g2) + S2). It is associative, every factor is <= 1, and
+the identity is (0, 0, -inf). ``combine`` is that operator; ``sequential_scan`` folds it
+over the spans one at a time (the naive judge), ``scan`` computes the same in a number of
+tensor operations that grows as log c (c spans), not c:
+
+1. the references r_c = max(r_{c-1} + g_c, m_c) (m_c the span's own ``ref``) are a scan in
+   the (max, +) semiring, without gradient. Without drops (no g = -inf) they take an O(1)
+   form: r_c = T_c + max(r_start, max_{c' <= c} m_c' - T_c') with T = cumsum(g). The
+   references need not be exact, only used consistently below: T's rounding changes
+   nothing but which factor <= 1 holds the largest term;
+2. relative to them the states obey the linear recurrence
+   S_c = a_c S_{c-1} + x_c,  a_c = exp(r_{c-1} + g_c - r_c),  x_c = kv_c exp(m_c - r_c),
+   a scan in the (+, x) semiring (``linear_scan``): a_c <= 1, x_c's largest term <= 1.
+
+Both scans are one routine, ``_scan``, over a semiring (times, fused x ⊕ a ⊗ s, identities):
+the pairs (a, x) combine as (a1, x1) then (a2, x2) -> (a2 ⊗ a1, x2 ⊕ a2 ⊗ x1). It is the
+work-efficient (Blelloch) form: combine neighbours into c/2 pairs, scan the pairs
+recursively, then fill in the first element of each pair from the state before it; each
+level is a handful of batched operations on half as much data as the level above, so the
+total work is ~2x the sequential loop's and the depth log2 c. Odd lengths are padded with
+the identity.
+
+``linear_scan`` is an autograd Function: its backward is the reverse scan
+lambda_c = dS_c + a_{c+1} lambda_{c+1}, dx_c = lambda_c, da_c = sum(lambda_c * S_{c-1}),
+so it saves nothing but a and its own output (no log c intermediates).
+
+Context parallelism: each process summarises its slice (``scan`` without ``initial``, the
+final summary), the summaries are gathered, and an exclusive scan over the processes
+(``scan`` or ``sequential_scan`` along the gathered dimension, with ``drops=True`` if any
+slice holds a segment start) gives each the state before its slice: its ``initial``.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Optional
+
+import torch
+
+__all__ = ["Summary", "combine", "scan", "sequential_scan", "references", "linear_terms", "linear_scan",
+           "sequential_linear_scan"]
+
+NEG_INF = float("-inf")
+
+
+class Summary(NamedTuple):
+    """A span's state contribution: see the module docstring. The span axis, when present,
+    is the same axis of all three (kv's axes are those of log_decay / ref plus e)."""
+
+    kv: torch.Tensor
+    log_decay: Optional[torch.Tensor] = None
+    ref: Optional[torch.Tensor] = None
+
+
+def _exp_ratio(a, b):
+    """exp(a - b) for log references a <= b (up to rounding) that may be -inf: 0 when a is
+    -inf or b is -inf, with a zero gradient (never 0 * NaN)."""
+    reached = torch.isfinite(b)
+    return torch.where(reached, (a - torch.where(reached, b, torch.zeros_like(b))).exp(), torch.zeros_like(b))
+
+
+def combine(earlier: Summary, later: Summary) -> Summary:
+    """The summary of span ``earlier`` followed by span ``later`` (the operator of the module
+    docstring; associative, identity (0, 0, -inf)). Tensors broadcast."""
+    if (earlier.ref is None) != (later.ref is None):
+        raise ValueError("combine: both summaries need a ref (exponential features) or neither")
+    g = later.log_decay
+    if earlier.log_decay is None:
+        total = g
+    else:
+        total = earlier.log_decay if g is None else earlier.log_decay + g
+    if earlier.ref is None:
+        carried = earlier.kv if g is None else earlier.kv * g.exp()[..., None]
+        return Summary(carried + later.kv, total, None)
+    decayed = earlier.ref if g is None else earlier.ref + g.detach()
+    with torch.no_grad():
+        r = torch.maximum(decayed, later.ref)
+    a = _exp_ratio(earlier.ref if g is None else earlier.ref + g, r)  # g carries the gradient
+    kv = earlier.kv * a[..., None] + later.kv * _exp_ratio(later.ref, r)[..., None]
+    return Summary(kv, total, r)
+
+
+def _check_summary(s: Summary, name: str, dim: int | None):
+    if not isinstance(s, Summary):
+        raise TypeError(f"{name} must be a Summary, got {type(s).__name__}")
+    if not torch.is_tensor(s.kv) or s.kv.ndim < 2:
+        raise TypeError(f"{name}.kv must be a tensor of at least 2 dimensions (…, d, e)")
+    for field in ("log_decay", "ref"):
+        t = getattr(s, field)
+        if t is not None and (not torch.is_tensor(t) or t.ndim != s.kv.ndim - 1):
+            raise ValueError(f"{name}.{field} must be a tensor of kv's dimensions less the last (…, d), "
+                             f"got {getattr(t, 'shape', type(t))}")
+    if dim is not None and not 0 <= dim < s.kv.ndim - 2:
+        raise ValueError(f"dim must index a span axis before kv's last two, got {dim} for kv of {s.kv.ndim} dims")
+
+
+def _select(s: Summary, index, dim):
+    return Summary(*(None if t is None else t.select(dim, index) for t in s))
+
+
+def sequential_scan(summaries: Summary, initial: Optional[Summary] = None, dim: int = 0):
+    """The naive judge: ``combine`` folded over the spans along ``dim``, one at a time.
+
+    Returns (before, final): ``before`` stacks the summary of everything before each span
+    (``initial`` included; its log_decay is the total decay before the span), ``final``
+    that of everything."""
+    _check_summary(summaries, "summaries", dim)
+    c = summaries.kv.shape[dim]
+    acc = initial if initial is not None else _identity(summaries, dim)
+    befores = []
+    for i in range(c):
+        befores.append(acc)
+        acc = combine(acc, _select(summaries, i, dim))
+    before = Summary(*(None if befores[0][f] is None else torch.stack(
+        [torch.broadcast_to(b[f], befores[-1][f].shape) for b in befores], dim=dim) for f in range(3)))
+    return before, acc
+
+
+def _identity(summaries: Summary, dim: int) -> Summary:
+    like = _select(summaries, 0, dim)
+    kv = torch.zeros_like(like.kv)
+    g = None if like.log_decay is None else torch.zeros_like(like.log_decay)
+    ref = None if like.ref is None else torch.full_like(like.ref, NEG_INF)
+    return Summary(kv, g, ref)
+
+
+def scan(summaries: Summary, initial: Optional[Summary] = None, dim: int = 0, drops: bool = True):
+    """``sequential_scan`` in O(log c) batched operations (see the module docstring).
+
+    Args:
+        summaries: one Summary per span along ``dim``.
+        initial: the summary of what came before the first span (None: nothing).
+        dim: the span axis (counted from the front; before kv's last two).
+        drops: whether some log_decay may be -inf (a span dropping the state before it).
+            False lets the references take their O(1) form; with it a -inf is taken as a
+            decay of -1e4 per span by the references (the states stay exact, but a dropped
+            state more than 1e4 above the span's keys would underflow them).
+    Returns:
+        (before, final) as ``sequential_scan``; ``before.log_decay`` is None (not formed).
+    """
+    _check_summary(summaries, "summaries", dim)
+    if initial is not None:
+        _check_summary(initial, "initial", None)
+        if (initial.ref is None) != (summaries.ref is None):
+            raise ValueError("initial must have a ref exactly when the summaries do")
+    kv, g, m = summaries
+    start = None if initial is None else initial.kv
+    total = None
+    if g is not None:
+        total = g.sum(dim)
+        if initial is not None and initial.log_decay is not None:
+            total = total + initial.log_decay
+    elif initial is not None:
+        total = initial.log_decay
+    if m is None:
+        a = None if g is None else g.exp().unsqueeze(-1)
+        before, final = linear_scan(a, kv, start, dim)
+        return Summary(before, None, None), Summary(final, total, None)
+    r_start = None if initial is None else initial.ref
+    r_prev, r = references(m, g, r_start, dim, drops)
+    a, scale = linear_terms(g, m, r_prev, r)
+    before, final = linear_scan(a.unsqueeze(-1), kv * scale.unsqueeze(-1), start, dim)
+    return Summary(before, None, r_prev), Summary(final, total, r.select(dim, -1))
+
+
+def linear_terms(log_decay, m, r_prev, r):
+    """Step 2 of the module docstring: (a, scale) with a_c = exp(r_{c-1} + g_c - r_c) (given
+    features: exp(g_c); None without decay) and scale_c = exp(m_c - r_c) (None for given
+    features), so that S_c = a_c S_{c-1} + scale_c kv_c. The gradient reaches g through a."""
+    if m is None:
+        return (None if log_decay is None else log_decay.exp()), None
+    a = _exp_ratio(r_prev if log_decay is None else r_prev + log_decay, r)
+    return a, _exp_ratio(m, r)
+
+
+def references(m, log_decay, start, dim, drops=True):
+    """(r_prev, r) along ``dim``: r_c = max(r_{c-1} + g_c, m_c), r_prev_c = r_{c-1} (``start``
+    or -inf before the first). No gradient. m: (…, c, d); log_decay: (…, c, 1 or d) or None;
+    start: (…, d) or None."""
+    with torch.no_grad():
+        m = m.detach()
+        if start is None:
+            start = torch.full_like(m.select(dim, 0), NEG_INF)
+        start = torch.broadcast_to(start.detach(), m.select(dim, 0).shape).unsqueeze(dim)
+        if log_decay is None:
+            r = torch.cat((start, m), dim=dim).cummax(dim=dim).values.narrow(dim, 1, m.shape[dim])
+        elif not drops:
+            # T's rounding and the clamp (a decay of exp(-1e4) per span is a complete reset)
+            # change nothing but where the largest factor lies
+            T = torch.broadcast_to(log_decay.detach().clamp(min=-1e4).cumsum(dim=dim), m.shape)
+            rel = torch.cat((start, m - T), dim=dim).cummax(dim=dim).values.narrow(dim, 1, m.shape[dim])
+            r = T + rel
+        else:
+            r, _ = _scan(MAX_PLUS, log_decay.detach(), m, start.squeeze(dim), dim)
+        r_prev = torch.cat((start, r.narrow(dim, 0, m.shape[dim] - 1)), dim=dim)
+    return r_prev, r
+
+
+# ------------------------------------------------------------------ the semiring scan
+
+
+class _Semiring(NamedTuple):
+    times: object  # a1 ⊗ a2
+    fma: object  # x ⊕ a ⊗ s
+    one: float
+    zero: float
+
+
+LINEAR = _Semiring(torch.mul, lambda x, a, s: torch.addcmul(x, a, s), 1.0, 0.0)
+MAX_PLUS = _Semiring(torch.add, lambda x, a, s: torch.maximum(x, a + s), 0.0, NEG_INF)
+
+
+def _pad_end(t, dim, value):
+    pad = [0, 0] * (t.ndim - 1 - dim) + [0, 1]
+    return torch.nn.functional.pad(t, pad, value=value)
+
+
+def _interleave(even, odd, dim):
+    """(…, p, …) twice -> (…, 2p, …) with even[i] at 2i and odd[i] at 2i + 1."""
+    return torch.stack((even, odd), dim=dim + 1).flatten(dim, dim + 1)
+
+
+def _scan(sr, a, x, initial, dim, reverse=False, exclusive=False):
+    """S_j = x_j ⊕ a_j ⊗ S_{j-1} (``reverse``: S_{j+1}), starting from ``initial`` (x's shape
+    without ``dim``; broadcasting allowed). a broadcasts against x and has x's size along
+    ``dim``. Returns (S, last): S inclusive, or with ``exclusive`` the state before each
+    element; last the state after all of them."""
+    c = x.shape[dim]
+    init = initial.unsqueeze(dim)
+    if c == 1:
+        last = sr.fma(x, a, init)
+        return (init.expand_as(last).clone() if exclusive else last), last.squeeze(dim)
+    odd = c % 2
+    if odd:  # the identity at the end (processed last forwards, first backwards)
+        a, x = _pad_end(a, dim, sr.one), _pad_end(x, dim, sr.zero)
+    pa, px = a.unflatten(dim, (-1, 2)), x.unflatten(dim, (-1, 2))
+    first, second = (1, 0) if reverse else (0, 1)  # the order in which a pair is applied
+    a0, a1 = pa.select(dim + 1, first), pa.select(dim + 1, second)
+    x0, x1 = px.select(dim + 1, first), px.select(dim + 1, second)
+    pair_a = sr.times(a1, a0)
+    pair_x = sr.fma(x1, a1, x0)
+    after, last = _scan(sr, pair_a, pair_x, initial, dim, reverse)  # the state after each pair
+    p = after.shape[dim]
+    if reverse:
+        before = torch.cat((after.narrow(dim, 1, p - 1), init.expand_as(after.narrow(dim, 0, 1))), dim=dim)
+    else:
+        before = torch.cat((init.expand_as(after.narrow(dim, 0, 1)), after.narrow(dim, 0, p - 1)), dim=dim)
+    mid = sr.fma(x0, a0, before)  # the state after the pair's first element
+    if exclusive:
+        seq = (mid, before) if reverse else (before, mid)
+    else:
+        seq = (after, mid) if reverse else (mid, after)
+    out = _interleave(*seq, dim)
+    return (out.narrow(dim, 0, c) if odd else out), last
+
+
+def _shift_coefficients(a, c, dim):
+    """b_j = a_{j+1} (b_{c-1} = a_{c-1}, unused: it multiplies the zero start of the reverse scan)."""
+    a = a.expand(*a.shape[:dim], c, *a.shape[dim + 1:]) if a.shape[dim] != c else a
+    return torch.cat((a.narrow(dim, 1, c - 1), a.narrow(dim, c - 1, 1)), dim=dim)
+
+
+class _LinearScan(torch.autograd.Function):
+    """(a, x, initial) -> (states before each element, state after the last) of
+    S_c = a_c S_{c-1} + x_c. Backward is the reverse scan of the module docstring."""
+
+    @staticmethod
+    def forward(ctx, a, x, initial, dim):
+        before, last = _scan(LINEAR, a, x, initial, dim, exclusive=True)
+        ctx.dim = dim
+        ctx.save_for_backward(a, before)
+        return before, last
+
+    @staticmethod
+    def backward(ctx, grad_before, grad_last):
+        a, before = ctx.saved_tensors
+        dim = ctx.dim
+        c = before.shape[dim]
+        # dL/dS_j from outside: S_j is before[j + 1] for j < c - 1, and the last state
+        direct = torch.cat((grad_before.narrow(dim, 1, c - 1), grad_last.unsqueeze(dim)), dim=dim)
+        lam, _ = _scan(LINEAR, _shift_coefficients(a, c, dim), direct, torch.zeros_like(grad_last), dim,
+                       reverse=True)
+        grad_a = (lam * before).sum_to_size(a.shape) if ctx.needs_input_grad[0] else None
+        grad_initial = None
+        if ctx.needs_input_grad[2]:
+            grad_initial = grad_before.select(dim, 0) + (a.narrow(dim, 0, 1) * lam.narrow(dim, 0, 1)).squeeze(dim)
+        return grad_a, lam, grad_initial, None
+
+
+def linear_scan(a, x, initial=None, dim=0):
+    """States of S_c = a_c S_{c-1} + x_c along ``dim`` (O(log c) operations, backward a
+    reverse scan). x: (…, c, …); a: broadcastable to x with size c along ``dim`` (None: a = 1,
+    an exclusive cumulative sum); initial: the state before the first (x's shape without
+    ``dim``), None for zeros. Returns (before (…, c, …): the state before each element,
+    last: the state after all)."""
+    if a is not None and a.ndim != x.ndim:
+        raise ValueError(f"a must have x's number of dimensions ({x.ndim}), got {a.ndim}")
+    if not 0 <= dim < x.ndim:
+        raise ValueError(f"dim must index x's dimensions, got {dim}")
+    c = x.shape[dim]
+    if c == 0:
+        raise ValueError("x must hold at least one element along dim")
+    shape = x.select(dim, 0).shape
+    if initial is None:
+        initial = torch.zeros(shape, dtype=x.dtype, device=x.device)
+    else:
+        initial = torch.broadcast_to(initial, shape)
+    if a is None:
+        inclusive = x.cumsum(dim) + initial.unsqueeze(dim)
+        before = torch.cat((initial.unsqueeze(dim), inclusive.narrow(dim, 0, c - 1)), dim=dim)
+        return before, inclusive.select(dim, c - 1)
+    if a.shape[dim] != c:
+        raise ValueError(f"a must have x's size {c} along dim, got {a.shape[dim]}")
+    return _LinearScan.apply(a, x, initial, dim)
+
+
+def sequential_linear_scan(a, x, initial=None, dim=0):
+    """``linear_scan`` as a loop over the elements (the naive judge; also the kernel's CPU
+    form, where it is faster)."""
+    shape = x.select(dim, 0).shape
+    state = torch.zeros(shape, dtype=x.dtype, device=x.device) if initial is None else torch.broadcast_to(initial,
+                                                                                                         shape)
+    # (unbind once: indexing element c inside the loop would cost a full-size zero gradient
+    # per element in backward, quadratic in their number)
+    coefficients = [None] * x.shape[dim] if a is None else a.unbind(dim)
+    before = []
+    for x_c, a_c in zip(x.unbind(dim), coefficients):
+        before.append(state)
+        state = x_c + (state if a_c is None else state * a_c)
+    return torch.stack(before, dim=dim), state
