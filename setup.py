@@ -4,7 +4,7 @@ EXAMPLES_EXTRA = ["tqdm>=4.60", "matplotlib>=3.5"]
 
 setup(
     name="linear-attention-transformer",
-    version="0.1.0",
+    version="0.2.0",
     description="Linear attention transformers: exact causal linear attention, local heads, gating, cached decoding",
     long_description=open("README.md", encoding="utf-8").read(),
     long_description_content_type="text/markdown",

@@ -1,0 +1,138 @@
+"""The documentation's code runs: every ```python block of README.md, docs/**/*.md and the
+examples' and benchmarks' READMEs is executed here, so a block that no longer works fails the
+suite.
+
+Convention. Each Markdown file runs in a fresh namespace of its own; its blocks run in the
+order they appear, sharing that namespace, so a later block may use what an earlier block of
+the same file defined (a file reads top to bottom, and so does its test). Blocks are written
+at CPU sizes that run in a second or two; there is no marker that shrinks sizes, so the sizes
+a reader sees are the sizes that ran. A block that raises fails the test of its file, and the
+traceback points at the Markdown file and line. ```bash blocks (and any other language) are
+not executed. The blocks run with one intra-op thread (torch.manual_seed(0) before each file).
+
+Besides running the blocks: the README stays short and keeps the two commands CI and users
+copy, relative links in the docs point at files that exist, user-facing text names projects
+rather than "seed 000", every public name has a docstring, and the changelog leads with the
+version setup.py declares.
+"""
+
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+import linear_attention_transformer
+
+# the blocks build many small models: intra-op threads only wait for each other on a busy machine
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+ROOT = Path(__file__).resolve().parent.parent
+DOC_FILES = sorted(
+    [ROOT / "README.md", ROOT / "examples" / "README.md", ROOT / "benchmarks" / "README.md"]
+    + list((ROOT / "docs").rglob("*.md"))
+)
+FENCE = re.compile(r"^```(\w*)[^\n]*\n(.*?)^```[ \t]*$", re.MULTILINE | re.DOTALL)
+
+
+def python_blocks(path):
+    """[(first line number of the code, code)] of the ```python blocks of a Markdown file."""
+    text = path.read_text(encoding="utf-8")
+    blocks = []
+    for match in FENCE.finditer(text):
+        if match.group(1) == "python":
+            first_line = text.count("\n", 0, match.start(2)) + 1
+            blocks.append((first_line, match.group(2)))
+    return blocks
+
+
+def run_blocks(path):
+    """Execute the file's python blocks in order in one fresh namespace; returns how many ran."""
+    namespace = {"__name__": f"doc:{path.name}"}
+    torch.manual_seed(0)
+    blocks = python_blocks(path)
+    for first_line, code in blocks:
+        # pad so that a traceback's line numbers are the Markdown file's own
+        compiled = compile("\n" * (first_line - 1) + code, str(path), "exec")
+        exec(compiled, namespace)
+    return len(blocks)
+
+
+def test_fence_parser_finds_python_blocks_and_their_lines(tmp_path):
+    doc = tmp_path / "doc.md"
+    doc.write_text("text\n```python\nx = 1\n```\n\n```bash\nls\n```\n```python\ny = x + 1\nassert y == 2\n```\n")
+    assert python_blocks(doc) == [(3, "x = 1\n"), (10, "y = x + 1\nassert y == 2\n")]
+    assert run_blocks(doc) == 2
+
+
+def test_a_raising_block_fails_and_names_its_line(tmp_path):
+    doc = tmp_path / "doc.md"
+    doc.write_text("```python\na = 1\n```\n\n```python\n\nraise ValueError('from the doc')\n```\n")
+    with pytest.raises(ValueError, match="from the doc") as caught:
+        run_blocks(doc)
+    lines = [entry.lineno + 1 for entry in caught.traceback if str(entry.path) == str(doc)]
+    assert lines == [7]
+
+
+@pytest.mark.parametrize("path", DOC_FILES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_python_blocks_run(path):
+    run_blocks(path)
+
+
+def test_the_docs_hold_the_blocks_they_are_meant_to():
+    counts = {str(p.relative_to(ROOT)): len(python_blocks(p)) for p in DOC_FILES}
+    # the LM, the transformer, encoder / decoder, images, Linformer, training and generation
+    assert counts["README.md"] >= 6, counts
+    pages = [name for name in counts if name.startswith("docs/")]
+    assert len(pages) >= 10, pages
+    assert sum(counts[name] for name in pages) >= 20, counts
+
+
+def test_readme_is_short_and_keeps_the_commands():
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    assert len(readme) <= 10_000, len(readme)
+    # .ci/run runs exactly this line; users copy the other
+    assert "\npython -m pytest -q tests\n" in readme
+    assert "\npython examples/train_enwik8.py" in readme
+    ci = (ROOT / ".ci" / "run").read_text(encoding="utf-8")
+    assert "python -m pytest -q tests" in ci
+
+
+LINK = re.compile(r"\]\(([^)#\s]+)(?:#[^)]*)?\)")
+
+
+@pytest.mark.parametrize("path", DOC_FILES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_relative_links_point_at_files(path):
+    text = path.read_text(encoding="utf-8")
+    missing = [
+        target for target in LINK.findall(text)
+        if "://" not in target and not target.startswith("mailto:") and not (path.parent / target).exists()
+    ]
+    assert not missing, missing
+
+
+SEED_WORDS = re.compile(r"\bseeds? 00\d", re.IGNORECASE)
+
+
+@pytest.mark.parametrize(
+    "path", [ROOT / "README.md", ROOT / "examples" / "README.md", *sorted((ROOT / "docs").rglob("*.md"))],
+    ids=lambda p: str(p.relative_to(ROOT)),
+)
+def test_user_facing_text_names_projects_not_seed_numbers(path):
+    lines = [line for line in path.read_text(encoding="utf-8").splitlines() if SEED_WORDS.search(line)]
+    assert not lines, lines
+
+
+@pytest.mark.parametrize("name", linear_attention_transformer.__all__)
+def test_every_public_name_has_a_docstring(name):
+    obj = getattr(linear_attention_transformer, name)
+    doc = obj.__doc__ or ""
+    assert len(doc.strip()) >= 20, f"{name} has no docstring"
+
+
+def test_changelog_leads_with_the_version_in_setup_py():
+    setup = (ROOT / "setup.py").read_text(encoding="utf-8")
+    version = re.search(r'version="([^"]+)"', setup).group(1)
+    changelog = (ROOT / "CHANGELOG.md").read_text(encoding="utf-8")
+    headings = re.findall(r"^## \[?(\d+\.\d+\.\d+)\]? - \d{4}-\d{2}-\d{2}$", changelog, re.MULTILINE)
+    assert headings and headings[0] == version, (headings, version)
