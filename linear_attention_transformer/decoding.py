@@ -9,29 +9,36 @@ overhead is nearly all of its time.
 
 ``Decoder`` is the lean form for the common loop (``AutoregressiveWrapper.generate``): it is
 primed once from the general form's cache, then ``step(tokens)`` feeds one token per row and
-returns the next logits. It keeps its state in its own buffers and updates them in place (a
-decoder is one running sequence: there is nothing to branch from), checks its arguments
-once, and runs each layer as a short fixed list of tensor operations:
+returns the next logits. It keeps its state in buffers of fixed shape, allocated when it is
+built and updated in place (a decoder is one running sequence: there is nothing to branch
+from), and runs each layer as a short fixed list of tensor operations:
 
+* the position is a tensor on the model's device, advanced in place. Nothing a step does
+  depends on a Python value that changes from step to step: every choice that follows from
+  the position (which ring slot to write, which slots the window sees, whether a blindspot
+  block is complete) is a tensor operation. So a step reads nothing back to the host (no
+  sync: ``tests/test_decoding.py`` counts them with a dispatch mode), allocates nothing that
+  lasts, and ``torch.compile(decoder.step, fullgraph=True)`` traces it into one graph that
+  is reused at every position (no recompile), which ``mode="reduce-overhead"`` can capture
+  as a CUDA graph (the buffers are marked as static addresses);
 * attention: one matmul projects the token to every head's q, k and v at once, and to the
   gates' inputs (the projection weights concatenated once, when the decoder is built: the
   model's parameters and state_dict are untouched);
 * local heads: keys and values go to a ring buffer of the window's size (slot = position
-  mod size), so no step concatenates or slices the past; which slots the query sees is a
-  0 / -inf bias shared by every layer; scores and readouts are products and sums, not
+  mod size, written with ``index_copy_``), so no step concatenates or slices the past; the
+  ring also keeps each slot's position per row (padding of the prompt: a position no window
+  reaches), and the query sees the slots whose position lies in its window: a 0 / -inf bias
+  shared by every layer with that window; scores and readouts are products and sums, not
   batched matmuls (those of such tiny shapes run on every thread, and on a busy machine
   waiting for the other threads costs milliseconds per call);
 * global heads: the recurrence of ``ops/linear_attention.py`` (``causal_linear_attention_step``,
   its reference, with the same per-feature references for exponential features, so the
-  step stays exact at any logit size) written as few operations (``global_step``); with a
-  blindspot and no forget gate, a step only writes its key and value to a buffer of the
-  block and reads the state, and the whole block joins the state when it is complete
-  (``block_sum``: the keys of the block at once, relative to their maximum);
-* the window's bias (once the prompt's padding has left the window) and the global heads'
-  "has every row seen a key yet" follow from the position alone, so the common step reads
-  the bias from a table and carries no guard for the first tokens;
-* feed-forward, norms, token shift, position embedding (looked up from a table built for
-  a stretch of positions at a time): plain functional calls, no module dispatch.
+  step stays exact at any logit size) written in place on the state (``GlobalHeads``); with
+  a blindspot, the keys of the current block gather in ``pending`` and join the state when
+  the block is complete: every step does the join, scaled by a flag that is 1 at the
+  block's last position and 0 elsewhere (0 leaves the state bit for bit as it was);
+* feed-forward, norms, token shift, position embedding (the model's own module on the
+  position tensor): plain functional calls.
 
 Every step equals the general form to rounding (tests/test_decoding.py, float64 against the
 full forward). A model with a layer this file does not know (``attend_axially``) gets
@@ -40,21 +47,26 @@ full forward). A model with a layer this file does not know (``attend_axially``)
 
 from __future__ import annotations
 
+from numbers import Integral
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from .attention import Attention
 from .feedforward import FeedForward
-from .ops.linear_attention import _complete_block, _divide, _exp_ratio
 from .positional import apply_rotary
 from .reversible import ReversibleSequence
 
-__all__ = ["Decoder", "CacheDecoder", "start_decoding"]
+__all__ = ["Decoder", "CacheDecoder", "GlobalHeads", "start_decoding"]
 
 NEG_INF = float("-inf")
-# position embeddings (and rotary angles) are looked up from tables of this many positions
-POSITION_TABLE = 256
+# the position of a ring slot that holds no key (before the prompt, or its padding): below
+# the start of every window
+NO_KEY = -(2 ** 62)
+# a decoder keeps the position embeddings of every position when they are at most this many numbers
+POSITION_TABLE_ELEMENTS = 2 ** 23
+_INTEGER_DTYPES = (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64)
 
 
 def start_decoding(model, x, input_mask=None, context=None, context_mask=None):
@@ -64,9 +76,12 @@ def start_decoding(model, x, input_mask=None, context=None, context_mask=None):
     with torch.inference_mode():
         out, cache = model._body(x, input_mask, context, context_mask, None, True)
         logits = model._output(out[:, -1])
-        if Decoder.supports(model):
-            return logits, Decoder(model, cache, x.shape[0], input_mask)
-    return logits, CacheDecoder(model, cache)
+        if not Decoder.supports(model):
+            return logits, CacheDecoder(model, cache)
+    # built outside inference mode: its buffers are then ordinary tensors, which a step may
+    # update in place with or without inference mode (and under torch.compile)
+    with torch.no_grad():
+        return logits.clone(), Decoder(model, cache, x.shape[0], input_mask)
 
 
 class CacheDecoder:
@@ -86,6 +101,14 @@ class CacheDecoder:
         return logits[:, -1]
 
 
+def _check_step_tokens(tokens, batch):
+    if not torch.is_tensor(tokens) or tokens.dtype not in _INTEGER_DTYPES:
+        what = tokens.dtype if torch.is_tensor(tokens) else type(tokens).__name__
+        raise TypeError(f"tokens must be an integer tensor of token ids, got {what}")
+    if tuple(tokens.shape) != (batch,):
+        raise ValueError(f"tokens must have shape ({batch},): one token per row, got {tuple(tokens.shape)}")
+
+
 class Decoder:
     """One running sequence per row, one token per row per step, state updated in place.
 
@@ -93,8 +116,15 @@ class Decoder:
     the model and the ``DecodingCache`` of its prompt. The projection weights are copied
     (concatenated) when it is built: parameters changed afterwards are not seen.
 
-    ``step(tokens (b,) long) -> logits (b, num_tokens)`` for the token after them.
-    ``position``: tokens consumed so far (prompt included).
+    ``step(tokens (b,) integer) -> logits (b, num_tokens)`` for the token after them. It makes
+    no host sync and keeps every buffer at its shape, so that
+    ``torch.compile(decoder.step, fullgraph=True)`` gives one graph for every position
+    (``mode="reduce-overhead"``: a CUDA graph). Run eagerly it checks ``max_seq_len`` against a
+    count kept on the host; compiled, on the device (``torch._assert_async``).
+
+    ``position``: tokens consumed so far (prompt included), an int. After compiled steps it is
+    read back from the device once (a sync: read it between steps, not inside a loop that
+    must not wait).
     """
 
     @staticmethod
@@ -105,24 +135,40 @@ class Decoder:
 
     def __init__(self, model, cache, batch, input_mask=None):
         transformer = model.transformer
-        self.position, self.batch = cache.position, batch
+        self.batch = batch
         # the latest first real token over the rows (prompts are padded on the left)
         self.first_real = 0
-        if input_mask is not None:  # (a row without any: its first generated token)
+        if input_mask is not None:  # (a row without any: its first generated token; built once: a sync is fine)
             first = torch.where(input_mask.any(dim=1), input_mask.int().argmax(dim=1), input_mask.shape[1])
             self.first_real = int(first.max())
         self.reversible = isinstance(transformer.layers, ReversibleSequence)
         self.max_seq_len = model.max_seq_len
-        self.device = model.token_emb.weight.device
-        # the windows of the local heads: one ring of slots per distinct window, shared by
-        # every layer that has it (the slots' positions and real-token flags)
-        self.rings = {}
+        self.device = device = model.token_emb.weight.device
+        # the position: on the device for the step, and on the host for eager steps' check
+        self._position = torch.tensor(cache.position, dtype=torch.long, device=device)
+        self._host_position = cache.position
+        # what follows from the position, computed once per step for every layer that needs it:
+        # the local windows' rings (one per distinct window) and the blindspots' join flags
+        self.rings, self.windows = [], []  # the rings and their windows, in the same order
+        self.joins = []  # (blindspot_size, dtype, exp_features, 0, -inf in that dtype)
         self.rotary = transformer.rotary
         self.blocks = [
             (self._branch(f, f_cache), self._branch(g, g_cache))
             for (f, g), (f_cache, g_cache) in zip(transformer.layers.blocks, cache.layers)
         ]
-        self.embedding = _PositionTables(model, self.device)
+        self.embedding = _Embedding(model, device)
+        for buffer in self.buffers():  # CUDA graphs: the buffers keep their addresses
+            torch._dynamo.mark_static_address(buffer)
+
+    def buffers(self):
+        """Every tensor the steps update in place (their shapes never change)."""
+        found = [self._position]
+        for ring in self.rings:
+            found.append(ring.positions)
+        for pair in self.blocks:
+            for branch in pair:
+                found.extend(branch.buffers())
+        return found
 
     def _branch(self, branch, cache):
         fn = branch.fn
@@ -136,6 +182,14 @@ class Decoder:
             step = _ModuleStep(fn)
         return _BranchStep(branch, cache.shift, step)
 
+    def ring(self, window, cache):
+        """The index of the shared slot bookkeeping of ``window`` (created from the first
+        layer's cache) in the step's list of (slot, bias)."""
+        if window not in self.windows:
+            self.windows.append(window)
+            self.rings.append(_Ring(window, cache, self.batch, self.device))
+        return self.windows.index(window)
+
     def seen_from(self, blindspot_size):
         """The position from which every row's query sees a key of the global heads: the
         block after each row's first real token (with ``blindspot_size`` 1, its own key)."""
@@ -143,27 +197,58 @@ class Decoder:
             return 0
         return (self.first_real // blindspot_size + 1) * blindspot_size
 
-    def ring(self, window, cache):
-        """The shared slot bookkeeping of ``window``, created from the first layer's cache."""
-        ring = self.rings.get(window)
-        if ring is None:
-            ring = self.rings[window] = _Ring(window, cache, self.batch, self.device)
-        return ring
+    def join(self, blindspot_size, dtype, exp_features):
+        """The index of a blindspot's join flags (``_join_flags``) in the step's list."""
+        for i, (size, dt, exp, _, _) in enumerate(self.joins):
+            if (size, dt, exp) == (blindspot_size, dtype, exp_features):
+                return i
+        zero = torch.zeros((), dtype=dtype, device=self.device)
+        self.joins.append((blindspot_size, dtype, exp_features, zero, torch.full_like(zero, NEG_INF)))
+        return len(self.joins) - 1
+
+    @property
+    def position(self):
+        if self._host_position is None:  # compiled steps ran: read the device's count once
+            self._host_position = int(self._position)
+        return self._host_position
 
     def step(self, tokens):
-        if torch.is_inference_mode_enabled():  # (generate runs in it: no context to enter)
-            return self._step(tokens)
-        with torch.inference_mode():
-            return self._step(tokens)
-
-    def _step(self, tokens):
+        _check_step_tokens(tokens, self.batch)
+        if torch.compiler.is_compiling():
+            # no host count under compile (a Python int that changes would recompile): the
+            # device checks, and an eager step after this reads the position back
+            self._host_position = None
+            torch._assert_async(self._position < self.max_seq_len,
+                                "decoder step past max_seq_len: sequence length exceeds max_seq_len")
+            with torch.no_grad():
+                return self._advance(tokens)
         p = self.position
         if p >= self.max_seq_len:
             raise ValueError(f"sequence length {p + 1} exceeds max_seq_len={self.max_seq_len}")
-        for ring in self.rings.values():
-            ring.advance(p)
-        ctx = _StepContext(p, self.rotary_at(p))
-        x = self.embedding(tokens, p)
+        if torch.is_inference_mode_enabled():  # (generate runs in it: no context to enter)
+            out = self._advance(tokens, p)
+        else:
+            with torch.inference_mode():
+                out = self._advance(tokens, p)
+        self._host_position = p + 1
+        return out
+
+    def _advance(self, tokens, host_position=None):
+        """One step on tensors only: nothing here reads a value back. Only ``host_position``
+        (eager steps: the position as the host counts it, equal to the device's) is a Python
+        number. It spares eager steps work that a compiled step does as tensor operations (and
+        fuses): a blindspot's join on the steps that do not complete a block (the join's flags
+        would make it a no-op), the ring's slot arithmetic, and the position embedding's
+        lookup (a view of the table)."""
+        p = self._position
+        windows = [ring.advance(p, host_position) for ring in self.rings]
+        if host_position is None:
+            joins = [_join_flags(p, *join) for join in self.joins]
+        else:
+            joins = [_joining(*join) if (host_position + 1) % join[0] == 0 else None for join in self.joins]
+        rotary = None if self.rotary is None else self.rotary(p[None])
+        ctx = _StepContext(windows, joins, rotary, host_position)
+        x = self.embedding(tokens, p, host_position)
         if self.reversible:
             x1 = x2 = x
             for f, g in self.blocks:
@@ -175,60 +260,67 @@ class Decoder:
             for f, g in self.blocks:
                 x = x + f(x, ctx)
                 x = x + g(x, ctx)
-        self.position = p + 1
+        p.add_(1)
         return self.embedding.logits(x)
-
-    def rotary_at(self, p):
-        if self.rotary is None:
-            return None
-        return self.embedding.rotary(self.rotary, p)
 
 
 class _StepContext:
-    __slots__ = ("position", "rotary")
+    """What one step's layers share: per ring its (slot (1,), bias (b, 1, slots)), per
+    blindspot its join flags (lists, indexed as ``Decoder.rings`` / ``Decoder.joins``), and
+    the rotary (cos, sin) of the position; and the position as an int on eager steps, else
+    None."""
 
-    def __init__(self, position, rotary):
-        self.position, self.rotary = position, rotary
+    __slots__ = ("windows", "joins", "rotary", "host_position")
+
+    def __init__(self, windows, joins, rotary, host_position):
+        self.windows, self.joins, self.rotary, self.host_position = windows, joins, rotary, host_position
 
 
-class _PositionTables:
+def _join_flags(p, blindspot_size, dtype, exp_features, zero, hidden):
+    """Whether the token at position p completes its blindspot block, as the factors the join
+    uses: (flag, 1 - flag) with given features, (log flag, log(1 - flag)) (0 or -inf) with
+    exponential ones; ``zero`` and ``hidden`` are 0 and -inf in ``dtype``."""
+    joining = torch.remainder(p + 1, blindspot_size) == 0
+    if exp_features:
+        return torch.where(joining, zero, hidden), torch.where(joining, hidden, zero)
+    flag = joining.to(dtype)
+    return flag, 1 - flag
+
+
+def _joining(blindspot_size, dtype, exp_features, zero, hidden):
+    """The flags of ``_join_flags`` at a position that completes its block."""
+    return (zero, hidden) if exp_features else (1 - zero, zero)
+
+
+class _Embedding:
     """Token and position embeddings in, logits out, for one position at a time.
 
-    Position embeddings (and rotary angles) are computed by the model's own modules for
-    ``POSITION_TABLE`` positions at a time and read row by row: the same numbers as the
-    general form, without a module call per step."""
+    The position embeddings of every position are computed once by the model's own module
+    (the general form's numbers) when the table has at most ``POSITION_TABLE_ELEMENTS``
+    entries; a longer one is not kept, and each step calls the module on its position."""
 
     def __init__(self, model, device):
-        self.max_seq_len = model.max_seq_len
         self.token = model.token_emb.weight
         self.pos_emb = model.pos_emb
+        self.table = None
+        if self.pos_emb is not None and model.max_seq_len * self.token.shape[1] <= POSITION_TABLE_ELEMENTS:
+            positions = torch.arange(model.max_seq_len, device=device)
+            self.table = self.pos_emb(positions).to(self.token.dtype)
         self.project_in = None if isinstance(model.project_in, nn.Identity) else model.project_in
         self.norm = model.norm
         self.project_out = None if isinstance(model.project_out, nn.Identity) else model.project_out
         self.to_logits = model.to_logits
-        self.device = device
-        self.start = self.table = None
-        self.rotary_start = self.rotary_table = None
 
-    def _positions(self, p):
-        stop = min(p + POSITION_TABLE, self.max_seq_len)
-        return torch.arange(p, stop, device=self.device)
-
-    def __call__(self, tokens, p):
+    def __call__(self, tokens, p, host_position=None):
         h = F.embedding(tokens, self.token)
-        if self.pos_emb is not None:
-            if self.start is None or not 0 <= p - self.start < self.table.shape[0]:
-                self.start, self.table = p, self.pos_emb(self._positions(p)).to(h.dtype)
-            h = h + self.table[p - self.start]
+        if self.table is not None:
+            # (a tensor index is an embedding lookup: indexing with it would read it back)
+            h = h + (F.embedding(p, self.table) if host_position is None else self.table[host_position])
+        elif self.pos_emb is not None:
+            h = h + self.pos_emb(p[None]).to(h.dtype)
         if self.project_in is not None:
             h = F.linear(h, self.project_in.weight, self.project_in.bias)
         return h
-
-    def rotary(self, rotary, p):
-        if self.rotary_start is None or not 0 <= p - self.rotary_start < self.rotary_table[0].shape[0]:
-            self.rotary_start, self.rotary_table = p, rotary(self._positions(p))
-        i = p - self.rotary_start
-        return self.rotary_table[0][i], self.rotary_table[1][i]
 
     def logits(self, x):
         norm = self.norm
@@ -247,23 +339,26 @@ class _BranchStep:
 
     def __init__(self, branch, previous, step):
         self.norm = branch.norm
-        self.shift_sizes = None
-        self.previous = previous
+        self.shift_sizes = self.previous = None
         if branch.shifts is not None:
             if tuple(branch.shifts) != (1, 0):
                 raise ValueError(f"a causal decoder shifts by (1, 0), got {branch.shifts}")
             dim = branch.norm.normalized_shape[0]
             self.shift_sizes = (dim // 2, dim - dim // 2)
+            self.previous = previous.clone()  # (b, dim), overwritten by every step
         self.step = step
+
+    def buffers(self):
+        return ([] if self.previous is None else [self.previous]) + self.step.buffers()
 
     def __call__(self, x, ctx):
         norm = self.norm
         h = F.layer_norm(x, norm.normalized_shape, norm.weight, norm.bias, norm.eps)
         if self.shift_sizes is not None:
             # slice 0 comes from the token before, slice 1 stays (token_shift.shift_tokens)
-            before = self.previous[:, : self.shift_sizes[0]]
-            self.previous = h
-            h = torch.cat((before, h[:, self.shift_sizes[0]:]), dim=-1)
+            shifted = torch.cat((self.previous[:, : self.shift_sizes[0]], h[:, self.shift_sizes[0]:]), dim=-1)
+            self.previous.copy_(h)
+            h = shifted
         return self.step(h, ctx)
 
 
@@ -273,6 +368,9 @@ class _FeedForwardStep:
     def __init__(self, ff):
         self.proj_in, self.proj_out = ff.proj_in, ff.proj_out
         self.glu, self.activation = ff.glu, ff.activation
+
+    def buffers(self):
+        return []
 
     def __call__(self, h, ctx):
         h = F.linear(h, self.proj_in.weight, self.proj_in.bias)
@@ -290,6 +388,9 @@ class _ModuleStep:
     def __init__(self, fn):
         self.fn = fn
 
+    def buffers(self):
+        return []
+
     def __call__(self, h, ctx):
         return self.fn(h[:, None])[:, 0]
 
@@ -302,59 +403,171 @@ class _ContextStep:
     def __init__(self, attn, cache):
         self.attn, self.cache = attn, cache
 
+    def buffers(self):
+        return []
+
     def __call__(self, h, ctx):
         return self.attn(h[:, None], cache=self.cache)[:, 0]
 
 
 class _Ring:
-    """Slots of a local window's ring buffer: key position p sits in slot p mod size.
+    """Slots of a local window's ring buffer: key position t sits in slot t mod size.
 
     ``size`` is the most keys a query can see ((look_backward + 1) * w, or look_backward * w
-    with ``exact``). Entering position p, ``bias`` (b or 1, 1, size) becomes 0 on the slots
-    its query sees and -inf on the others (``Window.visible``, and real tokens only).
-
-    While the ring may still hold the prompt's padding or positions before 0, the slots'
-    positions and real-token flags are kept and compared; from then on the pattern depends
-    on p mod size only, and is read from a table made once."""
+    with ``exact``). ``positions`` (b, size) holds each slot's key position per row (``NO_KEY``
+    for a slot without a real key). Entering position p (``advance``) writes p into its slot
+    and returns the slot and the bias (b, 1, size): 0 on the slots whose key the query sees
+    (``Window.visible``: a causal window of stored keys, all at positions <= p, sees those
+    from its first key on), -inf on the others."""
 
     def __init__(self, window, cache, batch, device):
         w, L = window.size, window.look_backward
+        if not window.causal:
+            raise ValueError("a decoder's local window must be causal")
         self.window = window
         self.size = size = L * w if window.exact else (L + 1) * w
-        dtype = cache.keys.dtype
-        self.positions = torch.full((size,), -size - 1, dtype=torch.long, device=device)
-        self.real = torch.zeros(batch, size, dtype=torch.bool, device=device)
-        self.slot = self.bias = None
+        self.dtype = dtype = cache.keys.dtype
+        self.positions = torch.full((batch, size), NO_KEY, dtype=torch.long, device=device)
         m = cache.keys.shape[2]
-        padded_until = -1  # the last position of the prompt's padding still in the cache
         if m:
-            slots = self.slots_of(cache.start, m)
-            self.positions[slots] = torch.arange(cache.start, cache.start + m, device=device)
-            self.real[:, slots] = cache.mask
-            padding = (~cache.mask).any(dim=0).nonzero()
-            if padding.numel():
-                padded_until = cache.start + int(padding[-1])
-        # from `steady` on every slot holds a real key at a position >= 0
-        self.steady = max(size, padded_until + size + 1)
+            keys = torch.arange(cache.start, cache.start + m, device=device)
+            self.positions[:, self.slots_of(cache.start, m)] = torch.where(cache.mask, keys, NO_KEY)
         self.zero = torch.zeros((), dtype=dtype, device=device)
-        self.hidden = torch.tensor(NEG_INF, dtype=dtype, device=device)
-        p = size + torch.arange(size, device=device)[:, None]  # one query per residue mod size
-        slot_positions = p - (p - torch.arange(size, device=device)) % size
-        self.table = torch.where(window.visible(p, slot_positions), self.zero, self.hidden)[:, None, None]
+        self.hidden = torch.full((), NEG_INF, dtype=dtype, device=device)
+        # from ``steady`` on every slot holds a real key at a position >= 0, and which slots a
+        # query sees depends on its slot alone: ``table`` (size, 1, 1, size) holds that bias
+        padded = (~cache.mask).any(dim=0).nonzero() if m else []
+        padded_until = cache.start + int(padded[-1]) if len(padded) else -1  # (built once: a sync is fine)
+        self.steady_from = max(size, padded_until + size + 1)
+        self.steady = torch.tensor(self.steady_from, device=device)
+        q = size + torch.arange(size, device=device)[:, None]  # one query per residue mod size
+        slot_positions = q - (q - torch.arange(size, device=device)) % size
+        self.table = torch.where(window.visible(q, slot_positions), self.zero, self.hidden)[:, None, None]
+        self.slot_index = torch.arange(size, device=device)[:, None]  # slot s as a (1,) index: slot_index[s]
 
     def slots_of(self, start, count):
         return torch.arange(start, start + count, device=self.positions.device) % self.size
 
-    def advance(self, p):
-        """Enter position p: its slot now holds a real key at p."""
-        self.slot = slot = p % self.size
-        if p >= self.steady:
-            self.bias = self.table[slot]
+    def advance(self, p, host_position=None):
+        """Enter position p (a long tensor of no dimension; ``host_position``: the same as an
+        int, or None): (slot (1,), bias (b or 1, 1, size))."""
+        w, L, exact = self.window.size, self.window.look_backward, self.window.exact
+        if host_position is not None:  # eager: the slot, and from steady on the bias, from the host
+            slot = self.slot_index[host_position % self.size]
+            if host_position >= self.steady_from:  # (the positions are not read again)
+                return slot, self.table[host_position % self.size]
+            first = host_position - (L * w - 1) if exact else (host_position // w - L) * w
+        else:
+            slot = torch.remainder(p, self.size)[None]
+            # the window's first key: p - L w + 1 (exact), else the start of the block L blocks back
+            first = p - (L * w - 1) if exact else p - torch.remainder(p, w) - L * w
+        self.positions.index_copy_(1, slot, p.expand(self.positions.shape[0], 1))
+        bias = torch.where(self.positions >= first, self.zero, self.hidden)[:, None]
+        if host_position is None:  # (eager steps from steady on did not write the positions)
+            bias = torch.where(p >= self.steady, self.table.index_select(0, slot)[0], bias)
+        return slot, bias
+
+
+class GlobalHeads:
+    """The recurrent state of one layer's global heads, stepped in place.
+
+    kv (b, h, d, e + 1) with the normaliser as its last column, ref (b, h, d) its per-feature
+    log reference (exponential features; else None), and with a blindspot pending /
+    pending_ref: the same for the keys of the unfinished block (``CausalState``'s fields,
+    copied: the given tensors are not modified). ``step`` is ``causal_linear_attention_step``
+    (same math, same references) on these buffers."""
+
+    def __init__(self, kv, ref, pending, pending_ref, blindspot_size, exp_features):
+        self.kv = kv.clone()
+        self.ref = None if ref is None else ref.clone()
+        self.pending = None if pending is None else pending.clone()
+        self.pending_ref = None if pending_ref is None else pending_ref.clone()
+        self.blindspot_size, self.exp_features = blindspot_size, exp_features
+        if (blindspot_size > 1) != (pending is not None) or exp_features != (ref is not None):
+            raise ValueError("the state does not match blindspot_size / exp_features")
+
+    @classmethod
+    def from_state(cls, state, blindspot_size, exp_features):
+        return cls(state.kv, state.ref, state.pending, state.pending_ref, blindspot_size, exp_features)
+
+    def buffers(self):
+        return [t for t in (self.kv, self.ref, self.pending, self.pending_ref) if t is not None]
+
+    def step(self, q, k, v, log_decay=None, join=None, all_seen=False):
+        """q, k (b, h, d) features (logits with exponential features), v (b, h, e), in the
+        state's dtype; log_decay None, (b, h) or (b, h, d). With a blindspot, ``join`` is
+        ``_join_flags`` of this position, or None where the caller knows that the position
+        does not complete its block. ``all_seen``: the caller knows that every row's query sees
+        a key (see ``read_state``). Returns out (b, h, e); every token is real."""
+        kv, ref, pending, pending_ref = self.kv, self.ref, self.pending, self.pending_ref
+        exp_features, blindspot = self.exp_features, self.blindspot_size > 1
+        v1 = F.pad(v, (0, 1), value=1.0)[:, :, None, :]  # the normaliser's column of ones
+        if log_decay is not None:
+            ld = log_decay[..., None] if log_decay.ndim == 2 else log_decay  # (b, h, 1 or d)
+            if exp_features:  # the decay moves the references, not the sums
+                ref.add_(ld)
+                if blindspot:
+                    pending_ref.add_(ld)
+            else:
+                a = ld.exp()[..., None]
+                kv.mul_(a)
+                if blindspot:
+                    pending.mul_(a)
+        acc, acc_ref = (pending, pending_ref) if blindspot else (kv, ref)
+        if exp_features:
+            # a key moves the reference to max(ref, k): factors exp(ref - new) <= 1 and
+            # exp(k - new) <= 1, so the largest term stays 1 (ref -inf: no key yet, factor 0)
+            new_ref = torch.maximum(acc_ref, k)
+            acc.mul_((acc_ref - new_ref).exp()[..., None]).addcmul_((k - new_ref).exp()[..., None], v1)
+            acc_ref.copy_(new_ref)
+        else:
+            acc.addcmul_(k[..., None], v1)
+        out = read_state(q, kv, ref, exp_features, all_seen)
+        if blindspot and join is not None:
+            self._join(*join)
+        return out
+
+    def _join(self, a, b):
+        """The blindspot block's keys join the state when (a, b) = (1, 0) (log: (0, -inf)), and
+        (0, 1) ((-inf, 0)) leaves both exactly as they were."""
+        kv, ref, pending, pending_ref = self.kv, self.ref, self.pending, self.pending_ref
+        if not self.exp_features:
+            kv.addcmul_(pending, a)
+            pending.mul_(b)
             return
-        self.positions[slot] = p
-        self.real[:, slot] = True
-        seen = self.window.visible(p, self.positions) & self.real
-        self.bias = torch.where(seen, self.zero, self.hidden)[:, None]
+        joining_ref = pending_ref + a  # -inf unless the block joins now
+        new_ref = torch.maximum(ref, joining_ref)
+        kv.mul_(_exp_ratio(ref, new_ref)[..., None]).addcmul_(pending, _exp_ratio(joining_ref, new_ref)[..., None])
+        ref.copy_(new_ref)
+        # after a join pending_ref is -inf, so the next key's rescale (factor exp(-inf) = 0)
+        # empties pending
+        pending_ref.add_(b)
+
+
+def _exp_ratio(a, b):
+    """exp(a - b) for references a <= b that may be -inf (no key yet): 0 when a is -inf."""
+    return (a - b).exp().nan_to_num(nan=0.0)
+
+
+def read_state(q, kv, ref, exp_features, all_seen=False):
+    """A query reads a state: q (b, h, d), kv (b, h, d, e + 1) relative to ref (b, h, d) (or
+    None) -> (b, h, e). With exponential features the query's factors are exp(q + ref - M),
+    M = max_d (q_d + ref_d): the largest is 1, so the denominator is >= 1 once a key is seen;
+    before any key (ref all -inf) every factor is 0 and so is the output. With given
+    (non-negative) features a denominator of 0 means no key was seen, and the output is 0.
+    ``all_seen``: the caller knows that every row has seen a key (exponential features: the
+    guards against a row without one are left out; they change nothing then)."""
+    if not exp_features:  # (products and sums rather than a batched matmul: see _AttentionStep._local)
+        out = (q[..., None] * kv).sum(dim=-2)
+        den = out[..., -1:]
+        return out[..., :-1] / torch.where(den > 0, den, 1.0)
+    logits = q + ref
+    top = logits.amax(dim=-1, keepdim=True)
+    if not all_seen:  # a row before any key: ref and top are -inf; a finite top gives 0 / 0 -> 0 / 1
+        top = top.clamp(min=-torch.finfo(logits.dtype).max)
+    out = ((logits - top).exp()[..., None] * kv).sum(dim=-2)
+    den = out[..., -1:]
+    return out[..., :-1] / (den if all_seen else den.clamp(min=1.0))
 
 
 class _AttentionStep:
@@ -373,58 +586,51 @@ class _AttentionStep:
         if out_gate is not None:
             weights.append(out_gate.gate_out.weight)
             sizes.append(out_gate.gate_out.out_features)
-        with torch.no_grad():
-            self.weight = torch.cat(weights, dim=0)
-            self.bias = None
-            if out_gate is not None:  # only the output gate has a bias: the others add exact zeros
-                self.bias = torch.cat((self.weight.new_zeros(sum(sizes[:-1])), out_gate.gate_out.bias))
+        self.weight = torch.cat(weights, dim=0)
+        # the local heads' queries come out of the projection already scaled by dim_head^-1/2
+        # (rotary is a rotation: it commutes with the scale)
+        self.weight[: attn.n_local * dh] *= dh ** -0.5
+        self.bias = None
+        if out_gate is not None:  # only the output gate has a bias: the others add exact zeros
+            self.bias = torch.cat((self.weight.new_zeros(sum(sizes[:-1])), out_gate.gate_out.bias))
         self.ends = torch.tensor(sizes).cumsum(0).tolist()
         self.to_out, self.gate, self.out_gate = attn.to_out, gate, out_gate
         self.rotary = decoder.rotary is not None
-        self.scale = dh ** -0.5
         b = decoder.batch
 
+        self.ring_kv = self.state = self.conv = None
         if nl:
             local = cache.local
-            self.ring = decoder.ring(attn.local_window, local)
-            size = self.ring.size
-            # keys and values of the local heads: (2, b * local heads, slots, dh), so that the
-            # step's writes and reads are views made once
-            ring = torch.zeros(2, b, nl, size, dh, dtype=local.keys.dtype, device=local.keys.device)
+            self.window = decoder.ring(attn.local_window, local)
+            ring = decoder.rings[self.window]
+            # keys and values of the local heads: (2, b, local heads, slots, dh)
+            self.ring_kv = torch.zeros(2, b, nl, ring.size, dh, dtype=local.keys.dtype, device=local.keys.device)
             m = local.keys.shape[2]
             if m:
-                slots = self.ring.slots_of(local.start, m)
-                ring[0, :, :, slots] = local.keys
-                ring[1, :, :, slots] = local.values
-            self.slot_views = [ring[:, :, :, slot] for slot in range(size)]  # (2, b, nl, dh) each
-            self.keys, self.values = ring[0], ring[1]  # (b, nl, slots, dh) views
+                slots = ring.slots_of(local.start, m)
+                self.ring_kv[0, :, :, slots] = local.keys
+                self.ring_kv[1, :, :, slots] = local.values
         if ng:
-            self.blindspot = attn.blindspot_size
+            blindspot = attn.blindspot_size
             self.exp_features = attn.feature_map.is_softmax
             self.feature_map = attn.feature_map
-            state = cache.global_.state
-            self.state = (state.kv, state.ref, state.pending, state.pending_ref)
-            self.state_dtype = state.kv.dtype
-            self.seen_from = decoder.seen_from(self.blindspot)
-            self.block = None
-            if self.blindspot > 1 and gate is None:
-                # (b, 2, global heads, B, dh): the keys and values of the current block's steps
-                B = self.blindspot
-                self.block = torch.zeros(b, 2, ng, B, dh, dtype=self.state_dtype, device=state.kv.device)
-                self.block_keys = [self.block[:, 0, :, i] for i in range(B)]
-                self.block_values = [self.block[:, 1, :, i] for i in range(B)]
-                self.block_start = decoder.position % B
-            self.conv = None
+            self.state = GlobalHeads.from_state(cache.global_.state, blindspot, self.exp_features)
+            self.state_dtype = self.state.kv.dtype
+            self.seen_from = decoder.seen_from(blindspot)
+            self.join = None if blindspot == 1 else decoder.join(blindspot, self.state_dtype, self.exp_features)
             if attn.local_conv is not None:
                 # the three convolutions (q, k, v) as one: weights (3, global heads, taps, dh)
-                with torch.no_grad():
-                    self.conv_weight = torch.stack(
-                        [c.conv_weight.reshape(ng, dh, c.kernel_size).transpose(1, 2) for c in attn.local_conv]
-                    )
+                self.conv_weight = torch.stack(
+                    [c.conv_weight.reshape(ng, dh, c.kernel_size).transpose(1, 2) for c in attn.local_conv]
+                )
                 self.conv = torch.stack(cache.global_.conv, dim=1)  # (b, 3, global heads, taps - 1, dh)
             if gate is not None:
                 self.gate_up, self.gate_per_head = gate.gate_up, gate.granularity == "head"
                 self.temperature = gate.temperature
+
+    def buffers(self):
+        found = [t for t in (self.ring_kv, self.conv) if t is not None]
+        return found + ([] if self.state is None else self.state.buffers())
 
     def __call__(self, h, ctx):
         b = h.shape[0]
@@ -442,33 +648,34 @@ class _AttentionStep:
             kv = kv.repeat_interleave(heads // kvh, dim=2)
         outs = []
         if nl:
-            outs.append(self._local(q[:, :nl], kv[:, :, :nl], b))
+            outs.append(self._local(q[:, :nl], kv[:, :, :nl], ctx))
         if self.n_global:
             log_gate = None if self.gate is None else self._log_gate(proj[:, kv_end : self.ends[2]])
-            outs.append(self._global(q[:, nl:], kv[:, 0, nl:], kv[:, 1, nl:], log_gate, ctx.position))
+            outs.append(self._global(q[:, nl:], kv[:, 0, nl:], kv[:, 1, nl:], log_gate, ctx))
         out = torch.cat(outs, dim=1) if len(outs) > 1 else outs[0]
         out = out.reshape(b, heads * dh)
         if self.out_gate is not None:
             out = out * torch.sigmoid(proj[:, self.ends[-2]:])
         return F.linear(out, self.to_out.weight, self.to_out.bias)
 
-    def _local(self, q, kv, b):
-        ring = self.ring
-        self.slot_views[ring.slot].copy_(kv.transpose(0, 1))
+    def _local(self, q, kv, ctx):
+        slot, bias = ctx.windows[self.window]
+        self.ring_kv.index_copy_(3, slot, kv.transpose(0, 1)[:, :, :, None])
+        keys, values = self.ring_kv[0], self.ring_kv[1]
         # products and sums, not matmuls: a batched matmul of these tiny shapes runs on every
         # thread, and on a busy machine waiting for the other threads costs milliseconds
-        sim = (q[:, :, None] * self.keys).sum(dim=-1) * self.scale + ring.bias  # (b, h, slots)
-        return (sim.softmax(dim=-1)[..., None] * self.values).sum(dim=-2)  # the query sees its own key
+        sim = (q[:, :, None] * keys).sum(dim=-1) + bias  # (b, h, slots); q is scaled
+        return (sim.softmax(dim=-1)[..., None] * values).sum(dim=-2)  # the query sees its own key
 
     def _log_gate(self, down):
         logits = F.linear(down, self.gate_up.weight, self.gate_up.bias)
         log_a = F.logsigmoid(logits.to(torch.promote_types(logits.dtype, torch.float32))) / self.temperature
         return log_a if self.gate_per_head else log_a.view(log_a.shape[0], self.n_global, self.dim_head)
 
-    def _global(self, q, k, v, log_gate, position):
+    def _global(self, q, k, v, log_gate, ctx):
         if self.conv is not None:
             window = torch.cat((self.conv, torch.stack((q, k, v), dim=1)[:, :, :, None]), dim=3)
-            self.conv = window[:, :, :, 1:]  # the raw inputs, for the next steps
+            self.conv.copy_(window[:, :, :, 1:])  # the raw inputs, for the next steps
             q, k, v = (window * self.conv_weight).sum(dim=3).unbind(1)
         if not self.exp_features:
             q, k = self.feature_map._pointwise(q), self.feature_map._pointwise(k)
@@ -477,94 +684,6 @@ class _AttentionStep:
             dtype = self.state_dtype
             q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
             log_gate = None if log_gate is None else log_gate.to(dtype)
-        if self.block is None:
-            out, self.state = global_step(q, k, v, self.state, log_gate, self.blindspot, self.exp_features, position,
-                                          position >= self.seen_from)
-        else:
-            out = self._blindspot_step(q, k, v, position)
+        seen = ctx.host_position is not None and ctx.host_position >= self.seen_from
+        out = self.state.step(q, k, v, log_gate, None if self.join is None else ctx.joins[self.join], seen)
         return out if out.dtype == out_dtype else out.to(out_dtype)
-
-    def _blindspot_step(self, q, k, v, position):
-        """Without decay, the keys of a blindspot block wait in a buffer and join the state
-        at once when the block is complete (``block_sum``): a step writes them and reads the
-        state of the earlier blocks."""
-        slot = position % self.blindspot
-        self.block_keys[slot].copy_(k)
-        self.block_values[slot].copy_(v)
-        kv, ref, pending, pending_ref = self.state
-        out = read_state(q, kv, ref, self.exp_features, position >= self.seen_from)
-        if slot == self.blindspot - 1:
-            start, self.block_start = self.block_start, 0  # (the prompt's part of the first block is in pending)
-            keys, values = self.block[:, 0, :, start:], self.block[:, 1, :, start:]
-            pending, pending_ref = block_sum(keys, values, pending, pending_ref, self.exp_features)
-            self.state = _complete_block(kv, ref, pending, pending_ref, self.exp_features)
-        return out
-
-
-def global_step(q, k, v, state, log_decay, blindspot_size, exp_features, position, all_seen=False):
-    """One token of causal linear attention on plain tensors: the lean form of
-    ``ops.causal_linear_attention_step`` (same math, same references, no autograd care).
-
-    q, k: (b, h, d) features, or logits with ``exp_features``; v: (b, h, e);
-    state: (kv (b, h, d, e + 1), ref (b, h, d) or None, pending, pending_ref) as in
-    ``CausalState``; log_decay: None, (b, h) or (b, h, d); position: tokens before this one;
-    all_seen: the caller knows that every row's query sees a key (its denominator is then >= 1
-    with exponential features, and nothing needs guarding against an empty state).
-    Returns (out (b, h, e), new state tuple). Every token is real (a decoder's are)."""
-    kv, ref, pending, pending_ref = state
-    v1 = F.pad(v, (0, 1), value=1.0)[:, :, None, :]  # the normaliser's column of ones
-    if log_decay is not None:
-        ld = log_decay[..., None] if log_decay.ndim == 2 else log_decay  # (b, h, 1 or d)
-        if exp_features:  # the decay moves the references, not the sums
-            ref = ref + ld
-            pending_ref = None if pending_ref is None else pending_ref + ld
-        else:
-            a = ld.exp()[..., None]
-            kv = kv * a
-            pending = None if pending is None else pending * a
-    blindspot = blindspot_size > 1
-    acc, acc_ref = (pending, pending_ref) if blindspot else (kv, ref)
-    if exp_features:
-        # a finite key moves the reference to max(ref, k): factors exp(ref - new) <= 1 and
-        # exp(k - new) <= 1, so the largest term stays 1
-        new_ref = torch.maximum(acc_ref, k)
-        acc = torch.addcmul(acc * (acc_ref - new_ref).exp()[..., None], (k - new_ref).exp()[..., None], v1)
-        acc_ref = new_ref
-    else:
-        acc = torch.addcmul(acc, k[..., None], v1)
-    if blindspot:
-        pending, pending_ref = acc, acc_ref
-    else:
-        kv, ref = acc, acc_ref
-    out = read_state(q, kv, ref, exp_features, all_seen)
-    if blindspot and (position + 1) % blindspot_size == 0:
-        return out, _complete_block(kv, ref, pending, pending_ref, exp_features)
-    return out, (kv, ref, pending, pending_ref)
-
-
-def read_state(q, kv, ref, exp_features, all_seen=False):
-    """A query reads a state: q (b, h, d), kv (b, h, d, e + 1) relative to ref (b, h, d) (or
-    None) -> (b, h, e). With exponential features the query's factors are exp(q + ref - M),
-    M = max_d (q_d + ref_d): the largest is 1, so the denominator is >= 1 once a key is seen;
-    before any key (ref all -inf) every factor is 0 and so is the output."""
-    if not exp_features:  # (products and sums rather than a batched matmul: see _local)
-        return _divide((q[..., None] * kv).sum(dim=-2))
-    logits = q + ref
-    top = logits.amax(dim=-1, keepdim=True)
-    if not all_seen:  # a row before any key: ref and top are -inf; a finite top gives 0 / 0 -> 0 / 1
-        top = top.clamp(min=-torch.finfo(logits.dtype).max)
-    out = ((logits - top).exp()[..., None] * kv).sum(dim=-2)
-    den = out[..., -1:]
-    return out[..., :-1] / (den if all_seen else den.clamp(min=1.0))
-
-
-def block_sum(keys, values, pending, pending_ref, exp_features):
-    """The keys (b, h, l, d) and values (b, h, l, e) of a blindspot block's steps added to
-    ``pending`` at once (no decay inside the block): what l steps of the recurrence add, with
-    the reference moved to the largest key first. Returns (pending, pending_ref)."""
-    v1 = F.pad(values, (0, 1), value=1.0)
-    if not exp_features:
-        return pending + keys.transpose(-1, -2) @ v1, pending_ref
-    new_ref = torch.maximum(pending_ref, keys.amax(dim=2))
-    added = (keys - new_ref[:, :, None]).exp().transpose(-1, -2) @ v1
-    return pending * _exp_ratio(pending_ref, new_ref)[..., None] + added, new_ref

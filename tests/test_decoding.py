@@ -3,10 +3,13 @@ equals the reference step of ops/linear_attention.py."""
 
 import pytest
 import torch
+import torch.nn.functional as F
 from test_cache import CONFIGS, inputs, make
+from torch._dynamo.testing import CompileCounterWithBackend
+from torch.utils._python_dispatch import TorchDispatchMode
 
-from linear_attention_transformer import AutoregressiveWrapper
-from linear_attention_transformer.decoding import CacheDecoder, Decoder, global_step
+from linear_attention_transformer import AutoregressiveWrapper, LinearAttentionTransformerLM
+from linear_attention_transformer.decoding import NEG_INF, CacheDecoder, Decoder, GlobalHeads, _join_flags
 from linear_attention_transformer.ops import CausalState
 from linear_attention_transformer.ops.linear_attention import causal_linear_attention_step
 
@@ -131,15 +134,184 @@ def test_global_step_equals_reference_step_float64(exp_features, logit_scale, bl
         shape = (b, h, n) if gate == "head" else (b, h, n, d)
         log_decay = -torch.rand(*shape, generator=g, dtype=D) * 3
     reference = CausalState.zeros(b, h, d, e, blindspot, exp_features, dtype=D)
-    lean = (reference.kv, reference.ref, reference.pending, reference.pending_ref)
+    start = [t for t in (reference.kv, reference.ref, reference.pending, reference.pending_ref) if t is not None]
+    given = [t.clone() for t in start]
+    lean = GlobalHeads.from_state(reference, blindspot, exp_features)
+    zero = torch.zeros((), dtype=D)
     for t in range(n):
         ld = None if log_decay is None else log_decay[:, :, t]
         want, reference = causal_linear_attention_step(q[:, :, t], k[:, :, t], v[:, :, t], reference, ld, blindspot,
                                                        exp_features)
-        got, lean = global_step(q[:, :, t], k[:, :, t], v[:, :, t], lean, ld, blindspot, exp_features, t)
+        join = _join_flags(torch.tensor(t), blindspot, D, exp_features, zero, torch.full((), NEG_INF, dtype=D))
+        got = lean.step(q[:, :, t], k[:, :, t], v[:, :, t], ld, join if blindspot > 1 else None)
         assert torch.isfinite(got).all()
         torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
-    for a, r in zip(lean, (reference.kv, reference.ref, reference.pending, reference.pending_ref)):
-        assert (a is None) == (r is None)
-        if a is not None:
-            torch.testing.assert_close(a, r, rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(lean.kv, reference.kv, rtol=1e-12, atol=1e-12)
+        if exp_features:
+            torch.testing.assert_close(lean.ref, reference.ref, rtol=0, atol=0)
+        if blindspot > 1:
+            # after a join the lean pending keeps its old sums under a reference of -inf (the
+            # next key's rescale empties them): compare what they stand for
+            def effective(pending, pending_ref):
+                return pending if pending_ref is None else pending * torch.isfinite(pending_ref)[..., None]
+
+            torch.testing.assert_close(effective(lean.pending, lean.pending_ref),
+                                       effective(reference.pending, reference.pending_ref), rtol=1e-12, atol=1e-12)
+    # the state it was built from is copied, not stepped in place
+    assert all(torch.equal(a, b) for a, b in zip(given, start))
+
+
+# ------------------------------------------- no sync, fixed buffers, one compiled graph
+
+# ops that read a value back to the host (or size their output by one: the same wait)
+SYNC_OPS = {"aten::_local_scalar_dense", "aten::item", "aten::nonzero", "aten::is_nonzero", "aten::equal",
+            "aten::masked_select", "aten::_unique", "aten::_unique2", "aten::unique_dim", "aten::unique_consecutive",
+            "aten::bincount", "aten::repeat_interleave.Tensor", "aten::repeat_interleave.self_Tensor",
+            "aten::_assert_async", "aten::_assert_async.msg"}
+
+LONG_CONFIGS = {  # for hundreds of steps: max_seq_len 256 (the decoder's state does not grow with it)
+    "local+blindspot+gate+shift": dict(n_local_attn_heads=2, local_attn_window_size=4, blindspot_size=3,
+                                       use_gate=True, shift_tokens=True),
+    "global gate per feature+conv+rotary+exact window+kv_heads": dict(
+        use_gate=True, gate_granularity="feature", use_local_conv=True, use_rotary_emb=True, n_local_attn_heads=1,
+        local_attn_window_size=3, local_attn_exact_windowsize=True, kv_heads=2),
+    "elu+blindspot 4+reversible": dict(feature_map="elu", blindspot_size=4, reversible=True, n_local_attn_heads=2,
+                                       local_attn_window_size=5),
+}
+
+
+def make_long(cfg, dtype=D):
+    torch.manual_seed(0)
+    model = LinearAttentionTransformerLM(num_tokens=20, dim=16, depth=2, heads=4, max_seq_len=256, causal=True,
+                                         chunk_size=4, **cfg).to(dtype).eval()
+    with torch.no_grad():  # gates and convolutions start near identity: move them
+        for name, p in model.named_parameters():
+            if "gate" in name or "conv" in name:
+                p.add_(torch.randn_like(p) * 0.3)
+    return model
+
+
+def padded_prompt(n=5):
+    x = torch.randint(0, 20, (2, n), generator=torch.Generator().manual_seed(2))
+    mask = torch.ones(2, n, dtype=torch.bool)
+    mask[1, :2] = False
+    return x, mask
+
+
+class OpLog(TorchDispatchMode):
+    """Every aten op run under it, with its output shapes."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        shapes = tuple(tuple(t.shape) for t in (out if isinstance(out, (tuple, list)) else [out]) if torch.is_tensor(t))
+        self.ops.append((func.name(), shapes))
+        return out
+
+    def syncs(self):
+        return [name for name, _ in self.ops if name in SYNC_OPS or name.split(".")[0] in SYNC_OPS]
+
+
+@pytest.mark.parametrize("name", list(LONG_CONFIGS))
+def test_step_makes_no_sync_and_keeps_its_buffers(name):
+    """Over 60 steps (blocks completing, windows filling, the prompt's padding leaving the
+    window): no op reads a value back, eager or in the form a compiled step traces
+    (``_advance`` without the host's position), and every buffer keeps its shape and its
+    memory. The traced form runs the same ops on the same shapes at every position."""
+    model = make_long(LONG_CONFIGS[name], torch.float32)
+    x, mask = padded_prompt()
+    _, decoder = model.start_decoding(x, input_mask=mask)
+    buffers = decoder.buffers()
+    layout = [(tuple(t.shape), t.data_ptr()) for t in buffers]
+    tokens = torch.tensor([3, 7])
+    with OpLog() as log:
+        for _ in range(30):
+            decoder.step(tokens)
+    assert log.syncs() == []
+    per_step = []
+    with torch.inference_mode():
+        for _ in range(30):
+            with OpLog() as log:
+                decoder._advance(tokens)
+            assert log.syncs() == []
+            per_step.append(log.ops)
+    assert all(ops == per_step[0] for ops in per_step)
+    assert [(tuple(t.shape), t.data_ptr()) for t in decoder.buffers()] == layout
+    decoder._host_position = None  # (as a compiled step leaves it: read back from the device)
+    assert decoder.position == 5 + 60
+
+
+def graphs(counter):
+    """Graphs compiled (dynamo may hand the backend an empty graph when it restarts its first
+    analysis of a frame; with ``error_on_recompile`` a guard that fails raises)."""
+    return sum(1 for gm in counter.graphs if len(gm.graph.nodes))
+
+
+def test_compiled_step_one_graph_over_200_steps_float64():
+    """``torch.compile(decoder.step, fullgraph=True)``: one graph, no recompile over 200 steps
+    (local heads with their ring, blindspot joins, the gate, token shift); every step's logits
+    equal the full forward in float64; a second decoder of the same model reuses the graph."""
+    model = make_long(LONG_CONFIGS["local+blindspot+gate+shift"])
+    x, mask = padded_prompt()
+    tokens = torch.randint(0, 20, (2, 200), generator=torch.Generator().manual_seed(3))
+    counter = CompileCounterWithBackend("aot_eager")
+    torch._dynamo.reset()
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        logits, decoder = model.start_decoding(x, input_mask=mask)
+        step = torch.compile(decoder.step, backend=counter, fullgraph=True)
+        outs = [logits] + [step(tokens[:, t]) for t in range(200)]
+        assert graphs(counter) == 1
+        _, second = model.start_decoding(x, input_mask=mask)
+        again = torch.compile(second.step, backend=counter, fullgraph=True)
+        for t in range(3):
+            torch.testing.assert_close(again(tokens[:, t]), outs[t + 1], rtol=0, atol=0)
+        assert graphs(counter) == 1
+    full = model(torch.cat((x, tokens), dim=1), input_mask=F.pad(mask, (0, 200), value=True))
+    got = torch.stack(outs, dim=1)
+    assert (got - full[:, 4:]).abs().max() <= 1e-12 * full.abs().max()
+    assert decoder.position == 205  # read back from the device after compiled steps
+    decoder.step(tokens[:, 0])  # an eager step after compiled ones continues from there
+    assert decoder.position == 206
+
+
+@pytest.mark.parametrize("name", list(LONG_CONFIGS)[1:])
+def test_compiled_step_equals_eager_steps(name):
+    """The other layouts (gate per feature, convolution, rotary, exact window, kv_heads; elu
+    features, reversible): one graph over 40 steps, equal to eager steps in float64."""
+    model = make_long(LONG_CONFIGS[name])
+    x, mask = padded_prompt()
+    tokens = torch.randint(0, 20, (2, 40), generator=torch.Generator().manual_seed(4))
+    counter = CompileCounterWithBackend("aot_eager")
+    torch._dynamo.reset()
+    _, eager = model.start_decoding(x, input_mask=mask)
+    _, decoder = model.start_decoding(x, input_mask=mask)
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        step = torch.compile(decoder.step, backend=counter, fullgraph=True)
+        for t in range(40):
+            want = eager.step(tokens[:, t])
+            torch.testing.assert_close(step(tokens[:, t]), want, rtol=1e-13, atol=1e-13)
+    assert graphs(counter) == 1
+
+
+def test_compiled_step_checks_max_seq_len_on_the_device():
+    model = make_long(LONG_CONFIGS["local+blindspot+gate+shift"], torch.float32)
+    _, decoder = model.start_decoding(torch.randint(0, 20, (1, 254)))
+    torch._dynamo.reset()
+    step = torch.compile(decoder.step, backend="aot_eager", fullgraph=True)
+    step(torch.tensor([1]))  # position 254
+    step(torch.tensor([1]))  # 255: the last of max_seq_len = 256
+    with pytest.raises(RuntimeError, match="max_seq_len"):
+        step(torch.tensor([1]))
+
+
+def test_step_refuses_bad_tokens():
+    model = make_long(LONG_CONFIGS["local+blindspot+gate+shift"], torch.float32)
+    _, decoder = model.start_decoding(torch.randint(0, 20, (2, 4)))
+    with pytest.raises(TypeError, match="tokens"):
+        decoder.step(torch.tensor([1.0, 2.0]))
+    with pytest.raises(ValueError, match="tokens"):
+        decoder.step(torch.tensor([1, 2, 3]))
+    assert decoder.position == 4
