@@ -17,7 +17,10 @@ read (best of each).
 The floor is the kernel's matmul FLOPs (``common.causal_kernel_flops``, x3 for forward +
 backward) at the square matmul rate measured before and after.
 
-Usage:  python benchmarks/bench_kernel.py [--shapes 4,4,256,64 1,8,4096,64] [--map elu]
+``--form`` sets this kernel's ``CHUNK_FORM`` (the loop over chunks or the log-depth scan;
+'auto' is what the device gets).
+
+Usage:  python benchmarks/bench_kernel.py [--shapes 4,4,256,64 1,8,4096,64] [--map elu] [--form parallel]
         python benchmarks/bench_kernel.py --threads 1 --against /tmp/kernel_rev.py
 """
 
@@ -86,6 +89,8 @@ def main(argv=None):
     p.add_argument("--shapes", nargs="+", default=["4,4,256,64", "1,8,4096,64"], help="b,h,n,d each")
     p.add_argument("--map", choices=["softmax", "elu"], default="softmax")
     p.add_argument("--against", default=None, help="another ops/linear_attention.py to time beside this one")
+    p.add_argument("--form", choices=["auto", "sequential", "parallel"], default="auto",
+                   help="this kernel's CHUNK_FORM (auto: the device's own; default: %(default)s)")
     p.add_argument("--rounds", type=int, default=3, help="alternating rounds (default: %(default)s)")
     p.add_argument("--reps", type=int, default=None, help="timed calls per round (default: by size)")
     p.add_argument("--threads", type=int, default=None)
@@ -101,12 +106,13 @@ def main(argv=None):
     set_threads(args.threads)
     # (by its full name: the package's ops/__init__ exports a function called linear_attention)
     this = importlib.import_module("linear_attention_transformer.ops.linear_attention")
+    this.CHUNK_FORM = args.form
     kernels = {"this": this.causal_linear_attention}
     if args.against:
         kernels["against"] = load_kernel(args.against).causal_linear_attention
     print_header(args.device, args.threads, [
         f"causal_linear_attention(q, k, v, chunk_size={CHUNK}, exp_features={args.map == 'softmax'}), "
-        f"forward + backward, fp32" + (f"; against {args.against}" if args.against else "")])
+        f"forward + backward, fp32; this kernel's form: {args.form}" + (f"; against {args.against}" if args.against else "")])
     t_start = time.perf_counter()
     rate_before = square_matmul_rate(args.device, size)
     elu = args.map == "elu"

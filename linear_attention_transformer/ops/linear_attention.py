@@ -32,7 +32,19 @@ and the output is ``sum_j w_ij v_j / sum_j w_ij``. Two kinds of features:
     G_jd), both against M_i = max(max_d a_id, max_j l_ij) over what i sees, so that i's
     largest term is exactly 1. Only those chunks pay for the (C x C x d) pairs. Under
     torch.compile the choice is a ``torch.cond`` (no graph break): when any chunk is lost,
-    all are recomputed and the lost ones selected.
+    all are recomputed and the lost ones selected. Eagerly the lost chunks' count is read
+    back: one host sync per call.
+  - the parallel form (``CHUNK_FORM``: every device but the CPU) needs no recompute, so
+    nothing is decided and nothing read back: inside a chunk keys are taken relative to
+    their running maximum P_id = max_{j <= i} (k_jd - G_jd), query i against
+    M_i = max(max_d (q_id + G_id + P_id), max_d (q_id + G_id + r_d)), which is exactly its
+    largest term, and the pair (i, j <= i) as exp(q_id + G_id + P_id - M_i) exp(P_jd - P_id)
+    exp(k_jd - G_jd - P_jd): three factors <= 1, the middle one a per-feature decay with log
+    cumulative -P (``_exact_chunk_factors``), formed like a per-feature gate's weights (chunks
+    of 16 in sub-chunks of 4). Exact by construction at any spread; on the CPU that sub-chunk
+    work costs more than the fast form plus its (rare) recompute, so the CPU keeps those. With
+    segments the parallel form keeps them too (the running maxima would have to restart
+    inside a chunk): that case still reads the count back.
 
   So the chunked form, the recurrence and the blindspot form are exact at any logit spread
   (float64 equal to the explicit matrix, float32 within the rounding of its logits),
@@ -50,7 +62,8 @@ end, a_c its total decay; for exponential features both relative to the referenc
 above). That is a scan of chunk summaries under one associative operator (``ops/scan.py``,
 also the summary that context parallelism exchanges): ``CHUNK_FORM`` picks a loop over the
 chunks (the CPU's form: faster there) or a work-efficient log-depth scan whose backward is the
-reverse scan (every other device: launches grow as log n, not n).
+reverse scan (every other device: launches grow as log n, not n; with the exact chunks above
+and no segments, no host sync in forward or backward).
 
 ``log_decay`` (log a_t <= 0), per position (b, h, n) or per position and key feature
 (b, h, n, d), is the forget gate of gated linear attention. Decays are applied as
@@ -563,6 +576,38 @@ def _query_factors(parts):
     return [(x + (ref - M)).exp() for x, ref in parts]
 
 
+def _exact_chunk_factors(q_logits, k_logits, G, r_read, sub_chunk):
+    """Exponential features inside a chunk with nothing lost to underflow (the parallel form).
+
+    q_logits: (…, l, d) q + G; k_logits: (…, l, d) raw key logits (masked keys -inf); G:
+    (…, l, 1 or d) log decay since the chunk's start, or None; r_read: (…, 1, d) reference of
+    the state the chunk's queries read. With K_jd = k_jd - G_jd and its running maximum
+    P_id = max_{j <= i} K_jd, query i's shift M_i = max(max_d (q_id + G_id + P_id),
+    max_d (q_id + G_id + r_read_d)) is exactly its largest term, and its pair (i, j <= i)
+    factors as
+
+        exp(q_id + G_id + P_id - M_i) * exp(P_jd - P_id) * exp(K_jd - P_jd),
+
+    every factor <= 1: the middle one is a per-feature decay with log cumulative -P, so the
+    weights are ``_intra_chunk_weights``' per-feature form. (-inf in P, before a feature's
+    first key, becomes the chunk's smallest finite P in the last two factors, whose product
+    is then 0 by the third, and stays -inf in the first.) Returns (q_state, weights)."""
+    K = k_logits if G is None else k_logits - G
+    with torch.no_grad():
+        P = K.detach().cummax(dim=-2).values
+        finite = torch.isfinite(P)
+        low = torch.where(finite, P, float("inf")).amin(dim=-2, keepdim=True)
+        P_hat = torch.where(finite, P, torch.where(torch.isfinite(low), low, torch.zeros_like(low)))
+        q_detached = q_logits.detach()
+        M = torch.maximum((q_detached + P).amax(dim=-1, keepdim=True),
+                          (q_detached + r_read).amax(dim=-1, keepdim=True))
+        M = torch.where(torch.isfinite(M), M, torch.zeros_like(M))  # sees nothing: all terms 0
+    q_pairs = (q_logits + (P - M)).exp()
+    q_state = (q_logits + (r_read - M)).exp()
+    weights = _intra_chunk_weights(q_pairs, (K - P_hat).exp(), -P_hat, sub_chunk)
+    return q_state, weights
+
+
 # A query whose fast-form denominator (relative to its shift M_i) is below this has lost
 # weight to underflow: each lost term is < e^-87 relative to M_i, so above it the result is
 # exact to float32 rounding, and 1 / den keeps the gradient far from overflow.
@@ -710,12 +755,16 @@ def causal_linear_attention(
 
         blindspot = blindspot_size > 1
         per_feature_decay = log_decay is not None and log_decay.ndim == 4
+        # exponential-feature chunks exact by construction (the parallel form; not with
+        # segments, whose running maxima would have to restart inside a chunk)
+        exact_chunks = parallel and exp_features and not blindspot and segments is None
         # a per-feature decay is formed pair by pair inside sub-chunks (see _two_level_weights):
         # chunks of 16 in sub-chunks of 4 keep that elementwise work smallest (measured on CPU:
-        # 0.6 s vs 1.4 s for chunks of 64 in 16, n=4096, 8 heads of 64, forward + backward)
+        # 0.6 s vs 1.4 s for chunks of 64 in 16, n=4096, 8 heads of 64, forward + backward);
+        # the exact exponential-feature chunks take the same form
         if blindspot:
             C = blindspot_size
-        elif per_feature_decay and not exp_features:
+        elif (per_feature_decay and not exp_features) or exact_chunks:
             C = min(chunk_size, PER_FEATURE_CHUNK)
         else:
             C = chunk_size
@@ -803,10 +852,13 @@ def causal_linear_attention(
             r_read = r_prev[:, :, :, None]
             if reads is not None:  # a query of a new segment reads no state: -inf, factor 0
                 r_read = torch.where(reads[..., None], r_read, NEG_INF)
-            parts = [(q_logits, r_read)]
-            if not blindspot:
-                parts.append((q_logits, (m if G is None else m - G_end.detach())[:, :, :, None]))
-            q_state, *q_intra = _query_factors(parts)
+            if exact_chunks:
+                q_state, weights = _exact_chunk_factors(q_logits, k_logits, Gd, r_read, PER_FEATURE_SUB_CHUNK)
+            else:
+                parts = [(q_logits, r_read)]
+                if not blindspot:
+                    parts.append((q_logits, (m if G is None else m - G_end.detach())[:, :, :, None]))
+                q_state, *q_intra = _query_factors(parts)
         else:
             q_state = q if G is None else q * Gd.exp()
             if reads is not None:
@@ -814,11 +866,12 @@ def causal_linear_attention(
             q_intra = [q]
         out = torch.einsum("bhcld,bhcde->bhcle", q_state, states)
         if not blindspot:
-            weights = _intra_chunk_weights(q_intra[0], k, None if exp_features else G, PER_FEATURE_SUB_CHUNK)
+            if not exact_chunks:
+                weights = _intra_chunk_weights(q_intra[0], k, None if exp_features else G, PER_FEATURE_SUB_CHUNK)
             if same is not None:  # any weight form may be masked afterwards: pairs across segments
                 weights = weights.masked_fill(~same, 0.0)
             out = out + weights @ v
-            if exp_features:
+            if exp_features and not exact_chunks:
                 lost = _lost_to_underflow(out[..., -1], mask, state, n, runs)
                 out = _recompute_chunks(out, lost, q, k_logits, v, Gd, states, r_prev, same, reads)
 

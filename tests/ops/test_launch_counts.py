@@ -1,0 +1,213 @@
+"""Launches and host syncs, counted with a dispatch mode: the parallel form of the causal
+kernel (what a GPU runs) makes a number of ops that does not grow with the length beyond
+log n, and never reads a value back to the host, forward or backward.
+
+The LM steps at n = 4096 and 65536 run on fake tensors (``FakeTensorMode``: shapes without
+data, so the count takes a second); a test checks that fake and real tensors dispatch the
+same ops. Views are not counted (they launch nothing)."""
+
+import collections
+import importlib
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from linear_attention_transformer import LinearAttentionTransformerLM
+from linear_attention_transformer.ops import causal_linear_attention, naive_causal_linear_attention
+
+KERNEL = importlib.import_module("linear_attention_transformer.ops.linear_attention")
+
+# ops that read a value back to the host, or size their output by one (the same wait)
+SYNC_OPS = {"aten::_local_scalar_dense", "aten::item", "aten::nonzero", "aten::is_nonzero", "aten::equal",
+            "aten::masked_select", "aten::_unique", "aten::_unique2", "aten::unique_dim", "aten::unique_consecutive",
+            "aten::bincount", "aten::repeat_interleave", "aten::_assert_async"}
+BOOL_INDEXING = {"aten::index", "aten::index_put", "aten::index_put_", "aten::_index_put_impl_"}
+
+
+def _bool_index(args):
+    indices = args[1] if len(args) > 1 and isinstance(args[1], (list, tuple)) else ()
+    return any(torch.is_tensor(t) and t.dtype == torch.bool for t in indices)
+
+
+class OpCount(TorchDispatchMode):
+    """Non-view aten ops by name, and the host syncs among them."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops = collections.Counter()
+        self.syncs = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.namespace == "aten" and not func.is_view:
+            name = func.name()
+            self.ops[name] += 1
+            base = name.split(".")[0]
+            if base in SYNC_OPS or (base in BOOL_INDEXING and _bool_index(args)):
+                self.syncs.append(name)
+        return func(*args, **(kwargs or {}))
+
+    @property
+    def total(self):
+        return sum(self.ops.values())
+
+
+CONFIGS = {
+    "exact global heads (default map)": {},
+    "use_gate": dict(use_gate=True),
+    "local heads + blindspot + gate + conv + shift": dict(n_local_attn_heads=2, local_attn_window_size=128,
+                                                          blindspot_size=64, use_gate=True, use_local_conv=True,
+                                                          shift_tokens=True),
+}
+
+
+def lm_step_count(cfg, n, fake=True):
+    """Ops and syncs of one training step (forward, loss, backward) of a 1-layer LM, dim 128, 4 heads."""
+    mode = FakeTensorMode() if fake else None
+    if mode is not None:
+        mode.__enter__()
+    try:
+        torch.manual_seed(0)
+        model = LinearAttentionTransformerLM(num_tokens=256, dim=128, depth=1, heads=4, max_seq_len=n, causal=True,
+                                             **cfg)
+        x = torch.randint(0, 256, (1, n + 1))
+        with OpCount() as count:
+            logits = model(x[:, :-1])
+            F.cross_entropy(logits.transpose(1, 2), x[:, 1:]).backward()
+    finally:
+        if mode is not None:
+            mode.__exit__(None, None, None)
+    return count
+
+
+@pytest.fixture
+def parallel(monkeypatch):
+    monkeypatch.setattr(KERNEL, "CHUNK_FORM", "parallel")
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_lm_step_ops_do_not_grow_with_length_and_make_no_sync(name, parallel):
+    """n = 4096 -> 65536 (16x): at most 1.25x the ops (the scan's log n levels), no sync."""
+    short, long = (lm_step_count(CONFIGS[name], n) for n in (4096, 65536))
+    assert short.syncs == [] and long.syncs == []
+    assert long.total <= 1.25 * short.total, (short.total, long.total)
+    assert short.total > 100  # something was counted
+
+
+def test_fake_and_real_tensors_dispatch_the_same_ops(parallel):
+    """The counts above are on fake tensors: on real ones the same ops run (n = 512)."""
+    cfg = CONFIGS["use_gate"]
+    real, fake = lm_step_count(cfg, 512, fake=False), lm_step_count(cfg, 512, fake=True)
+    assert real.ops == fake.ops
+
+
+def test_the_counter_sees_the_sequential_forms_sync_and_growth(monkeypatch):
+    """Not vacuous: the CPU's form (a loop over chunks, the lost-chunk check read back) shows
+    one sync per layer and ops growing with n past the bound above at only 8x the length."""
+    monkeypatch.setattr(KERNEL, "CHUNK_FORM", "sequential")
+    short, long = (lm_step_count({}, n, fake=False) for n in (256, 2048))
+    assert short.syncs == ["aten::nonzero"]
+    assert long.total > 1.25 * short.total
+
+
+def kernel_inputs(b, h, n, d, e, decay, seed, scale):
+    g = torch.Generator().manual_seed(seed)
+    q, k = (scale * torch.randn(b, h, n, d, generator=g, dtype=torch.float64) for _ in range(2))
+    v = torch.randn(b, h, n, e, generator=g, dtype=torch.float64)
+    log_decay = None
+    if decay is not None:
+        shape = (b, h, n) if decay == "head" else (b, h, n, d)
+        log_decay = -2.0 * torch.rand(*shape, generator=g, dtype=torch.float64)
+    return q, k, v, log_decay
+
+
+@pytest.mark.parametrize("exp_features", [False, True], ids=["features", "exp"])
+@pytest.mark.parametrize("decay", [None, "head", "feature"])
+@pytest.mark.parametrize("blindspot", [1, 4])
+@pytest.mark.parametrize("continued", [False, True])
+def test_kernel_makes_no_sync_forward_or_backward(exp_features, decay, blindspot, continued, parallel):
+    """Every configuration without segments: masks, both decay granularities, blindspot,
+    a state carried in and returned; forward and backward."""
+    b, h, n, d, e = 2, 2, 37, 4, 3
+    q, k, v, log_decay = kernel_inputs(b, h, n, d, e, decay, seed=blindspot, scale=30.0 if exp_features else 1.0)
+    if not exp_features:
+        q, k = q.abs() + 0.1, k.abs() + 0.1
+    mask = torch.rand(b, n, generator=torch.Generator().manual_seed(3)) < 0.8
+    inputs = [t.requires_grad_() for t in (q, k, v, log_decay) if t is not None]
+    kw = dict(mask=mask, blindspot_size=blindspot, chunk_size=8, exp_features=exp_features)
+    with OpCount() as count:
+        if continued:
+            split = 12  # with a blindspot, 13: inside a block (the continuation finishes it step by step)
+            first = [t[:, :, :split + (blindspot > 1)] for t in (q, k, v)]
+            ld = None if log_decay is None else log_decay[:, :, :split + (blindspot > 1)]
+            _, state = causal_linear_attention(*first, ld, **{**kw, "mask": mask[:, :split + (blindspot > 1)]},
+                                               return_state=True)
+            rest = slice(split + (blindspot > 1), n)
+            out, _ = causal_linear_attention(*(t[:, :, rest] for t in (q, k, v)),
+                                             None if log_decay is None else log_decay[:, :, rest],
+                                             **{**kw, "mask": mask[:, rest]}, state=state, return_state=True)
+        else:
+            out = causal_linear_attention(q, k, v, log_decay, **kw)
+        out.sum().backward()
+    assert count.syncs == []
+    assert all(torch.isfinite(t.grad).all() for t in inputs)
+
+
+@pytest.mark.parametrize("scale", [1.0, 100.0, 1000.0])
+@pytest.mark.parametrize("decay", [None, "head", "feature"])
+@pytest.mark.parametrize("n", [32, 37])
+def test_parallel_exp_chunks_are_exact_without_any_recompute(scale, decay, n, parallel, monkeypatch):
+    """The parallel form's exponential-feature chunks are exact by construction: with the
+    recompute disabled (it would raise), float64 equals the explicit matrix at logit
+    spreads up to 1000 (where the sequential form's fast chunks lose whole rows), gradients
+    included; masks with left padding and an empty row."""
+    def never(*args, **kwargs):
+        raise AssertionError("the parallel form must not need the recompute")
+
+    monkeypatch.setattr(KERNEL, "_lost_to_underflow", never)
+    monkeypatch.setattr(KERNEL, "_recompute_chunks", never)
+    b, h, d, e = 2, 2, 4, 3
+    q, k, v, log_decay = kernel_inputs(b, h, n, d, e, decay, seed=n + int(scale), scale=scale)
+    mask = torch.rand(b, n, generator=torch.Generator().manual_seed(n)) < 0.7
+    mask[0, :3] = False
+    mask[-1] = False
+    w = torch.randn(b, h, n, e, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    results = []
+    for fn in (causal_linear_attention, naive_causal_linear_attention):
+        inputs = [None if t is None else t.clone().requires_grad_() for t in (q, k, v, log_decay)]
+        kw = dict(chunk_size=8) if fn is causal_linear_attention else {}
+        out = fn(*inputs, mask=mask, exp_features=True, **kw)
+        grads = torch.autograd.grad((out * w).sum(), [t for t in inputs if t is not None])
+        results.append((out.detach(), grads))
+    (out, grads), (ref, ref_grads) = results
+    torch.testing.assert_close(out, ref, rtol=1e-9, atol=1e-12)
+    for g, g_ref in zip(grads, ref_grads):
+        torch.testing.assert_close(g, g_ref, rtol=1e-7, atol=1e-9)
+    assert torch.equal(out[-1], torch.zeros_like(out[-1]))
+
+
+def test_segments_keep_one_sync_for_exp_features_only(parallel):
+    """With segments the exponential-feature chunks take the fast form and its recompute
+    check (one sync: the running maxima of the exact form would have to restart inside a
+    chunk); given features and blindspot make none."""
+    b, h, n, d, e = 1, 2, 24, 4, 3
+    q, k, v, _ = kernel_inputs(b, h, n, d, e, None, seed=0, scale=1.0)
+    segments = torch.tensor([[0] * 10 + [1] * 14])
+    for exp_features, blindspot, expected in [(True, 1, ["aten::nonzero"]), (True, 4, []), (False, 1, [])]:
+        qi, ki = (q, k) if exp_features else (q.abs(), k.abs())
+        with OpCount() as count:
+            causal_linear_attention(qi, ki, v, blindspot_size=blindspot, chunk_size=8, exp_features=exp_features,
+                                    segments=segments)
+        assert count.syncs == expected, (exp_features, blindspot)
+
+
+def test_chunk_form_auto_is_parallel_off_the_cpu(monkeypatch):
+    monkeypatch.setattr(KERNEL, "CHUNK_FORM", "auto")
+    assert not KERNEL._parallel_form(torch.device("cpu"))
+    assert KERNEL._parallel_form(torch.device("cuda"))
+    assert KERNEL._parallel_form(torch.device("meta"))
+    monkeypatch.setattr(KERNEL, "CHUNK_FORM", "fast")
+    with pytest.raises(ValueError, match="CHUNK_FORM"):
+        causal_linear_attention(*(torch.rand(1, 1, 4, 2) for _ in range(3)))
