@@ -76,7 +76,11 @@ def test_a_raising_block_fails_and_names_its_line(tmp_path):
 
 @pytest.mark.parametrize("path", DOC_FILES, ids=lambda p: str(p.relative_to(ROOT)))
 def test_python_blocks_run(path):
-    run_blocks(path)
+    try:
+        run_blocks(path)
+    finally:  # a page that starts a process group and fails midway must not leave it to later tests
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
 
 
 def test_the_docs_hold_the_blocks_they_are_meant_to():
