@@ -34,6 +34,12 @@ generates 1024 tokens after a 16-token prompt, with
    recompute / (new tokens x floor) is the most any cached decoder could reach here.
    ``--compare-compile`` also times the first feed-forward on one token, eager and compiled.
 
+6. compiled step (``--compile-step``): ``generate(..., use_cache=True, compile_step={"backend":
+   BACKEND})`` (``torch.compile(decoder.step, fullgraph=True)``: one graph for every
+   position). Its first call (compilation and 8 tokens) is timed on its own; then the full
+   generate() is timed against the eager cached generate() of the same run, alternating
+   (``--compile-rounds`` pairs, best of each), with a check that the tokens are the same.
+
 The square matmul rate is measured at the start and at the end as the drift reference.
 
 Usage:  python benchmarks/bench_generate.py [--device cpu] [--threads 1] [--new-tokens 1024]
@@ -168,6 +174,39 @@ def compiled_feedforward_seconds(model, device, reps=300):
     return out
 
 
+def compiled_generate(wrapper, prompt, new_tokens, cached_tokens, device, args):
+    """The cached generate() with ``compile_step`` against the eager one, alternating."""
+    options = {"backend": args.compile_backend}
+
+    def run(compile_step):
+        return wrapper.generate(prompt, new_tokens, temperature=0, use_cache=True, compile_step=compile_step)
+
+    _, t_first = timed(lambda: wrapper.generate(prompt, 8, temperature=0, use_cache=True, compile_step=options),
+                       device)
+    eager, compiled, same = [], [], True
+    for _ in range(args.compile_rounds):
+        tokens, t = timed(lambda: run(False), device)
+        eager.append(t)
+        tokens_c, t = timed(lambda: run(options), device)
+        compiled.append(t)
+        same = same and torch.equal(tokens_c, cached_tokens) and torch.equal(tokens, cached_tokens)
+    return dict(first=t_first, eager=min(eager), compiled=min(compiled), same=same, backend=args.compile_backend,
+                rounds=args.compile_rounds)
+
+
+def print_compiled(result, t_cached, new_tokens, t_recompute):
+    if result is None:
+        return
+    e, c = result["eager"], result["compiled"]
+    print(f"compiled step (generate(compile_step={{'backend': '{result['backend']}'}})): first call (compile + 8 "
+          f"tokens) {result['first']:.1f} s; then, best of {result['rounds']} alternating pairs: eager "
+          f"{e:.2f} s ({1e3 * e / new_tokens:.2f} ms/token), compiled {c:.2f} s ({1e3 * c / new_tokens:.2f} "
+          f"ms/token): compiled / eager = {c / e:.2f}; tokens {'same' if result['same'] else 'DIFFER'}")
+    if t_recompute is not None:
+        print(f"  speed-up over recompute with the compiled step: {t_recompute / c:.1f}x (eager, same pairs: "
+              f"{t_recompute / e:.1f}x; first cached run above: {t_recompute / t_cached:.1f}x)")
+
+
 def estimate_recompute(points, prompt_len, new_tokens):
     """Sum over the steps of the forward time at the step's length (prompt_len + i for step i),
     interpolated linearly between the measured (length, seconds) points (and extrapolated
@@ -210,6 +249,13 @@ def main(argv=None):
     p.add_argument("--batch", type=int, default=8, help="prompts in the batched cached run (default: %(default)s)")
     p.add_argument("--compare-compile", action="store_true",
                    help="also time the first feed-forward on one token eager and under torch.compile")
+    p.add_argument("--compile-step", action="store_true",
+                   help="also time generate(compile_step=...) against the eager cached generate()")
+    p.add_argument("--compile-backend", default="inductor", help="torch.compile backend (default: %(default)s)")
+    p.add_argument("--compile-rounds", type=int, default=3,
+                   help="alternating eager / compiled generate() pairs, best of each (default: %(default)s)")
+    p.add_argument("--skip-recompute", action="store_true",
+                   help="skip the recompute path, the batch and the floor (with --compile-step: the comparison alone)")
     args = p.parse_args(argv)
     size = args.matmul_size or default_matmul_size(args.device)
     device, P, N = args.device, args.prompt_len, args.new_tokens
@@ -263,6 +309,11 @@ def main(argv=None):
     t_stepwise = t_prompt + sum(steps)
     stepwise_same = torch.equal(step_tokens, cached_tokens)
     first, last = steps[:W], steps[-W:]  # generated tokens 1 .. W and N - W .. N - 1
+
+    compiled = compiled_generate(wrapper, prompt, N, cached_tokens, device, args) if args.compile_step else None
+    if args.skip_recompute:
+        print_compiled(compiled, t_cached, N, None)
+        return 0
 
     # 3. recompute path: single forwards at a few lengths -> estimate; the real run if affordable
     lengths = args.estimate_lengths or sorted({P, 256, 512, 768, P + N - 1})
@@ -349,6 +400,8 @@ def main(argv=None):
           f"{'equals' if batch_row0_same else 'DIFFERS FROM'} that prompt generated alone")
     print(f"tokens: cached == recompute over {short} tokens: {'yes' if same else 'NO'}"
           + ("" if recompute_same is None else f"; over all {N}: {'yes' if recompute_same else 'NO'}"))
+    if compiled is not None:
+        print_compiled(compiled, t_cached, N, t_re)
     print(f"matmul reference: {ref_start / 1e9:.1f} / {ref_end / 1e9:.1f} GFLOP/s (start / end)")
     print(f"(total benchmark time {time.perf_counter() - t_start:.0f} s; {load_average()} at the end)")
     return 0

@@ -29,7 +29,8 @@ Such a net may also offer the faster one-token form,
     decoder.step(tokens (b,)) -> logits (b, num_tokens)
 
 (the logits at the prompt's last position, then after each token fed); ``generate`` then
-uses it instead of the cache.
+uses it instead of the cache. A decoder whose step can be compiled as one graph sets
+``compilable = True`` (``generate(..., compile_step=...)`` compiles it).
 
 Sampling filters
 ----------------
@@ -78,6 +79,18 @@ def _check_tokens(x, name):
         raise TypeError(f"{name} must be a tensor of token ids, got {type(x).__name__}")
     if x.dtype not in _INTEGER_DTYPES:
         raise TypeError(f"{name} must have an integer dtype, got {x.dtype}")
+
+
+def _check_compile_step(compile_step):
+    """None (False) or the keyword arguments for ``torch.compile`` of the decoder's step."""
+    if compile_step is False or compile_step is None:
+        return None
+    if compile_step is True:
+        return {}
+    if isinstance(compile_step, dict) and all(isinstance(key, str) for key in compile_step):
+        return dict(compile_step)
+    raise TypeError(f"compile_step must be False, True or a dict of torch.compile keyword arguments, "
+                    f"got {compile_step!r}")
 
 
 def _check_mask(mask, shape, name="input_mask"):
@@ -198,14 +211,18 @@ class _LinearCrossEntropy(torch.autograd.Function):
             b = None if bias is None else bias.to(matmul_dtype)
             counted = targets != ignore_index
             safe_targets = targets.masked_fill(~counted, 0).long()
-            some_ignored = bool((~counted).any())  # one check, not one per chunk
             total = features.new_zeros((), dtype=torch.promote_types(features.dtype, torch.float32))
             if want_grad:
                 grad_h = torch.empty_like(features)
                 grad_w = torch.zeros_like(weight, dtype=total.dtype)
                 grad_b = None if bias is None else torch.zeros_like(bias, dtype=total.dtype)
-            for start in range(0, features.shape[0], chunk_rows):
-                rows = slice(start, start + chunk_rows)
+            n_rows = features.shape[0]
+            # one chunk as a whole slice: under torch.compile with dynamic shapes the loop over a
+            # symbolic row count would specialise on it (a recompile per length), a comparison
+            # only guards on n_rows <= chunk_rows
+            chunks = [slice(None)] if n_rows <= chunk_rows else [
+                slice(start, start + chunk_rows) for start in range(0, n_rows, chunk_rows)]
+            for rows in chunks:
                 logits = F.linear(h[rows], w, b).to(total.dtype)
                 picked = logits.gather(1, safe_targets[rows, None])[:, 0]
                 # log-sum-exp by hand, in place, so that exp(logits - max) serves the softmax too
@@ -215,10 +232,12 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 lse = top[:, 0] + sums.log()
                 total = total + ((lse - picked) * counted[rows]).sum()
                 if want_grad:
-                    p = e.div_(sums[:, None])  # softmax
-                    p[torch.arange(p.shape[0], device=p.device), safe_targets[rows]] -= 1.0
-                    if some_ignored:
-                        p = p.mul_(counted[rows, None])
+                    # softmax - onehot on counted rows, 0 on the others: the rows are scaled by
+                    # counted / sums in the one pass that divides by the sums (no check whether
+                    # any row is ignored: that would read a value back to the host)
+                    weight_row = counted[rows].to(e.dtype)
+                    p = e.mul_((weight_row / sums)[:, None])
+                    p[torch.arange(p.shape[0], device=p.device), safe_targets[rows]] -= weight_row
                     p = p.to(matmul_dtype)
                     grad_h[rows] = (p @ w).to(grad_h.dtype)
                     grad_w += (p.t() @ h[rows]).to(grad_w.dtype)
@@ -329,6 +348,22 @@ class AutoregressiveWrapper(nn.Module):
     def _supports_cache(self):
         return getattr(self.net, "supports_cache", False) is True
 
+    def _compiled_step(self, decoder, options):
+        """``decoder.step``, compiled when ``options`` (``generate``'s compile_step) is not None:
+        ``torch.compile(decoder.step, fullgraph=True, **options)``, on a CUDA device with
+        ``mode="reduce-overhead"`` (a CUDA graph) unless the options name a mode or a backend."""
+        if options is None:
+            return decoder.step
+        if getattr(decoder, "compilable", False) is not True:
+            raise ValueError(f"compile_step: the net's decoder ({type(decoder).__name__}) has no step that "
+                             f"compiles as one graph; pass compile_step=False")
+        options = {"fullgraph": True, **options}
+        device = getattr(decoder, "device", None)
+        if device is not None and torch.device(device).type == "cuda" and "mode" not in options \
+                and "backend" not in options:
+            options["mode"] = "reduce-overhead"
+        return torch.compile(decoder.step, **options)
+
     def _next_logits(self, seq, mask, cache_state, kwargs):
         """Logits (b, num_tokens) for the token that follows ``seq``.
 
@@ -337,7 +372,9 @@ class AutoregressiveWrapper(nn.Module):
             mask: (b, n) bool or None, the running input mask.
             cache_state: None for the recompute path; otherwise a dict that this method
                 updates, holding ``cache`` (the net's cache or decoder, or None before the
-                first call) and ``length`` (how many tokens of ``seq`` it covers).
+                first call), ``length`` (how many tokens of ``seq`` it covers), ``compile``
+                (generate's compile_step options or None) and ``step`` (the decoder's step,
+                compiled or not).
             kwargs: other keyword arguments for the net, passed unchanged.
         """
         window = self.max_seq_len
@@ -356,7 +393,9 @@ class AutoregressiveWrapper(nn.Module):
         incremental = cache is not None and n <= window and cache_state["length"] == n - 1
         decoding = self._starts_decoding()
         if incremental and decoding:  # the newest token is real: no mask to pass
-            logits = cache.step(seq[:, -1])
+            # (contiguous: the column of the running buffer has its row stride, which would
+            # differ between calls and make a compiled step guard on it)
+            logits = cache_state["step"](seq[:, -1].contiguous())
         else:
             start = n - 1 if incremental else max(n - window, 0)
             if mask is not None:
@@ -365,6 +404,7 @@ class AutoregressiveWrapper(nn.Module):
                 logits, cache = self.net(seq[:, start:], **net_kwargs)[:, -1], None
             elif decoding:
                 logits, cache = self.net.start_decoding(seq[:, start:], **net_kwargs)
+                cache_state["step"] = self._compiled_step(cache, cache_state.get("compile"))
             else:
                 logits, cache = self.net(seq[:, start:], cache=cache if incremental else None,
                                          return_cache=True, **net_kwargs)
@@ -377,7 +417,7 @@ class AutoregressiveWrapper(nn.Module):
         return callable(getattr(self.net, "start_decoding", None))
 
     def generate(self, start_tokens, seq_len, eos_token=None, temperature=1.0,
-                 filter_logits_fn=top_k, filter_thres=0.9, use_cache=None, **kwargs):
+                 filter_logits_fn=top_k, filter_thres=0.9, use_cache=None, compile_step=False, **kwargs):
         """Sample ``seq_len`` tokens that continue ``start_tokens``.
 
         Each step feeds the net the last ``net.max_seq_len`` tokens of the running
@@ -411,6 +451,17 @@ class AutoregressiveWrapper(nn.Module):
                 Once the sequence outgrows ``max_seq_len`` the cache is rebuilt from the
                 last ``max_seq_len`` tokens at every step, so both paths see the same
                 window.
+            compile_step: False (the default) runs the decoder's step eagerly. True, or a
+                dict of ``torch.compile`` keyword arguments (e.g. ``{"backend": "aot_eager"}``,
+                ``{"mode": "max-autotune-no-cudagraphs"}``), runs
+                ``torch.compile(decoder.step, fullgraph=True, **options)`` instead: one graph
+                for every position (the decoder makes no host sync and keeps its buffers), on
+                a CUDA device with ``mode="reduce-overhead"`` (a CUDA graph per step) unless the
+                dict names a mode or a backend. Needs the net's one-token decoder
+                (``start_decoding``, a decoder with ``compilable = True``) and the cache
+                (ValueError otherwise). The first call compiles (seconds to a minute); later
+                calls with the same batch size reuse the graph. On a CPU it may not pay: see
+                benchmarks/bench_generate.py ``--compile-step``.
             **kwargs: passed to the net. ``input_mask`` (b, n) (or (n,) for a 1-D
                 prompt) bool, True for real tokens, describes left-padded prompts: its
                 last column must be all True. It is extended with True for each
@@ -431,11 +482,11 @@ class AutoregressiveWrapper(nn.Module):
         # result is cloned outside it so that callers may feed it to a model they train
         with torch.inference_mode():
             out = self._generate(start_tokens, seq_len, eos_token, temperature, filter_logits_fn, filter_thres,
-                                 use_cache, **kwargs)
+                                 use_cache, compile_step, **kwargs)
         return out.clone()
 
     def _generate(self, start_tokens, seq_len, eos_token=None, temperature=1.0,
-                  filter_logits_fn=top_k, filter_thres=0.9, use_cache=None, **kwargs):
+                  filter_logits_fn=top_k, filter_thres=0.9, use_cache=None, compile_step=False, **kwargs):
         """``generate`` without the inference-mode wrapper."""
         _check_tokens(start_tokens, "start_tokens")
         if start_tokens.ndim not in (1, 2) or start_tokens.shape[-1] < 1:
@@ -462,6 +513,10 @@ class AutoregressiveWrapper(nn.Module):
                              "pass use_cache=False or None")
         if use_cache is None:
             use_cache = self._supports_cache()
+        compile_options = _check_compile_step(compile_step)
+        if compile_options is not None and not (use_cache and self._starts_decoding()):
+            raise ValueError("compile_step needs the net's one-token decoder (net.start_decoding) and the cache "
+                             "(use_cache True or None); pass compile_step=False")
 
         if kwargs.get("segment_ids") is not None:
             raise ValueError("segment_ids: generate continues one sequence per row; "
@@ -488,7 +543,7 @@ class AutoregressiveWrapper(nn.Module):
             mask_buffer[:, :length] = mask
             mask = mask_buffer[:, :length]
         done = torch.zeros(b, dtype=torch.bool, device=device)
-        cache_state = {"cache": None, "length": 0} if use_cache else None
+        cache_state = {"cache": None, "length": 0, "compile": compile_options} if use_cache else None
         generated = []
 
         modes = [(module, module.training) for module in self.net.modules()]

@@ -86,7 +86,10 @@ def start_decoding(model, x, input_mask=None, context=None, context_mask=None):
 
 class CacheDecoder:
     """The decoder interface over the general cached form: ``step`` calls
-    ``model(tokens[:, None], cache=cache, return_cache=True)``."""
+    ``model(tokens[:, None], cache=cache, return_cache=True)`` (not one graph: its caches are
+    new objects at every step)."""
+
+    compilable = False
 
     def __init__(self, model, cache):
         self.model, self.cache = model, cache
@@ -126,6 +129,8 @@ class Decoder:
     read back from the device once (a sync: read it between steps, not inside a loop that
     must not wait).
     """
+
+    compilable = True  # (AutoregressiveWrapper.generate's compile_step)
 
     @staticmethod
     def supports(model):

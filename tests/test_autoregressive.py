@@ -620,6 +620,31 @@ def test_linear_cross_entropy_equals_plain_form_float64(chunk_rows, with_bias):
         torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
 
 
+@pytest.mark.parametrize("ignored", [False, True])
+def test_linear_cross_entropy_reads_nothing_back(ignored):
+    """Forward and backward make no host sync (no check whether any row is ignored), so the
+    loss compiles without a graph break and lets a GPU run ahead."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Syncs(TorchDispatchMode):
+        names = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func.name().split(".")[0] in ("aten::_local_scalar_dense", "aten::item", "aten::nonzero",
+                                             "aten::is_nonzero", "aten::equal"):
+                self.names.append(func.name())
+            return func(*args, **(kwargs or {}))
+
+    features = torch.randn(12, 5, requires_grad=True)
+    weight = torch.randn(7, 5, requires_grad=True)
+    targets = torch.randint(0, 7, (12,))
+    if ignored:
+        targets[::3] = -100
+    with Syncs() as mode:
+        linear_cross_entropy(features, weight, None, targets, chunk_rows=5).backward()
+    assert mode.names == []
+
+
 def test_linear_cross_entropy_nan_when_nothing_counted_and_no_grad_path():
     features, weight = torch.randn(4, 3), torch.randn(6, 3)
     targets = torch.full((4,), -100)

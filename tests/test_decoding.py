@@ -247,7 +247,7 @@ def test_step_makes_no_sync_and_keeps_its_buffers(name):
 def graphs(counter):
     """Graphs compiled (dynamo may hand the backend an empty graph when it restarts its first
     analysis of a frame; with ``error_on_recompile`` a guard that fails raises)."""
-    return sum(1 for gm in counter.graphs if len(gm.graph.nodes))
+    return sum(1 for gm in counter.graphs if any(node.op.startswith("call") for node in gm.graph.nodes))
 
 
 def test_compiled_step_one_graph_over_200_steps_float64():
@@ -315,3 +315,36 @@ def test_step_refuses_bad_tokens():
     with pytest.raises(ValueError, match="tokens"):
         decoder.step(torch.tensor([1, 2, 3]))
     assert decoder.position == 4
+
+
+# ------------------------------------------------------------ generate(compile_step=...)
+
+
+def test_generate_with_a_compiled_step_equals_eager_and_compiles_once():
+    """generate(compile_step={...}) picks the tokens the eager step picks (float64, greedy); a
+    second call with another prompt and length reuses the graph (no recompile)."""
+    model = make_long(LONG_CONFIGS["local+blindspot+gate+shift"])
+    wrapper = AutoregressiveWrapper(model)
+    x, mask = padded_prompt()
+    counter = CompileCounterWithBackend("aot_eager")
+    torch._dynamo.reset()
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        compiled = wrapper.generate(x, 30, temperature=0, input_mask=mask, compile_step={"backend": counter})
+        again = wrapper.generate(x[:, 1:], 12, temperature=0, input_mask=mask[:, 1:], compile_step={"backend": counter})
+    assert graphs(counter) == 1
+    assert torch.equal(compiled, wrapper.generate(x, 30, temperature=0, input_mask=mask))
+    assert torch.equal(again, wrapper.generate(x[:, 1:], 12, temperature=0, input_mask=mask[:, 1:]))
+
+
+def test_generate_compile_step_refusals():
+    model = make_long(LONG_CONFIGS["local+blindspot+gate+shift"], torch.float32)
+    wrapper = AutoregressiveWrapper(model)
+    prompt = torch.randint(0, 20, (1, 4))
+    for bad in ("yes", 1, {"backend": "eager", 3: 4}):
+        with pytest.raises(TypeError, match="compile_step"):
+            wrapper.generate(prompt, 2, compile_step=bad)
+    with pytest.raises(ValueError, match="compile_step"):
+        wrapper.generate(prompt, 2, use_cache=False, compile_step=True)
+    axial = AutoregressiveWrapper(make(CONFIGS["gate+conv+axial+rotary"], torch.float32))  # its decoder: CacheDecoder
+    with pytest.raises(ValueError, match="compile_step"):
+        axial.generate(prompt, 2, compile_step={"backend": "eager"})
