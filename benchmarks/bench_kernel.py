@@ -11,8 +11,9 @@ features (``--map elu``).
 ``--against FILE`` loads another version of ``ops/linear_attention.py`` (for instance
 ``git show REV:linear_attention_transformer/ops/linear_attention.py > /tmp/kernel_rev.py``;
 its relative imports resolve in the installed package) and times both in the same process, alternating
-rounds so that a drifting machine hits both alike; the ratio this / against is the figure to
-read (best of each).
+rounds (each round in the other order) so that a drifting machine hits both alike; the ratio
+this / against of the best times, and the median over rounds of each round's own ratio (robust
+on a shared, busy machine: use many rounds), are the figures to read.
 
 The floor is the kernel's matmul FLOPs (``common.causal_kernel_flops``, x3 for forward +
 backward) at the square matmul rate measured before and after.
@@ -124,24 +125,31 @@ def main(argv=None):
         for kernel in kernels.values():  # warm
             step_seconds(kernel, tensors, elu, args.device, 1)
         best = {name: float("inf") for name in kernels}
-        for _ in range(args.rounds):
-            for name, kernel in kernels.items():
-                best[name] = min(best[name], step_seconds(kernel, tensors, elu, args.device, reps))
+        ratios = []  # this / against within each round: neighbours in time share the machine's state
+        for i in range(args.rounds):
+            order = list(kernels.items()) if i % 2 == 0 else list(kernels.items())[::-1]
+            times = {}
+            for name, kernel in order:
+                times[name] = step_seconds(kernel, tensors, elu, args.device, reps)
+                best[name] = min(best[name], times[name])
+            if args.against:
+                ratios.append(times["this"] / times["against"])
         flops = 3 * b * causal_kernel_flops(h, n, d, d, CHUNK)
-        rows.append((shape, flops, best))
+        rows.append((shape, flops, best, sorted(ratios)))
     rate_after = square_matmul_rate(args.device, size)
     rate = (rate_before + rate_after) / 2
 
     headers = ["b, h, n, d", "GFLOP", "floor ms", "this ms", "floor / this"]
     if args.against:
-        headers += ["against ms", "this / against"]
+        headers += ["against ms", "this / against", "median round ratio"]
     out = []
-    for shape, flops, best in rows:
+    for shape, flops, best, ratios in rows:
         floor = flops / rate
         row = [", ".join(map(str, shape)), f"{flops / 1e9:.2f}", f"{1e3 * floor:.2f}", f"{1e3 * best['this']:.2f}",
                f"{100 * floor / best['this']:.0f} %"]
         if args.against:
-            row += [f"{1e3 * best['against']:.2f}", f"{best['this'] / best['against']:.3f}"]
+            median = ratios[len(ratios) // 2] if len(ratios) % 2 else sum(ratios[len(ratios) // 2 - 1:][:2]) / 2
+            row += [f"{1e3 * best['against']:.2f}", f"{best['this'] / best['against']:.3f}", f"{median:.3f}"]
         out.append(row)
     print(f"best of {args.rounds} alternating rounds; matmul reference {square_matmul_desc(size)}, fp32: "
           f"{rate_before / 1e9:.1f} GFLOP/s before, {rate_after / 1e9:.1f} after")

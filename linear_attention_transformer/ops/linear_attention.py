@@ -43,8 +43,9 @@ and the output is ``sum_j w_ij v_j / sum_j w_ij``. Two kinds of features:
     cumulative -P (``_exact_chunk_factors``), formed like a per-feature gate's weights (chunks
     of 16 in sub-chunks of 4). Exact by construction at any spread; on the CPU that sub-chunk
     work costs more than the fast form plus its (rare) recompute, so the CPU keeps those. With
-    segments the parallel form keeps them too (the running maxima would have to restart
-    inside a chunk): that case still reads the count back.
+    segments the running maxima restart at each segment's first token (a log-depth segmented
+    maximum) and the factors through a sub-chunk's reference are kept only for pairs whose
+    segment holds that reference (every pair of one segment does).
 
   So the chunked form, the recurrence and the blindspot form are exact at any logit spread
   (float64 equal to the explicit matrix, float32 within the rounding of its logits),
@@ -62,8 +63,8 @@ end, a_c its total decay; for exponential features both relative to the referenc
 above). That is a scan of chunk summaries under one associative operator (``ops/scan.py``,
 also the summary that context parallelism exchanges): ``CHUNK_FORM`` picks a loop over the
 chunks (the CPU's form: faster there) or a work-efficient log-depth scan whose backward is the
-reverse scan (every other device: launches grow as log n, not n; with the exact chunks above
-and no segments, no host sync in forward or backward).
+reverse scan (every other device: launches grow as log n, not n; with the exact chunks above,
+no host sync in forward or backward, segments included).
 
 ``log_decay`` (log a_t <= 0), per position (b, h, n) or per position and key feature
 (b, h, n, d), is the forget gate of gated linear attention. Decays are applied as
@@ -507,8 +508,11 @@ def _emptied(state, rows):
 # --------------------------------------------------------------------- causal: chunked
 
 
-def _intra_chunk_weights(q, k, G, sub_chunk):
-    """w_ij inside each chunk for j <= i.  q, k: (…, C, d) factors; G: (…, C) or (…, C, d) or None."""
+def _intra_chunk_weights(q, k, G, sub_chunk, seg=None):
+    """w_ij inside each chunk for j <= i.  q, k: (…, C, d) factors; G: (…, C) or (…, C, d) or None.
+    seg: optional (…, C) run index; a per-feature G then only has to be non-increasing inside
+    each segment (the pairs across segments are dropped before any factor is formed, and must
+    be masked by the caller)."""
     C = q.shape[-2]
     causal = torch.ones(C, C, dtype=torch.bool, device=q.device).tril()
     if G is None:  # (in place: the fresh product is not needed for backward)
@@ -517,20 +521,22 @@ def _intra_chunk_weights(q, k, G, sub_chunk):
         diff = (G[..., :, None] - G[..., None, :]).masked_fill(~causal, NEG_INF)
         return (q @ k.transpose(-1, -2)) * diff.exp()
     if C % sub_chunk or C == sub_chunk:
-        return _pairwise_weights(q, k, G)
-    return _two_level_weights(q, k, G, sub_chunk)
+        return _pairwise_weights(q, k, G, seg)
+    return _two_level_weights(q, k, G, sub_chunk, seg)
 
 
-def _pairwise_weights(q, k, G):
+def _pairwise_weights(q, k, G, seg=None):
     """Decay per feature, formed pair by pair: (…, C, C, d) — only for short chunks."""
     C = q.shape[-2]
-    causal = torch.ones(C, C, dtype=torch.bool, device=q.device).tril()
-    diff = (G[..., :, None, :] - G[..., None, :, :]).masked_fill(~causal[..., None], NEG_INF)
+    visible = torch.ones(C, C, dtype=torch.bool, device=q.device).tril()
+    if seg is not None:
+        visible = visible & (seg[..., :, None] == seg[..., None, :])
+    diff = (G[..., :, None, :] - G[..., None, :, :]).masked_fill(~visible[..., None], NEG_INF)
     # explicit products and a sum: as an einsum this becomes a batched matmul of 1 x 1 blocks
     return (diff.exp() * k[..., None, :, :] * q[..., :, None, :]).sum(-1)
 
 
-def _two_level_weights(q, k, G, s):
+def _two_level_weights(q, k, G, s, seg=None):
     """Decay per feature in chunks of C split into sub-chunks of s.
 
     For a query sub-chunk I and the keys before it, the decay exp(G_i - G_j) factors through
@@ -540,11 +546,19 @@ def _two_level_weights(q, k, G, s):
     C, d = q.shape[-2:]
     m = C // s
     qs, Gs = (rearrange(t, "... (m s) d -> ... m s d", s=s) for t in (q, G))
-    diag = _pairwise_weights(qs, rearrange(k, "... (m s) d -> ... m s d", s=s), Gs)  # (…, m, s, s)
+    segs = None if seg is None else rearrange(seg, "... (m s) -> ... m s", s=s)
+    diag = _pairwise_weights(qs, rearrange(k, "... (m s) d -> ... m s d", s=s), Gs, segs)  # (…, m, s, s)
 
     R = Gs[..., :-1, -1, :]  # (…, m-1, d): decay before sub-chunk I = 1 .. m-1
-    q_ref = qs[..., 1:, :, :] * (Gs[..., 1:, :, :] - R[..., None, :]).exp()  # (…, m-1, s, d)
+    to_query = Gs[..., 1:, :, :] - R[..., None, :]
     before = torch.arange(C, device=q.device)[None, :] < (torch.arange(1, m, device=q.device) * s)[:, None]
+    if seg is not None:
+        # a pair of one segment has the token before I (R's position) in that segment too: the
+        # factors through R are kept only there (elsewhere they may exceed 1, the pair is dropped)
+        seg_R = segs[..., :-1, -1]  # (…, m-1)
+        to_query = to_query.masked_fill(~(segs[..., 1:, :] == seg_R[..., None])[..., None], NEG_INF)
+        before = before & (seg[..., None, :] == seg_R[..., :, None])
+    q_ref = qs[..., 1:, :, :] * to_query.exp()  # (…, m-1, s, d)
     to_ref = (R[..., :, None, :] - G[..., None, :, :]).masked_fill(~before[..., None], NEG_INF)
     k_ref = k[..., None, :, :] * to_ref.exp()  # (…, m-1, C, d), zero for keys not before I
     off = q_ref @ k_ref.transpose(-1, -2)  # (…, m-1, s, C)
@@ -576,7 +590,20 @@ def _query_factors(parts):
     return [(x + (ref - M)).exp() for x, ref in parts]
 
 
-def _exact_chunk_factors(q_logits, k_logits, G, r_read, sub_chunk):
+def _segment_running_max(x, seg):
+    """max_{j <= i, j in i's segment} x_j along the chunk: x (…, l, d), seg (…, l) run index
+    (non-decreasing). Log-depth: after the step of offset s, position i holds the maximum over
+    the last 2s positions of its segment."""
+    l, s = x.shape[-2], 1
+    while s < l:
+        joined = (seg[..., s:] == seg[..., :-s])[..., None]  # i and i - s in one segment
+        step = torch.where(joined, torch.maximum(x[..., s:, :], x[..., :-s, :]), x[..., s:, :])
+        x = torch.cat((x[..., :s, :], step), dim=-2)
+        s *= 2
+    return x
+
+
+def _exact_chunk_factors(q_logits, k_logits, G, r_read, sub_chunk, seg=None):
     """Exponential features inside a chunk with nothing lost to underflow (the parallel form).
 
     q_logits: (…, l, d) q + G; k_logits: (…, l, d) raw key logits (masked keys -inf); G:
@@ -591,10 +618,13 @@ def _exact_chunk_factors(q_logits, k_logits, G, r_read, sub_chunk):
     every factor <= 1: the middle one is a per-feature decay with log cumulative -P, so the
     weights are ``_intra_chunk_weights``' per-feature form. (-inf in P, before a feature's
     first key, becomes the chunk's smallest finite P in the last two factors, whose product
-    is then 0 by the third, and stays -inf in the first.) Returns (q_state, weights)."""
+    is then 0 by the third, and stays -inf in the first.) With ``seg`` (…, l), the run index
+    of each position, the running maximum restarts with each segment and the weights hold
+    only pairs of one segment (r_read is then -inf for queries that read no state).
+    Returns (q_state, weights)."""
     K = k_logits if G is None else k_logits - G
     with torch.no_grad():
-        P = K.detach().cummax(dim=-2).values
+        P = K.detach().cummax(dim=-2).values if seg is None else _segment_running_max(K.detach(), seg)
         finite = torch.isfinite(P)
         low = torch.where(finite, P, float("inf")).amin(dim=-2, keepdim=True)
         P_hat = torch.where(finite, P, torch.where(torch.isfinite(low), low, torch.zeros_like(low)))
@@ -604,7 +634,7 @@ def _exact_chunk_factors(q_logits, k_logits, G, r_read, sub_chunk):
         M = torch.where(torch.isfinite(M), M, torch.zeros_like(M))  # sees nothing: all terms 0
     q_pairs = (q_logits + (P - M)).exp()
     q_state = (q_logits + (r_read - M)).exp()
-    weights = _intra_chunk_weights(q_pairs, (K - P_hat).exp(), -P_hat, sub_chunk)
+    weights = _intra_chunk_weights(q_pairs, (K - P_hat).exp(), -P_hat, sub_chunk, seg)
     return q_state, weights
 
 
@@ -755,9 +785,8 @@ def causal_linear_attention(
 
         blindspot = blindspot_size > 1
         per_feature_decay = log_decay is not None and log_decay.ndim == 4
-        # exponential-feature chunks exact by construction (the parallel form; not with
-        # segments, whose running maxima would have to restart inside a chunk)
-        exact_chunks = parallel and exp_features and not blindspot and segments is None
+        # exponential-feature chunks exact by construction (the parallel form)
+        exact_chunks = parallel and exp_features and not blindspot
         # a per-feature decay is formed pair by pair inside sub-chunks (see _two_level_weights):
         # chunks of 16 in sub-chunks of 4 keep that elementwise work smallest (measured on CPU:
         # 0.6 s vs 1.4 s for chunks of 64 in 16, n=4096, 8 heads of 64, forward + backward);
@@ -853,7 +882,8 @@ def causal_linear_attention(
             if reads is not None:  # a query of a new segment reads no state: -inf, factor 0
                 r_read = torch.where(reads[..., None], r_read, NEG_INF)
             if exact_chunks:
-                q_state, weights = _exact_chunk_factors(q_logits, k_logits, Gd, r_read, PER_FEATURE_SUB_CHUNK)
+                q_state, weights = _exact_chunk_factors(q_logits, k_logits, Gd, r_read, PER_FEATURE_SUB_CHUNK,
+                                                        None if segments is None else seg)
             else:
                 parts = [(q_logits, r_read)]
                 if not blindspot:

@@ -188,19 +188,52 @@ def test_parallel_exp_chunks_are_exact_without_any_recompute(scale, decay, n, pa
     assert torch.equal(out[-1], torch.zeros_like(out[-1]))
 
 
-def test_segments_keep_one_sync_for_exp_features_only(parallel):
-    """With segments the exponential-feature chunks take the fast form and its recompute
-    check (one sync: the running maxima of the exact form would have to restart inside a
-    chunk); given features and blindspot make none."""
-    b, h, n, d, e = 1, 2, 24, 4, 3
-    q, k, v, _ = kernel_inputs(b, h, n, d, e, None, seed=0, scale=1.0)
-    segments = torch.tensor([[0] * 10 + [1] * 14])
-    for exp_features, blindspot, expected in [(True, 1, ["aten::nonzero"]), (True, 4, []), (False, 1, [])]:
-        qi, ki = (q, k) if exp_features else (q.abs(), k.abs())
+@pytest.mark.parametrize("exp_features", [False, True], ids=["features", "exp"])
+@pytest.mark.parametrize("decay", [None, "head", "feature"])
+@pytest.mark.parametrize("blindspot", [1, 4])
+def test_segments_make_no_sync_and_stay_exact(exp_features, decay, blindspot, parallel, monkeypatch):
+    """Packed sequences too: no sync forward or backward, and with the recompute disabled the
+    exponential-feature chunks equal the explicit matrix in float64 at a spread of 100 (an
+    earlier segment's keys in the same chunk e^2000 times a later one's: the running
+    maxima restart with each segment; the fast form without its recompute is far off here).
+    Segments that start inside chunks and sub-chunks, on their boundaries, and one token long."""
+    def never(*args, **kwargs):
+        raise AssertionError("the parallel form must not need the recompute")
+
+    monkeypatch.setattr(KERNEL, "_lost_to_underflow", never)
+    monkeypatch.setattr(KERNEL, "_recompute_chunks", never)
+    b, h, n, d, e = 2, 2, 45, 4, 3
+    q, k, v, log_decay = kernel_inputs(b, h, n, d, e, decay, seed=7, scale=100.0 if exp_features else 1.0)
+    if not exp_features:
+        q, k = q.abs() + 0.1, k.abs() + 0.1
+    else:
+        k[:, :, :10] += 2000.0  # the first segment's keys dwarf the next one's inside chunk 0
+    segments = torch.tensor([[0] * 10 + [1] * 6 + [2] * 1 + [3] * 15 + [4] * 13,
+                             [5] * 3 + [6] * 21 + [7] * 21])
+    mask = torch.rand(b, n, generator=torch.Generator().manual_seed(2)) < 0.85
+    w = torch.randn(b, h, n, e, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    results = []
+    for fn in (causal_linear_attention, naive_causal_linear_attention):
+        inputs = [None if t is None else t.clone().requires_grad_() for t in (q, k, v, log_decay)]
+        kw = dict(chunk_size=16) if fn is causal_linear_attention else {}
         with OpCount() as count:
-            causal_linear_attention(qi, ki, v, blindspot_size=blindspot, chunk_size=8, exp_features=exp_features,
-                                    segments=segments)
-        assert count.syncs == expected, (exp_features, blindspot)
+            out = fn(*inputs, mask=mask, blindspot_size=blindspot, exp_features=exp_features, segments=segments,
+                     **kw)
+            grads = torch.autograd.grad((out * w).sum(), [t for t in inputs if t is not None])
+        if fn is causal_linear_attention:
+            assert count.syncs == []
+        results.append((out.detach(), grads))
+    (out, grads), (ref, ref_grads) = results
+    torch.testing.assert_close(out, ref, rtol=1e-9, atol=1e-12)
+    for g, g_ref in zip(grads, ref_grads):
+        torch.testing.assert_close(g, g_ref, rtol=1e-7, atol=1e-9)
+    if exp_features and blindspot == 1:  # not vacuous: these inputs defeat the fast form
+        monkeypatch.setattr(KERNEL, "CHUNK_FORM", "sequential")
+        monkeypatch.setattr(KERNEL, "_lost_to_underflow", lambda den, *args: torch.zeros_like(den[..., 0], dtype=bool))
+        monkeypatch.setattr(KERNEL, "_recompute_chunks", lambda out, *args: out)
+        fast = causal_linear_attention(q, k, v, log_decay, mask=mask, exp_features=True, segments=segments,
+                                       chunk_size=16)
+        assert (fast - ref).abs().max() > 0.1
 
 
 def test_chunk_form_auto_is_parallel_off_the_cpu(monkeypatch):
