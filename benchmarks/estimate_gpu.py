@@ -1,0 +1,610 @@
+#!/usr/bin/env python
+"""A MODEL, not a timing: what one training step would cost on an H100, from the CPU.
+
+No GPU runs here. One training step (forward, loss, backward) is traced on the CPU under a
+``TorchDispatchMode`` that sees every aten op the step dispatches, by default on fake tensors
+(``FakeTensorMode``: shapes, strides and dtypes without data, so n = 65536 at dim 1024 traces in
+seconds). Each op is given the roofline cost
+
+    time(op) = max(launch_s, FLOPs / peak, bytes / bandwidth)
+
+and the step's estimate is the sum over its ops: ops run one after the other, each at the
+limit that binds it, with nothing overlapping. Its reference is the floor,
+
+    floor = the step's matmul FLOPs / the tensor-core peak of their dtype
+
+(the step as if it were its matmuls at peak and nothing else), and the figures to read are
+estimate / floor and the launch share: the fraction of the estimate spent in ops whose cost is
+their launch (ops too small to fill the GPU; fewer, fused ops are the cure).
+
+What is counted
+    - views and metadata ops (``func.is_view``, empty/empty_strided/_unsafe_view/..., prim::)
+      cost nothing and are not counted as ops;
+    - contractions (mm, addmm, bmm, baddbmm, addbmm, mv, addmv, dot; einsum, matmul and linear
+      reach the dispatcher as these) count 2 m n k FLOPs (times the batch), at the tensor-core
+      peak of their dtype. Convolutions count 2 x output elements x (input channels / groups)
+      x kernel size per pass, fused attention (``_scaled_dot_product_*``) 4 B H L S E forward
+      (half that when causal) and 2.5 x that backward; these are "matmul" FLOPs too;
+    - every other op counts one FLOP per element (the larger of its input and output element
+      counts) at the CUDA-core fp32 peak: in practice it is bound by bytes or by its launch;
+    - bytes are the tensor inputs read plus the tensor outputs written, each at its element
+      size; a broadcast (stride 0) dimension is read once; ops that only write their first
+      argument (copy_, fill_, zero_, the random fills) do not read it; gathers (index,
+      embedding, index_select, gather) read no more of their source than they write;
+    - host syncs (.item(), nonzero, boolean-mask indexing, ...: an op that reads a value back)
+      are counted, not costed. On a GPU each one stops the CPU from running ahead, which the
+      sum above does not show; fake tensors cannot run one, so a form that syncs must be
+      traced with ``--real`` (real CPU tensors: slow at large n).
+
+The hardware (``H100``; every figure a command-line option):
+    - launch_s = 6 us: an assumption, the host cost of one eager PyTorch op (Python, the
+      dispatcher, the CUDA launch), which paces a stream of small kernels when the CPU runs
+      ahead; 4-10 us is typical of eager PyTorch on a fast host, issue 21 uses ~6 us;
+    - peak_bf16 = 989.4e12 FLOP/s: H100 SXM5 datasheet, BF16/FP16 tensor core, dense (the
+      datasheet's 1979 is with 2:4 sparsity);
+    - peak_tf32 = 494.7e12: TF32 tensor core, dense; used for float32 matmuls only with
+      ``--tf32`` (torch.backends.cuda.matmul.allow_tf32 / set_float32_matmul_precision('high'));
+    - peak_fp32 = 66.9e12: FP32 on the CUDA cores; float32 matmuls without TF32 (PyTorch's
+      default) and every non-matmul FLOP;
+    - peak_fp64 = 66.9e12: FP64 tensor core, float64 matmuls;
+    - bandwidth = 3.35e12 B/s: HBM3 of the H100 SXM5 (80 GB).
+A peak is a bound no kernel reaches (cuBLAS gets ~60-80 % of it on large bf16 matmuls), so
+both the estimate and the floor are optimistic in the same way; the ratio is the figure.
+
+The default case is the seed's LM (``bench_seed_lm.SEED_LM``: seed 000's README arguments,
+reversible, 4 local + 4 global heads of 128, blindspot 64, GLU feed-forward, token shift,
+dropouts 0.1) at dim 1024 with the seed's gate (use_gate=True), batch 1, training mode, under
+bf16 autocast (the CPU's autocast op lists stand in for CUDA's), loss from
+``AutoregressiveWrapper`` (chunked ``linear_cross_entropy``), at n = 4096, 16384, 65536. The
+causal kernel is traced in the form it takes on a GPU (``CHUNK_FORM``: the device-chosen form,
+see ops/linear_attention.py), whatever device the trace runs on. Issue 21's target: the
+estimate <= 1.5 x the floor.
+
+Usage:  python benchmarks/estimate_gpu.py [--lengths 4096 16384 65536] [--dim 1024]
+        python benchmarks/estimate_gpu.py --precision fp32 --tf32 --loss plain
+        python benchmarks/estimate_gpu.py --set use_local_conv=True --set depth=2
+        python benchmarks/estimate_gpu.py --launch-us 4 --bandwidth 3.9e12   # other figures
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import collections
+import contextlib
+import dataclasses
+import datetime
+import importlib
+import math
+import os
+import platform
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+LABEL = "MODEL, not a timing"
+LOSSES = {"wrapper": "AutoregressiveWrapper(model)(x): chunked linear_cross_entropy",
+          "plain": "F.cross_entropy(model(x).float())"}
+TARGET = 1.5  # issue 21: the gated seed-like LM estimated <= 1.5 x its floor
+
+
+# ---------------------------------------------------------------------------- hardware
+
+
+@dataclasses.dataclass(frozen=True)
+class Hardware:
+    """The figures of the cost model (see the module docstring for their sources)."""
+
+    name: str = "H100 SXM5 80GB"
+    launch_s: float = 6e-6
+    peak_bf16: float = 989.4e12
+    peak_tf32: float = 494.7e12
+    peak_fp32: float = 66.9e12
+    peak_fp64: float = 66.9e12
+    bandwidth: float = 3.35e12
+    tf32: bool = False
+
+    def __post_init__(self):
+        for field in ("launch_s", "peak_bf16", "peak_tf32", "peak_fp32", "peak_fp64", "bandwidth"):
+            value = getattr(self, field)
+            if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
+                raise ValueError(f"Hardware.{field} must be a positive finite number, got {value!r}")
+
+    def matmul_peak(self, dtype):
+        """FLOP/s of a contraction in ``dtype``."""
+        if dtype in (torch.bfloat16, torch.float16):
+            return self.peak_bf16
+        if dtype == torch.float32:
+            return self.peak_tf32 if self.tf32 else self.peak_fp32
+        if dtype == torch.float64:
+            return self.peak_fp64
+        return self.peak_fp32
+
+    def describe(self):
+        fp32 = f"{self.peak_tf32 / 1e12:g} TF32" if self.tf32 else f"{self.peak_fp32 / 1e12:g} FP32 (no TF32)"
+        return (f"{self.name}: launch {self.launch_s * 1e6:g} us/op, matmul peak {self.peak_bf16 / 1e12:g} "
+                f"TFLOP/s bf16/fp16, {fp32} for float32, {self.peak_fp64 / 1e12:g} fp64; other FLOPs at "
+                f"{self.peak_fp32 / 1e12:g}; HBM {self.bandwidth / 1e12:g} TB/s")
+
+
+H100 = Hardware()
+
+
+# ------------------------------------------------------------------------- op classes
+
+# metadata / allocation: no kernel runs (views are recognised by func.is_view)
+FREE_OPS = {
+    "empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "_unsafe_view",
+    "lift_fresh", "detach_", "promote_types", "result_type", "is_same_size", "_has_compatible_shallow_copy_type",
+    "sym_size", "sym_stride", "sym_numel", "sym_storage_offset", "unsqueeze_", "squeeze_", "transpose_", "t_",
+    "as_strided_", "resize_", "set_", "record_stream", "_reshape_alias", "is_pinned", "_nested_tensor_size",
+}
+# ops that read a value back to the host, or size their output by one (the same wait)
+SYNC_OPS = {
+    "_local_scalar_dense", "item", "nonzero", "is_nonzero", "equal", "masked_select", "_unique", "_unique2",
+    "unique_dim", "unique_consecutive", "bincount", "repeat_interleave", "_assert_async",
+}
+BOOL_INDEXING = {"index", "index_put", "index_put_", "_index_put_impl_"}
+# ops that overwrite their first argument without reading it
+WRITE_ONLY_FIRST = {"copy_", "fill_", "zero_", "bernoulli_", "uniform_", "normal_", "random_", "exponential_"}
+# gathers: the source is read where the output is written, no more (argument name of the source)
+GATHERS = {"index": "self", "embedding": "weight", "index_select": "self", "gather": "self", "take": "self"}
+SDPA_FORWARD = {"_scaled_dot_product_flash_attention", "_scaled_dot_product_flash_attention_for_cpu",
+                "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention"}
+SDPA_BACKWARD = {name + "_backward" for name in SDPA_FORWARD}
+
+
+def _base(func):
+    return func.overloadpacket.__name__
+
+
+def _bound_args(func, args, kwargs):
+    """The op's arguments by their schema names."""
+    names = [a.name for a in func._schema.arguments]
+    bound = dict(zip(names, args))
+    bound.update(kwargs)
+    return bound
+
+
+def contraction_flops(func, args, kwargs, out):
+    """Matmul-class FLOPs of one op (a multiply-add counts 2), or None if it is not one."""
+    name = _base(func)
+    a = _bound_args(func, args, kwargs)
+    if name in ("mm", "bmm"):
+        x, y = a["self"], a["mat2"]
+    elif name == "addmm":
+        x, y = a["mat1"], a["mat2"]
+    elif name in ("baddbmm", "addbmm"):
+        x, y = a["batch1"], a["batch2"]
+    elif name == "mv":
+        return 2 * a["self"].numel()
+    elif name == "addmv":
+        return 2 * a["mat"].numel()
+    elif name in ("dot", "vdot"):
+        return 2 * a["self"].numel()
+    elif name == "convolution":
+        w = a["weight"]
+        per_output = w.shape[1] * math.prod(w.shape[2:])
+        produced = a["input"] if a["transposed"] else out  # transposed: every input element meets the kernel
+        return 2 * produced.numel() * per_output
+    elif name == "convolution_backward":
+        w, mask = a["weight"], a["output_mask"]
+        per_output = w.shape[1] * math.prod(w.shape[2:])
+        produced = a["input"] if a["transposed"] else a["grad_output"]
+        return 2 * produced.numel() * per_output * (int(mask[0]) + int(mask[1]))
+    elif name in SDPA_FORWARD or name in SDPA_BACKWARD:
+        q, k, v = a["query"], a["key"], a["value"]
+        *batch, length, e = q.shape
+        s, ev = k.shape[-2], v.shape[-1]
+        flops = 2 * math.prod(batch) * length * s * (e + ev)
+        if a.get("is_causal"):
+            flops //= 2
+        return flops * 5 // 2 if name in SDPA_BACKWARD else flops
+    else:
+        return None
+    (*batch, m, k), n = x.shape, y.shape[-1]
+    return 2 * math.prod(batch) * m * k * n
+
+
+def tensor_bytes(t):
+    """Bytes of the distinct elements of ``t``: a stride-0 (broadcast) dimension counts once."""
+    if t.numel() == 0:
+        return 0
+    return math.prod(size for size, stride in zip(t.shape, t.stride()) if stride != 0) * t.element_size()
+
+
+def is_sync(func, args):
+    name = _base(func)
+    if name in SYNC_OPS:
+        return True
+    if name in BOOL_INDEXING and len(args) > 1 and isinstance(args[1], (list, tuple)):
+        return any(torch.is_tensor(t) and t.dtype == torch.bool for t in args[1])
+    return False
+
+
+def is_free(func):
+    """Views, metadata and allocation: no kernel, no cost, not an op of the count."""
+    return func.namespace == "prim" or func.is_view or _base(func) in FREE_OPS
+
+
+@dataclasses.dataclass
+class OpCost:
+    """One costed op: its FLOPs and bytes, and the three times of the model."""
+
+    name: str
+    flops: int
+    bytes: int
+    matmul: bool
+    peak: float
+    launch_s: float
+    flop_s: float
+    byte_s: float
+
+    @property
+    def seconds(self):
+        return max(self.launch_s, self.flop_s, self.byte_s)
+
+    @property
+    def bound(self):
+        """'launch', 'flops' or 'bytes': the first of the three that reaches the op's time."""
+        t = self.seconds
+        return "launch" if self.launch_s == t else "flops" if self.flop_s == t else "bytes"
+
+    @property
+    def floor_s(self):
+        return self.flop_s if self.matmul else 0.0
+
+
+def op_cost(func, args, kwargs, out, hw=H100):
+    """The model's cost of one dispatched op (None for a free op)."""
+    if is_free(func):
+        return None
+    name = _base(func)
+    a = _bound_args(func, args, kwargs) if (name in GATHERS or name in WRITE_ONLY_FIRST) else {}
+    inputs = []
+    first = True
+    for key, value in list(zip(range(len(args)), args)) + list(kwargs.items()):
+        if key == "out":
+            continue
+        for t in tree_flatten(value)[0]:
+            if not torch.is_tensor(t):
+                continue
+            if first and name in WRITE_ONLY_FIRST:
+                first = False
+                continue
+            first = False
+            inputs.append(t)
+    outputs = [t for t in tree_flatten(out)[0] if torch.is_tensor(t)]
+    out_bytes = sum(tensor_bytes(t) for t in outputs)
+    read = 0
+    for t in inputs:
+        b = tensor_bytes(t)
+        if name in GATHERS and t is a.get(GATHERS[name]):
+            b = min(b, out_bytes)
+        read += b
+    moved = read + out_bytes
+
+    flops = contraction_flops(func, args, kwargs, out)
+    matmul = flops is not None
+    if matmul:
+        dtype = next((t.dtype for t in inputs if t.is_floating_point()), torch.float32)
+        peak = hw.matmul_peak(dtype)
+    else:
+        flops = max([t.numel() for t in inputs + outputs] or [0])
+        peak = hw.peak_fp32
+    return OpCost(name=func.name(), flops=flops, bytes=moved, matmul=matmul, peak=peak,
+                  launch_s=hw.launch_s, flop_s=flops / peak, byte_s=moved / hw.bandwidth)
+
+
+class GpuCostModel(TorchDispatchMode):
+    """Under it, every dispatched op runs as usual and is costed by ``op_cost``.
+
+    ``ops``: the costed ops (``OpCost``) in order; ``syncs``: the names of the ops that read a
+    value back to the host (also costed, as ops). A MODEL of a GPU, not a timing."""
+
+    def __init__(self, hw=H100):
+        super().__init__()
+        self.hw = hw
+        self.ops = []
+        self.syncs = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if is_sync(func, args):
+            self.syncs.append(func.name())
+        out = func(*args, **kwargs)
+        cost = op_cost(func, args, kwargs, out, self.hw)
+        if cost is not None:
+            self.ops.append(cost)
+        return out
+
+    def summary(self):
+        return Summary.of(self.ops, len(self.syncs))
+
+
+@dataclasses.dataclass
+class Summary:
+    """Totals of a list of ``OpCost``."""
+
+    ops: int
+    syncs: int
+    seconds: float
+    floor_s: float
+    matmul_flops: int
+    flops: int
+    bytes: int
+    time_by_bound: dict
+    count_by_bound: dict
+
+    @classmethod
+    def of(cls, ops, syncs=0):
+        time_by, count_by = collections.Counter(), collections.Counter()
+        for op in ops:
+            time_by[op.bound] += op.seconds
+            count_by[op.bound] += 1
+        return cls(ops=len(ops), syncs=syncs, seconds=sum(op.seconds for op in ops),
+                   floor_s=sum(op.floor_s for op in ops), matmul_flops=sum(op.flops for op in ops if op.matmul),
+                   flops=sum(op.flops for op in ops), bytes=sum(op.bytes for op in ops),
+                   time_by_bound={b: time_by[b] for b in ("launch", "flops", "bytes")},
+                   count_by_bound={b: count_by[b] for b in ("launch", "flops", "bytes")})
+
+    @property
+    def ratio(self):
+        return self.seconds / self.floor_s if self.floor_s else math.inf
+
+    def share(self, bound):
+        return self.time_by_bound[bound] / self.seconds if self.seconds else 0.0
+
+    @property
+    def launch_share(self):
+        return self.share("launch")
+
+
+def by_op(ops):
+    """{op name: (count, seconds, Counter of bounds)}, most expensive first."""
+    table = {}
+    for op in ops:
+        count, seconds, bounds = table.get(op.name, (0, 0.0, collections.Counter()))
+        bounds[op.bound] += 1
+        table[op.name] = (count + 1, seconds + op.seconds, bounds)
+    return dict(sorted(table.items(), key=lambda kv: -kv[1][1]))
+
+
+# ------------------------------------------------------------------------------ the LM
+
+
+@contextlib.contextmanager
+def kernel_form(form):
+    """The causal kernel's ``CHUNK_FORM`` for the trace: 'gpu' picks what its 'auto' picks on a
+    CUDA device; 'parallel' / 'sequential' force one. Yields a note saying what was done."""
+    try:
+        kernel = importlib.import_module("linear_attention_transformer.ops.linear_attention")
+    except ImportError:
+        kernel = None
+    if kernel is None or not hasattr(kernel, "CHUNK_FORM"):
+        yield "the kernel has no CHUNK_FORM switch: traced as it runs"
+        return
+    saved = kernel.CHUNK_FORM
+    if form == "gpu":
+        chooser = getattr(kernel, "_parallel_form", None)
+        chosen = ("parallel" if chooser(torch.device("cuda")) else "sequential") if chooser else saved
+        note = f"CHUNK_FORM={chosen!r} (what {saved!r} picks on cuda)"
+    else:
+        chosen, note = form, f"CHUNK_FORM={form!r} (forced)"
+    kernel.CHUNK_FORM = chosen
+    try:
+        yield note
+    finally:
+        kernel.CHUNK_FORM = saved
+
+
+def seed_lm_kwargs(dim, n, overrides):
+    from bench_seed_lm import SEED_LM
+
+    return {**SEED_LM, "dim": dim, "use_gate": True, "max_seq_len": n, **overrides}
+
+
+def trace_lm_step(kwargs, n, batch=1, precision="bf16-autocast", loss="wrapper", real=False, hw=H100, seed=0):
+    """Trace one training step of ``LinearAttentionTransformerLM(**kwargs)`` on n tokens under a
+    ``GpuCostModel``; returns the model. Building the LM is not traced."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from linear_attention_transformer import AutoregressiveWrapper, LinearAttentionTransformerLM
+
+    fake = contextlib.nullcontext() if real else FakeTensorMode()
+    with fake:
+        torch.manual_seed(seed)
+        model = LinearAttentionTransformerLM(**kwargs).train()
+        if precision == "bf16":
+            model = model.to(torch.bfloat16)
+        x = torch.randint(0, kwargs["num_tokens"], (batch, n + 1))
+        autocast = torch.autocast("cpu", dtype=torch.bfloat16) if precision == "bf16-autocast" \
+            else contextlib.nullcontext()
+        with GpuCostModel(hw) as mode:
+            with autocast:
+                if loss == "wrapper":
+                    value = AutoregressiveWrapper(model)(x, return_loss=True)
+                else:
+                    logits = model(x[:, :-1])
+                    value = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), x[:, 1:].reshape(-1))
+            value.backward()
+    return mode
+
+
+# ------------------------------------------------------------------------------- output
+
+
+def _ms(seconds):
+    return f"{seconds * 1e3:.2f}"
+
+
+def _pct(x):
+    return f"{100 * x:.0f}%"
+
+
+def print_report(args, hw, kwargs_text, results, form_note):
+    """The header, one row per (loss, n), and a verdict line per row; ``results`` is a list of
+    (loss, n, Summary, trace seconds)."""
+    from common import table
+
+    print(f"*** {LABEL}: a roofline estimate of a {hw.name} from a CPU trace; no GPU ran ***")
+    print(f"date:    {datetime.datetime.now().astimezone().isoformat(timespec='seconds')}")
+    print(f"torch:   {torch.__version__}   python {platform.python_version()}")
+    print(f"traced:  on the CPU, {'real tensors' if args.real else 'fake tensors (FakeTensorMode)'}; "
+          f"kernel {form_note}")
+    print(f"model:   LinearAttentionTransformerLM({kwargs_text})")
+    print(f"         training mode, batch {args.batch}, {args.precision}, forward + loss + backward; loss:")
+    for loss in args.loss:
+        print(f"           {loss}: {LOSSES[loss]}")
+    print("cost:    per op max(launch, FLOPs / peak, bytes / bandwidth), summed; views and metadata free")
+    print(f"         {hw.describe()}")
+    print()
+    rows = []
+    for loss, n, s, seconds in results:
+        rows.append([loss, n, s.ops, s.syncs, f"{s.matmul_flops / 1e12:.2f}", f"{s.bytes / 1e9:.1f}",
+                     _ms(s.seconds), _ms(s.floor_s), f"{s.ratio:.2f}x", _pct(s.launch_share),
+                     _pct(s.share("flops")), _pct(s.share("bytes")), f"{seconds:.1f}"])
+    print(f"one training step, {LABEL} (the estimate beside its floor: the step's matmul FLOPs at peak):")
+    print(table(["loss", "n", "ops", "host syncs", "matmul TFLOP", "GB moved", "estimate ms", "floor ms",
+                 "estimate/floor", "launch share", "FLOP-bound", "byte-bound", "trace s"], rows))
+    print("(ops: costed aten ops, views and metadata excluded; shares: of the estimated time, by the limit "
+          "that set each op's cost)")
+    print()
+    for loss, n, s, _ in results:
+        verdict = "ok" if s.ratio <= TARGET else "ABOVE TARGET"
+        print(f"{loss}, n = {n}: estimate {_ms(s.seconds)} ms = {s.ratio:.2f}x the floor {_ms(s.floor_s)} ms "
+              f"(target <= {TARGET}x: {verdict}); launch share {_pct(s.launch_share)} "
+              f"({s.count_by_bound['launch']} of {s.ops} ops launch-bound), {s.syncs} host syncs")
+    return rows
+
+
+def print_top(what, ops, rows):
+    from common import table
+
+    total = sum(op.seconds for op in ops)
+    lines = []
+    for name, (count, seconds, bounds) in list(by_op(ops).items())[:rows]:
+        lines.append([name, count, _ms(seconds), _pct(seconds / total),
+                      ", ".join(f"{b} {c}" for b, c in bounds.most_common())])
+    print(f"\n{what}, the ops that cost most ({LABEL}):")
+    print(table(["op", "count", "estimate ms", "share", "bound by"], lines))
+
+
+# -------------------------------------------------------------------------------- CLI
+
+
+def _positive_float(text):
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"expected a positive finite number, got {text!r}")
+    return value
+
+
+def _positive_int(text):
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return value
+
+
+def _key_value(text):
+    key, sep, value = text.partition("=")
+    if not sep or not key.isidentifier():
+        raise argparse.ArgumentTypeError(f"expected KEY=VALUE with KEY an argument name, got {text!r}")
+    try:
+        return key, ast.literal_eval(value)
+    except (ValueError, SyntaxError):
+        raise argparse.ArgumentTypeError(
+            f"the value of {key} must be a Python literal (1, 0.5, True, 'elu', (1, 0)), got {value!r}") from None
+
+
+def parser():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--lengths", type=_positive_int, nargs="+", default=[4096, 16384, 65536])
+    p.add_argument("--dim", type=_positive_int, default=1024, help="model dim (default: %(default)s)")
+    p.add_argument("--batch", type=_positive_int, default=1)
+    p.add_argument("--set", type=_key_value, action="append", default=[], metavar="KEY=VALUE",
+                   help="override an argument of the LM (repeatable), e.g. use_local_conv=True")
+    p.add_argument("--precision", choices=["bf16-autocast", "bf16", "fp32"], default="bf16-autocast",
+                   help="bf16 autocast (default), a bf16 model, or fp32")
+    p.add_argument("--loss", choices=list(LOSSES), nargs="+", default=list(LOSSES),
+                   help="wrapper: AutoregressiveWrapper's chunked loss; plain: F.cross_entropy of the logits "
+                        "(default: both)")
+    p.add_argument("--chunk-form", choices=["gpu", "parallel", "sequential"], default="gpu",
+                   help="the causal kernel's form in the trace (default: what it runs on a GPU)")
+    p.add_argument("--real", action="store_true", help="trace real CPU tensors (slow; needed by a form that syncs)")
+    p.add_argument("--top", type=int, default=12, help="ops listed for the longest n (0: none)")
+    hwp = p.add_argument_group(f"hardware figures (default: {H100.name}, see the docstring)")
+    hwp.add_argument("--launch-us", type=_positive_float, default=H100.launch_s * 1e6)
+    hwp.add_argument("--peak-bf16", type=_positive_float, default=H100.peak_bf16, help="FLOP/s")
+    hwp.add_argument("--peak-tf32", type=_positive_float, default=H100.peak_tf32, help="FLOP/s")
+    hwp.add_argument("--peak-fp32", type=_positive_float, default=H100.peak_fp32, help="FLOP/s")
+    hwp.add_argument("--peak-fp64", type=_positive_float, default=H100.peak_fp64, help="FLOP/s")
+    hwp.add_argument("--bandwidth", type=_positive_float, default=H100.bandwidth, help="bytes/s")
+    hwp.add_argument("--tf32", action="store_true", help="float32 matmuls at the TF32 peak")
+    hwp.add_argument("--hardware-name", default=None, help="name printed for changed figures")
+    return p
+
+
+def main(argv=None):
+    p = parser()
+    args = p.parse_args(argv)
+    figures = dict(launch_s=args.launch_us * 1e-6, peak_bf16=args.peak_bf16, peak_tf32=args.peak_tf32,
+                   peak_fp32=args.peak_fp32, peak_fp64=args.peak_fp64, bandwidth=args.bandwidth, tf32=args.tf32)
+    changed = {k: v for k, v in figures.items() if v != getattr(H100, k)}
+    name = args.hardware_name or (H100.name + (" with " + ", ".join(changed) + " changed" if changed else ""))
+    hw = Hardware(name=name, **figures)
+    if args.top < 0:
+        p.error("--top must be >= 0")
+
+    from linear_attention_transformer import LinearAttentionTransformerLM
+
+    overrides = dict(args.set)
+    kwargs = seed_lm_kwargs(args.dim, max(args.lengths), overrides)
+    try:  # bad --set names or values fail here, with the model's own message
+        with torch.device("meta"):
+            LinearAttentionTransformerLM(**kwargs)
+    except (TypeError, ValueError, AssertionError) as e:
+        p.error(f"the LM rejects these arguments ({', '.join(f'{k}={v!r}' for k, v in overrides.items()) or 'defaults'}): {e}")
+    from common import kwargs_text
+
+    results, traces = [], {}
+    with kernel_form(args.chunk_form) as form_note:
+        for loss in args.loss:
+            for n in args.lengths:
+                t0 = time.perf_counter()
+                try:
+                    mode = trace_lm_step({**kwargs, "max_seq_len": n}, n, batch=args.batch,
+                                         precision=args.precision, loss=loss, real=args.real, hw=hw)
+                except Exception as e:  # a data-dependent op on fake tensors: say which way out there is
+                    if args.real or type(e).__name__ not in ("DataDependentOutputException",
+                                                             "DynamicOutputShapeException"):
+                        raise
+                    print(f"error: at n = {n} the step reads a value back to the host ({type(e).__name__}: {e}); "
+                          f"fake tensors cannot trace that: use --real (real CPU tensors, slow) or another "
+                          f"--chunk-form", file=sys.stderr)
+                    return 2
+                results.append((loss, n, mode.summary(), time.perf_counter() - t0))
+                traces[loss, n] = mode.ops
+    print_report(args, hw, kwargs_text({**kwargs, "max_seq_len": "n"}), results, form_note)
+    if args.top:
+        for loss in args.loss:
+            n = max(args.lengths)
+            print_top(f"{loss}, n = {n}", traces[loss, n], args.top)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
