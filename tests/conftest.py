@@ -1,7 +1,56 @@
-"""Fixtures shared by the model-level tests."""
+"""Fixtures shared by the model-level tests.
+
+Opt-in device: ``LAT_TEST_DEVICE=cuda python -m pytest -q tests`` (or ``--lat-device cuda``)
+makes that device torch's default device for the whole run (``torch.set_default_device``), so
+that every tensor and module a test makes without naming a device lands there. Unset, nothing
+changes: the suite runs on the CPU exactly as before. Tests that name ``device="cpu"`` or use
+CPU generators stay on the CPU (or fail on a mismatch, which the run then reports).
+"""
+
+import os
 
 import pytest
 import torch
+
+DEVICE_ENV = "LAT_TEST_DEVICE"
+
+
+def pytest_addoption(parser):
+    parser.addoption("--lat-device", default=None,
+                     help=f"torch default device for the run, e.g. cuda (default: ${DEVICE_ENV}, else unchanged)")
+
+
+def _requested_device(config):
+    return config.getoption("--lat-device") or os.environ.get(DEVICE_ENV) or None
+
+
+def pytest_configure(config):
+    requested = _requested_device(config)
+    if requested is None:
+        return
+    try:
+        device = torch.device(requested)
+    except RuntimeError as e:
+        raise pytest.UsageError(f"{DEVICE_ENV} / --lat-device: {requested!r} is not a torch device ({e})") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise pytest.UsageError(f"{DEVICE_ENV} / --lat-device asks for {requested!r} but torch.cuda.is_available() "
+                                f"is False")
+    torch.set_default_device(device)
+    # a subprocess a test starts (examples, benchmarks) inherits the choice through the environment
+    os.environ[DEVICE_ENV] = requested
+
+
+def pytest_report_header(config):
+    requested = _requested_device(config)
+    if requested is not None:
+        return f"{DEVICE_ENV}: {requested} (torch.set_default_device for the whole run)"
+    return None
+
+
+@pytest.fixture(scope="session")
+def test_device():
+    """The run's device: the opt-in one, else cpu."""
+    return torch.get_default_device()
 
 
 @pytest.fixture(scope="module")

@@ -195,3 +195,71 @@ def test_command_line_refuses_bad_input(argv, message, capsys):
         estimate_gpu.main(argv)
     assert exit_info.value.code == 2
     assert message in capsys.readouterr().err
+
+
+# ------------------------------------------------------------- benchmarks/cuda_report.py
+
+
+def test_cuda_report_dry_run_on_the_cpu(capsys):
+    """The CUDA command's dry mode runs here: every case of the kernel and layer groups gives a
+    row (fla's are skipped with a note when it is not installed), nothing fails."""
+    import cuda_report
+
+    code = cuda_report.main(["--device", "cpu", "--dry-run", "--skip", "tests", "lm", "existing",
+                             "--lengths", "32", "--warmup", "0"])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert "DRY RUN" in out and "reference: square matmul" in out
+    for case in ("sdpa (softmax, causal)", "ours, exp features", "ours, + per-head decay",
+                 "ours, + per-feature decay", "softmax layer (SDPA)", "ours LinearSelfAttention", "ours, use_gate=True"):
+        assert case in out
+    if cuda_report.load_fla()[0] is None:
+        assert "fla not importable" in out
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--device", "cpu"], "--dry-run"),
+    (["--device", "cpu", "--dry-run", "--lengths", "1"], "--lengths"),
+    (["--device", "nowhere", "--dry-run"], "not a torch device"),
+])
+def test_cuda_report_refuses_bad_input(argv, message, capsys):
+    import cuda_report
+
+    with pytest.raises(SystemExit) as exit_info:
+        cuda_report.main(argv)
+    assert exit_info.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_default_device_is_the_opt_in_one(test_device):
+    """Under LAT_TEST_DEVICE / --lat-device (tests/conftest.py) new tensors land on that device;
+    without it, on the CPU as always."""
+    assert torch.empty(1).device.type == test_device.type
+    if not os.environ.get("LAT_TEST_DEVICE"):
+        assert test_device.type == "cpu"
+
+
+def test_the_device_option_sets_the_default_device(monkeypatch):
+    """Not vacuous: conftest's configure hook, given --lat-device meta, makes meta the default."""
+    import conftest
+
+    class Config:
+        def getoption(self, name):
+            assert name == "--lat-device"
+            return "meta"
+
+    monkeypatch.delenv("LAT_TEST_DEVICE", raising=False)  # restored (to unset) afterwards
+    before = torch.get_default_device()
+    try:
+        conftest.pytest_configure(Config())
+        assert torch.empty(1).device.type == "meta"
+        assert os.environ["LAT_TEST_DEVICE"] == "meta"  # for subprocesses
+    finally:
+        torch.set_default_device(None if before.type == "cpu" else before)
+    assert torch.empty(1).device == before
+
+    class Bad(Config):
+        def getoption(self, name):
+            return "no-such-device"
+
+    with pytest.raises(pytest.UsageError, match="not a torch device"):
+        conftest.pytest_configure(Bad())
