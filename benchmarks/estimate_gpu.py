@@ -34,7 +34,10 @@ What is counted
     - host syncs (.item(), nonzero, boolean-mask indexing, ...: an op that reads a value back)
       are counted, not costed. On a GPU each one stops the CPU from running ahead, which the
       sum above does not show; fake tensors cannot run one, so a form that syncs must be
-      traced with ``--real`` (real CPU tensors: slow at large n).
+      traced with ``--real`` (real CPU tensors: slow at large n);
+    - the ops are those the CPU dispatches. Where CUDA dispatches otherwise, the count differs:
+      dropout is one fused ``native_dropout`` kernel on CUDA and ``bernoulli_``, ``div_``,
+      ``mul`` here (a few ops more per dropout), and CPU autocast's op lists stand in for CUDA's.
 
 The hardware (``H100``; every figure a command-line option):
     - launch_s = 6 us: an assumption, the host cost of one eager PyTorch op (Python, the
@@ -54,7 +57,8 @@ both the estimate and the floor are optimistic in the same way; the ratio is the
 The default case is the seed's LM (``bench_seed_lm.SEED_LM``: seed 000's README arguments,
 reversible, 4 local + 4 global heads of 128, blindspot 64, GLU feed-forward, token shift,
 dropouts 0.1) at dim 1024 with the seed's gate (use_gate=True), batch 1, training mode, under
-bf16 autocast (the CPU's autocast op lists stand in for CUDA's), loss from
+bf16 autocast (the CPU's autocast op lists stand in for CUDA's; the kernel computes in float32
+inside, so its matmuls are float32: at the FP32 peak unless ``--tf32``), loss from
 ``AutoregressiveWrapper`` (chunked ``linear_cross_entropy``), at n = 4096, 16384, 65536. The
 causal kernel is traced in the form it takes on a GPU (``CHUNK_FORM``: the device-chosen form,
 see ops/linear_attention.py), whatever device the trace runs on. Issue 21's target: the
@@ -245,6 +249,7 @@ class OpCost:
     launch_s: float
     flop_s: float
     byte_s: float
+    dtype: str = ""  # of a contraction's operands
 
     @property
     def seconds(self):
@@ -292,14 +297,15 @@ def op_cost(func, args, kwargs, out, hw=H100):
 
     flops = contraction_flops(func, args, kwargs, out)
     matmul = flops is not None
+    dtype = ""
     if matmul:
-        dtype = next((t.dtype for t in inputs if t.is_floating_point()), torch.float32)
-        peak = hw.matmul_peak(dtype)
+        operand = next((t.dtype for t in inputs if t.is_floating_point()), torch.float32)
+        peak, dtype = hw.matmul_peak(operand), str(operand).replace("torch.", "")
     else:
         flops = max([t.numel() for t in inputs + outputs] or [0])
         peak = hw.peak_fp32
     return OpCost(name=func.name(), flops=flops, bytes=moved, matmul=matmul, peak=peak,
-                  launch_s=hw.launch_s, flop_s=flops / peak, byte_s=moved / hw.bandwidth)
+                  launch_s=hw.launch_s, flop_s=flops / peak, byte_s=moved / hw.bandwidth, dtype=dtype)
 
 
 class GpuCostModel(TorchDispatchMode):
@@ -341,18 +347,22 @@ class Summary:
     bytes: int
     time_by_bound: dict
     count_by_bound: dict
+    floor_by_dtype: dict
 
     @classmethod
     def of(cls, ops, syncs=0):
-        time_by, count_by = collections.Counter(), collections.Counter()
+        time_by, count_by, floor_by = collections.Counter(), collections.Counter(), collections.Counter()
         for op in ops:
             time_by[op.bound] += op.seconds
             count_by[op.bound] += 1
+            if op.matmul:
+                floor_by[op.dtype] += op.flop_s
         return cls(ops=len(ops), syncs=syncs, seconds=sum(op.seconds for op in ops),
                    floor_s=sum(op.floor_s for op in ops), matmul_flops=sum(op.flops for op in ops if op.matmul),
                    flops=sum(op.flops for op in ops), bytes=sum(op.bytes for op in ops),
                    time_by_bound={b: time_by[b] for b in ("launch", "flops", "bytes")},
-                   count_by_bound={b: count_by[b] for b in ("launch", "flops", "bytes")})
+                   count_by_bound={b: count_by[b] for b in ("launch", "flops", "bytes")},
+                   floor_by_dtype=dict(floor_by))
 
     @property
     def ratio(self):
@@ -480,7 +490,8 @@ def print_report(args, hw, kwargs_text, results, form_note):
         verdict = "ok" if s.ratio <= TARGET else "ABOVE TARGET"
         print(f"{loss}, n = {n}: estimate {_ms(s.seconds)} ms = {s.ratio:.2f}x the floor {_ms(s.floor_s)} ms "
               f"(target <= {TARGET}x: {verdict}); launch share {_pct(s.launch_share)} "
-              f"({s.count_by_bound['launch']} of {s.ops} ops launch-bound), {s.syncs} host syncs")
+              f"({s.count_by_bound['launch']} of {s.ops} ops launch-bound), {s.syncs} host syncs; floor: "
+              + ", ".join(f"{dtype} matmuls {_ms(t)} ms" for dtype, t in sorted(s.floor_by_dtype.items())))
     return rows
 
 

@@ -57,6 +57,7 @@ def test_mm_elementwise_mix_per_op_and_totals():
     assert s.share("bytes") == pytest.approx(8e-5 / total)
     assert s.count_by_bound == {"launch": 1, "flops": 1, "bytes": 1}
     assert s.matmul_flops == 2 * 64 * 128 * 256
+    assert s.floor_by_dtype == {"float32": pytest.approx(2 * 64 * 128 * 256 / 1e12)}
 
 
 def test_views_and_metadata_cost_nothing():
