@@ -30,7 +30,9 @@ What is counted
     - bytes are the tensor inputs read plus the tensor outputs written, each at its element
       size; a broadcast (stride 0) dimension is read once; ops that only write their first
       argument (copy_, fill_, zero_, the random fills) do not read it; gathers (index,
-      embedding, index_select, gather) read no more of their source than they write;
+      embedding, index_select, gather) read no more of their source than they write; in-place
+      scatters (index_put_, index_add_, scatter_, ...) do not read their target and write as
+      many of its elements as their largest other input has;
     - host syncs (.item(), nonzero, boolean-mask indexing, ...: an op that reads a value back)
       are counted, not costed. On a GPU each one stops the CPU from running ahead, which the
       sum above does not show; fake tensors cannot run one, so a form that syncs must be
@@ -157,6 +159,9 @@ SYNC_OPS = {
 BOOL_INDEXING = {"index", "index_put", "index_put_", "_index_put_impl_"}
 # ops that overwrite their first argument without reading it
 WRITE_ONLY_FIRST = {"copy_", "fill_", "zero_", "bernoulli_", "uniform_", "normal_", "random_", "exponential_"}
+# in-place scatters: they touch self only where the values go (as many elements as the largest other input)
+SCATTERS_INPLACE = {"index_put_", "_index_put_impl_", "index_add_", "index_copy_", "index_fill_", "scatter_",
+                    "scatter_add_", "scatter_reduce_"}
 # gathers: the source is read where the output is written, no more (argument name of the source)
 GATHERS = {"index": "self", "embedding": "weight", "index_select": "self", "gather": "self", "take": "self"}
 SDPA_FORWARD = {"_scaled_dot_product_flash_attention", "_scaled_dot_product_flash_attention_for_cpu",
@@ -280,13 +285,16 @@ def op_cost(func, args, kwargs, out, hw=H100):
         for t in tree_flatten(value)[0]:
             if not torch.is_tensor(t):
                 continue
-            if first and name in WRITE_ONLY_FIRST:
+            if first and (name in WRITE_ONLY_FIRST or name in SCATTERS_INPLACE):
                 first = False
+                target = t
                 continue
             first = False
             inputs.append(t)
     outputs = [t for t in tree_flatten(out)[0] if torch.is_tensor(t)]
     out_bytes = sum(tensor_bytes(t) for t in outputs)
+    if name in SCATTERS_INPLACE:
+        out_bytes = max([t.numel() for t in inputs] or [0]) * target.element_size()
     read = 0
     for t in inputs:
         b = tensor_bytes(t)

@@ -126,6 +126,9 @@ def test_broadcast_reads_write_only_fills_and_gathers():
     table, ids = torch.randn(10_000, 64), torch.randint(0, 10_000, (32,))
     (emb,) = costs(lambda: F.embedding(ids, table)).ops
     assert emb.bytes == 32 * 8 + 2 * 32 * 64 * 4  # ids, the 32 rows read, the 32 rows written
+    rows, cols, values = torch.arange(20), torch.randint(0, 64, (20,)), torch.ones(20)
+    (put,) = costs(lambda: table.index_put_((rows, cols), values)).ops
+    assert put.name == "aten::index_put_" and put.bytes == 2 * 20 * 8 + 20 * 4 + 20 * 4  # not the 2.6 MB table
 
 
 def test_host_syncs_are_counted():
