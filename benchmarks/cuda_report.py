@@ -42,7 +42,6 @@ from __future__ import annotations
 import argparse
 import importlib
 import inspect
-import math
 import os
 import statistics
 import subprocess
@@ -55,7 +54,6 @@ from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import (  # noqa: E402  (the folder of this script, see common.py)
-    GiB,
     PeakMemory,
     best_seconds,
     default_device,
@@ -203,9 +201,9 @@ def kernel_rows(args, n, fla):
 
     dev, dt, b, h, d = args.device, args.dtype_t, args.batch, args.heads, args.dim_head
     g = torch.Generator(device="cpu").manual_seed(n)
-    q, k, v = (_leaf(torch.randn(b, h, n, d, generator=g).to(dev, dt)) for _ in range(3))
-    head_ld = _leaf(F.logsigmoid(torch.randn(b, h, n, generator=g) + 4).to(dev))
-    feat_ld = _leaf(F.logsigmoid(torch.randn(b, h, n, d, generator=g) + 4).to(dev))
+    q, k, v = (_leaf(torch.randn(b, h, n, d, generator=g, device="cpu").to(dev, dt)) for _ in range(3))
+    head_ld = _leaf(F.logsigmoid(torch.randn(b, h, n, generator=g, device="cpu") + 4).to(dev))
+    feat_ld = _leaf(F.logsigmoid(torch.randn(b, h, n, d, generator=g, device="cpu") + 4).to(dev))
     leaves = [q, k, v, head_ld, feat_ld]
 
     def step_of(fn):
@@ -247,7 +245,7 @@ def layer_rows(args, n):
         ("ours LinearSelfAttention", LinearSelfAttention(dim, heads=h, dim_head=d, causal=True)),
         ("ours, use_gate=True", LinearSelfAttention(dim, heads=h, dim_head=d, causal=True, use_gate=True)),
     ]
-    x = _leaf(torch.randn(b, n, dim, generator=torch.Generator(device="cpu").manual_seed(n)).to(dev))
+    x = _leaf(torch.randn(b, n, dim, generator=torch.Generator(device="cpu").manual_seed(n), device="cpu").to(dev))
     rows = []
     for i, (name, layer) in enumerate(layers):
         layer = layer.to(dev)
@@ -277,7 +275,8 @@ def lm_rows(args, n):
                                                 kw["emb_dim"])),
         ("ours, seed LM + use_gate", lambda: LinearAttentionTransformerLM(**kw)),
     ]
-    x = torch.randint(0, kw["num_tokens"], (b, n + 1), generator=torch.Generator(device="cpu").manual_seed(1)).to(dev)
+    g = torch.Generator(device="cpu").manual_seed(1)
+    x = torch.randint(0, kw["num_tokens"], (b, n + 1), generator=g, device="cpu").to(dev)
     rows = []
     for i, (name, build) in enumerate(models):
         row = Row("lm", name, n, b * n, reference=i == 0)
@@ -329,8 +328,8 @@ def run_tests(args):
     target = ["tests/test_benchmarks.py"] if args.dry_run else ["tests"]
     cmd = [sys.executable, "-m", "pytest", "-q", *target, *args.pytest_args]
     env = {**os.environ, "LAT_TEST_DEVICE": args.device}
-    print(f"$ LAT_TEST_DEVICE={args.device} {' '.join(cmd[1:])}" + ("   (dry run: one small file)" if args.dry_run else ""),
-          flush=True)
+    note = "   (dry run: one small file)" if args.dry_run else ""
+    print(f"$ LAT_TEST_DEVICE={args.device} {' '.join(cmd[1:])}{note}", flush=True)
     t0 = time.perf_counter()
     code = subprocess.call(cmd, cwd=REPO, env=env)
     print(f"tests on {args.device}: exit code {code} ({'passed' if code == 0 else 'FAILURES, see above'}), "

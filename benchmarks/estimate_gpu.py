@@ -596,7 +596,8 @@ def main(argv=None):
         with torch.device("meta"):
             LinearAttentionTransformerLM(**kwargs)
     except (TypeError, ValueError, AssertionError) as e:
-        p.error(f"the LM rejects these arguments ({', '.join(f'{k}={v!r}' for k, v in overrides.items()) or 'defaults'}): {e}")
+        given = ", ".join(f"{k}={v!r}" for k, v in overrides.items()) or "defaults"
+        p.error(f"the LM rejects these arguments ({given}): {e}")
     from common import kwargs_text
 
     results, traces = [], {}

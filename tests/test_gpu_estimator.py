@@ -215,7 +215,8 @@ def test_cuda_report_dry_run_on_the_cpu(capsys):
     assert code == 0, out
     assert "DRY RUN" in out and "reference: square matmul" in out
     for case in ("sdpa (softmax, causal)", "ours, exp features", "ours, + per-head decay",
-                 "ours, + per-feature decay", "softmax layer (SDPA)", "ours LinearSelfAttention", "ours, use_gate=True"):
+                 "ours, + per-feature decay", "softmax layer (SDPA)", "ours LinearSelfAttention",
+                 "ours, use_gate=True"):
         assert case in out
     if cuda_report.load_fla()[0] is None:
         assert "fla not importable" in out
