@@ -106,9 +106,10 @@ def main():
     set_threads(args.threads)
     device = args.device
     max_len = max(args.lengths)
+    how = "dynamic=True, one model" if args.dynamic else "static shapes, one model per length"
     print_header(device, args.threads, [kwargs_text(MODEL) + f", max_seq_len={max_len}",
                                         f"batch {args.batch} x {' / '.join(map(str, args.lengths))} tokens, fp32, "
-                                        f"backend {args.backend}, {'dynamic=True, one model' if args.dynamic else 'static shapes, one model per length'}"])
+                                        f"backend {args.backend}, {how}"])
     rate = square_matmul_rate(device)
     print(f"matmul:  {rate / 1e9:.1f} GFLOP/s ({square_matmul_desc(default_matmul_size(device))})\n")
 
