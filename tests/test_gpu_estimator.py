@@ -245,7 +245,13 @@ def test_default_device_is_the_opt_in_one(test_device):
 
 def test_the_device_option_sets_the_default_device(monkeypatch):
     """Not vacuous: conftest's configure hook, given --lat-device meta, makes meta the default."""
-    import conftest
+    import importlib.util
+
+    # loaded from its file: the name "conftest" may be another folder's module by now
+    spec = importlib.util.spec_from_file_location("lat_tests_conftest", os.path.join(os.path.dirname(__file__),
+                                                                                      "conftest.py"))
+    conftest = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(conftest)
 
     class Config:
         def getoption(self, name):
