@@ -20,7 +20,8 @@ from), and runs each layer as a short fixed list of tensor operations:
   sync: ``tests/test_decoding.py`` counts them with a dispatch mode), allocates nothing that
   lasts, and ``torch.compile(decoder.step, fullgraph=True)`` traces it into one graph that
   is reused at every position (no recompile), which ``mode="reduce-overhead"`` can capture
-  as a CUDA graph (the buffers are marked as static addresses);
+  as a CUDA graph (on a CUDA device the buffers are marked as static addresses, so that the
+  graph may update them in place);
 * attention: one matmul projects the token to every head's q, k and v at once, and to the
   gates' inputs (the projection weights concatenated once, when the decoder is built: the
   model's parameters and state_dict are untouched);
@@ -46,8 +47,6 @@ full forward). A model with a layer this file does not know (``attend_axially``)
 """
 
 from __future__ import annotations
-
-from numbers import Integral
 
 import torch
 import torch.nn.functional as F
@@ -162,8 +161,10 @@ class Decoder:
             for (f, g), (f_cache, g_cache) in zip(transformer.layers.blocks, cache.layers)
         ]
         self.embedding = _Embedding(model, device)
-        for buffer in self.buffers():  # CUDA graphs: the buffers keep their addresses
-            torch._dynamo.mark_static_address(buffer)
+        if self.device.type == "cuda":  # CUDA graphs: the buffers keep their addresses
+            # (only there: importing torch._dynamo takes seconds, and a CPU has no graphs to capture)
+            for buffer in self.buffers():
+                torch._dynamo.mark_static_address(buffer)
 
     def buffers(self):
         """Every tensor the steps update in place (their shapes never change)."""
