@@ -9,6 +9,7 @@ Where things live:
     feedforward.py, positional.py, token_shift.py   the other pieces of a layer
     reversible.py    reversible residual composition (activations recomputed in backward)
     transformer.py   the layer stack;  lm.py  the token model
+    context_parallel.py  one sequence split over processes (what the slices exchange)
     autoregressive.py  training loss and sampling
     compat.py        names the upstream packages use (Linformer, LinformerLM, LinearImageAttention);
                      seed_names.py is its former name, kept as an alias
@@ -18,6 +19,7 @@ from .attention import Attention, LinearSelfAttention
 from .autopadder import Autopadder
 from .autoregressive import AutoregressiveWrapper
 from .compat import LinearImageAttention, Linformer, LinformerLM
+from .context_parallel import ContextParallel
 from .images import ImageLinearAttention
 from .linformer import LinformerContextSettings, LinformerSelfAttention, LinformerSettings
 from .lm import LinearAttentionTransformerLM
@@ -27,6 +29,7 @@ __all__ = [
     "Attention",
     "Autopadder",
     "AutoregressiveWrapper",
+    "ContextParallel",
     "ImageLinearAttention",
     "LinearAttentionTransformer",
     "LinearAttentionTransformerLM",

@@ -15,6 +15,12 @@ from einops import rearrange, repeat
 from torch import nn
 
 from .cache import AttentionCache, GlobalCache, LocalCache
+from .context_parallel import (
+    ContextParallel,
+    context_parallel_causal_linear_attention,
+    context_parallel_linear_attention,
+    exchange_boundaries,
+)
 from .gating import ForgetGate, LocalConv, OutputGate
 from .ops import (
     CausalState,
@@ -221,9 +227,12 @@ class Attention(nn.Module):
             k, normalize = k * log_gate.exp().to(k.dtype), True
         return k, normalize
 
-    def global_heads(self, q, k, v, mask, x, cache=None, return_cache=False, segments=None):
+    def global_heads(self, q, k, v, mask, x, cache=None, return_cache=False, segments=None, place=None):
         """Linear attention over the global heads. With ``return_cache`` also returns the
-        state a decoder continues from: (causal state, last inputs of the convolution)."""
+        state a decoder continues from: (causal state, last inputs of the convolution).
+        ``place``: a ``ContextParallel`` when the sequence is split over processes."""
+        if place is not None:
+            return self._global_heads_context_parallel(q, k, v, mask, x, place)
         conv_cache = None
         if self.local_conv is not None:
             previous = (None,) * 3 if cache is None else cache.conv
@@ -249,10 +258,83 @@ class Attention(nn.Module):
         k, normalize = self.noncausal_keys(k, mask, x, segments)
         return linear_attention(fm.queries(q), k, v, mask, normalize=normalize, segments=segments)
 
+    def _global_heads_context_parallel(self, q, k, v, mask, x, place):
+        """The global heads on this rank's slice, reading the other ranks' summaries
+        (``context_parallel.py``). Options it does not support were refused in ``forward``."""
+        if self.local_conv is not None:
+            q, k, v = self._convolve_context_parallel(q, k, v, mask, place)
+        fm = self.feature_map
+        if self.causal:
+            log_gate = None if self.forget_gate is None else self.forget_gate(x)
+            q, k, exp_features = fm.causal_features(q, k)
+            return context_parallel_causal_linear_attention(q, k, v, place, log_gate, mask, self.chunk_size,
+                                                            exp_features, self.blindspot_size)
+        key_scale = None
+        if self.forget_gate is not None:
+            log_gate = self.forget_gate(x)
+            key_scale = (log_gate if log_gate.ndim == 4 else log_gate[..., None]).exp()
+        if fm.is_softmax:
+            return context_parallel_linear_attention(fm.queries(q), k, v, place, mask, normalize=key_scale is not None,
+                                                     softmax_keys=True, key_scale=key_scale)
+        k = fm.noncausal_keys(k, mask)[0]
+        return context_parallel_linear_attention(fm.queries(q), k, v, place, mask, normalize=True, key_scale=key_scale)
+
+    def _convolve_context_parallel(self, q, k, v, mask, place):
+        """The convolution across the slice's ends: the neighbours' boundary inputs (masked
+        ones zeroed) extend the slice, zeros at the sequence's ends as without a split."""
+        conv = self.local_conv[0]
+        left, right = conv.left_context, conv.kernel_size - 1 - conv.left_context
+        if mask is not None:
+            q, k, v = (t.masked_fill(~rearrange(mask, "b n -> b 1 n 1"), 0.0) for t in (q, k, v))
+        halos = exchange_boundaries([(t, 2) for t in (q, k, v)], place, left, right)
+        n = q.shape[2]
+        return tuple(c(torch.cat((before, t, after), dim=2))[:, :, left : left + n]
+                     for c, t, (before, after) in zip(self.local_conv, (q, k, v), halos))
+
+    def _local_heads_context_parallel(self, q, k, v, mask, place):
+        """Local heads across the slice's ends: the neighbours' boundary windows of keys and
+        values (look_backward * w before, look_forward * w after) extend the slice; the
+        queries are padded alike and their outputs cut back (windows stay aligned: the slice
+        length is a multiple of w)."""
+        window = self.local_window
+        before, after = window.look_backward * window.size, window.look_forward * window.size
+        mask = _mask_or_ones(mask, k)
+        (kb, ka), (vb, va), (mb, ma) = exchange_boundaries([(k, 2), (v, 2), (mask, 1)], place, before, after)
+        n = q.shape[2]
+        q = F.pad(q, (0, 0, before, after))
+        k, v = torch.cat((kb, k, ka), dim=2), torch.cat((vb, v, va), dim=2)
+        out = windowed_attention(q, k, v, window, torch.cat((mb, mask, ma), dim=1))
+        return out[:, :, before : before + n]
+
+    def check_context_parallel(self, length, segment_ids=None, cache=None, return_cache=False):
+        """Raise ValueError naming the first option that context parallelism does not support
+        (yet) in this layer, for slices of ``length`` tokens; called before any communication."""
+        window = self.local_window
+        refused = [
+            (self.receives_context, "a cross-attention layer (receives_context=True)"),
+            (segment_ids is not None, "packed sequences (segment_ids)"),
+            (cache is not None or return_cache, "a cache (cache / return_cache): decoding continues one sequence on "
+                                                "one rank"),
+        ]
+        for bad, what in refused:
+            if bad:
+                raise ValueError(f"context_parallel is not supported with {what} yet")
+        if self.n_local and length % window.size:
+            raise ValueError(f"context_parallel with local heads needs slices of a multiple of "
+                             f"local_attn_window_size={window.size} tokens, got {length}")
+        if self.n_local and length < max(window.look_backward, window.look_forward) * window.size:
+            raise ValueError(f"context_parallel with local heads needs slices of at least local_attn_look_backward "
+                             f"(and local_attn_look_forward) * local_attn_window_size tokens, got {length}")
+        if self.n_local < self.heads and self.causal and length % self.blindspot_size:
+            raise ValueError(f"context_parallel needs slices of a multiple of blindspot_size={self.blindspot_size} "
+                             f"tokens, got {length}")
+        if self.local_conv is not None and length < self.local_conv[0].kernel_size - 1:
+            raise ValueError(f"context_parallel needs slices of at least local_conv_kernel - 1 tokens, got {length}")
+
     # ------------------------------------------------------------------ forward
 
     def forward(self, x, input_mask=None, context=None, context_mask=None, rotary=None, cache=None,
-                return_cache=False, segment_ids=None):
+                return_cache=False, segment_ids=None, context_parallel=None):
         """x (b, n, dim) -> (b, n, dim); with ``return_cache`` -> (out, AttentionCache).
 
         ``cache``: the ``AttentionCache`` returned for the tokens before x (causal layers
@@ -262,10 +344,21 @@ class Attention(nn.Module):
         segment only, windows, blindspot blocks and convolution taps counted from the
         segment's start, so each segment's output equals the segment run alone (with
         ``rotary`` of the positions inside the segment). Not with a cache, nor in a
-        cross-attention layer."""
+        cross-attention layer.
+        ``context_parallel``: a ``torch.distributed`` process group (or a ``ContextParallel``)
+        over which one sequence is split (``context_parallel.py``): x (b, n_local, dim) is
+        this rank's contiguous slice, in rank order, every slice of the same length; the
+        output is this rank's slice of the whole sequence's output (``input_mask`` and
+        ``rotary`` are the slice's too). Local heads need slice lengths a multiple of the
+        window (and at least the windows they look at), blindspot a multiple of
+        ``blindspot_size``; segment_ids, a cache and cross-attention raise ValueError. None: off."""
         if x.ndim != 3 or x.shape[-1] != self.dim:
             raise ValueError(f"x must have shape (batch, seq_len, {self.dim}), got {tuple(x.shape)}")
         check_mask(input_mask, x, "input_mask")
+        if context_parallel is not None:
+            self.check_context_parallel(x.shape[1], segment_ids, cache, return_cache)
+            place = ContextParallel.of(context_parallel, x.shape[0], x.shape[1], x.device)
+            return self._self_attention(x, input_mask, rotary, place=place)
         if segment_ids is not None:
             check_segment_ids(segment_ids, x.shape[:2])
             if cache is not None or return_cache:
@@ -297,7 +390,7 @@ class Attention(nn.Module):
                                    segments=moved_runs)
         return from_layout(out, slots)
 
-    def _self_attention(self, x, input_mask, rotary, cache=None, return_cache=False, segments=None):
+    def _self_attention(self, x, input_mask, rotary, cache=None, return_cache=False, segments=None, place=None):
         q, k, v = self.project(x, x)
         if rotary is not None:
             q, k = apply_rotary(q, rotary), apply_rotary(k, rotary)
@@ -310,7 +403,9 @@ class Attention(nn.Module):
         else:  # one group holds every head (the other is unused): a split's backward would copy for nothing
             (ql, qg), (kl, kg), (vl, vg) = (q, q), (k, k), (v, v)
         if self.n_local:
-            if cache is None:
+            if place is not None:
+                outs.append(self._local_heads_context_parallel(ql, kl, vl, input_mask, place))
+            elif cache is None:
                 outs.append(self.local_heads(ql, kl, vl, input_mask, segments))
                 if return_cache:
                     local_cache = LocalCache(kl, vl, _mask_or_ones(input_mask, kl), 0)
@@ -321,7 +416,7 @@ class Attention(nn.Module):
                 local_cache = local_cache.keep_from(self.local_window.first_key(position + x.shape[1]))
         if self.n_local < self.heads:
             out = self.global_heads(qg, kg, vg, input_mask, x, None if cache is None else cache.global_, return_cache,
-                                    segments)
+                                    segments, place)
             if return_cache:
                 out, global_cache = out
             outs.append(out)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from .attention import check_mask
 from .decoding import start_decoding
 from .ops.segments import check_segment_ids, positions_in_segment, segment_runs
 from .positional import AbsolutePositionalEmbedding, AxialPositionalEmbedding
@@ -108,13 +109,18 @@ class LinearAttentionTransformerLM(nn.Module):
         return self.transformer.supports_cache
 
     def forward(self, x, input_mask=None, context=None, context_mask=None, cache=None, return_cache=False,
-                segment_ids=None):
+                segment_ids=None, context_parallel=None):
         """Logits (b, n, num_tokens) (or embeddings). With ``return_cache=True`` returns
         (logits, cache): a ``DecodingCache`` holding the state after the last token of x.
         Given ``cache``, x holds only the new tokens (one or more) that continue that
         sequence, and ``input_mask`` (if any) covers only them; a cross-attention layer reuses
-        the context it reduced on the first call. The cache is never modified in place."""
-        out = self._body(x, input_mask, context, context_mask, cache, return_cache, segment_ids)
+        the context it reduced on the first call. The cache is never modified in place.
+
+        ``context_parallel``: a ``torch.distributed`` process group over which one sequence
+        is split: x (b, n_local) is this rank's contiguous slice, in rank order, all slices
+        of the same length; positions (axial, absolute, rotary) start at rank * n_local, and
+        the logits are this rank's slice (see ``LinearAttentionTransformer.forward``)."""
+        out = self._body(x, input_mask, context, context_mask, cache, return_cache, segment_ids, context_parallel)
         if not return_cache:
             return self._output(out)
         out, cache = out
@@ -141,11 +147,21 @@ class LinearAttentionTransformerLM(nn.Module):
         """The last Linear(emb_dim, num_tokens) (None with return_embeddings)."""
         return self.to_logits
 
-    def _body(self, x, input_mask, context, context_mask, cache, return_cache, segment_ids=None):
+    def _body(self, x, input_mask, context, context_mask, cache, return_cache, segment_ids=None,
+              context_parallel=None):
         if not torch.is_tensor(x) or x.dtype.is_floating_point or x.dtype.is_complex or x.dtype == torch.bool:
             raise TypeError(f"x must be a tensor of integer token ids, got {getattr(x, 'dtype', type(x))}")
         if x.ndim != 2:
             raise ValueError(f"x must have shape (batch, seq_len), got {tuple(x.shape)}")
+        if context_parallel is not None:
+            check_mask(input_mask, x[..., None], "input_mask")
+            place = self.transformer.context_parallel_place(context_parallel, x, segment_ids, cache, return_cache)
+            positions = torch.arange(place.start, place.start + x.shape[1], device=x.device)
+            h = self.token_emb(x)
+            if self.pos_emb is not None:
+                h = h + self.pos_emb(positions).to(h.dtype)
+            return self.transformer(self.project_in(h), input_mask=input_mask, positions=positions,
+                                    context_parallel=place)
         start = 0 if cache is None else cache.position
         n = x.shape[1]
         if start + n > self.max_seq_len:

@@ -18,6 +18,7 @@ from torch import nn
 
 from .attention import Attention, _pad_to_multiple, check_mask, resolve_heads
 from .cache import AxialCache, BranchCache, DecodingCache, map_tensors, zip_tensors
+from .context_parallel import ContextParallel, exchange_boundaries
 from .feedforward import FeedForward
 from .linformer import LinformerContextSettings, LinformerSettings, linformer_layers
 from .ops.segments import check_segment_ids, positions_in_segment, segment_runs
@@ -53,7 +54,10 @@ class Branch(nn.Module):
         """With ``return_cache`` -> (out, BranchCache); ``cache`` continues a sequence."""
         h = self.norm(x)
         shift = None
-        if self.shifts is not None:
+        place = kwargs.get("context_parallel")
+        if self.shifts is not None and place is not None:
+            h = _shift_tokens_context_parallel(h, self.shifts, kwargs.get("input_mask"), place)
+        elif self.shifts is not None:
             mask = kwargs.get("input_mask")
             if return_cache:  # the token the next call's first token shifts in
                 last = h[:, -1] if mask is None else h[:, -1].masked_fill(~mask[:, -1:], 0.0)
@@ -67,6 +71,17 @@ class Branch(nn.Module):
             return self.dropout(self.fn(h, **routed)), BranchCache(shift, None)
         out, fn_cache = self.fn(h, cache=None if cache is None else cache.fn, return_cache=True, **routed)
         return self.dropout(out), BranchCache(shift, fn_cache)
+
+
+def _shift_tokens_context_parallel(h, shifts, mask, place):
+    """``shift_tokens`` across the slice's ends: the neighbours' boundary tokens (masked ones
+    zeroed) extend the slice, zeros at the sequence's ends as without a split."""
+    if mask is not None:
+        h = h.masked_fill(~mask[..., None], 0.0)
+    before, after = max(max(shifts), 0), max(-min(shifts), 0)
+    ((previous, following),) = exchange_boundaries([(h, 1)], place, before, after)
+    n = h.shape[1]
+    return shift_tokens(torch.cat((previous, h, following), dim=1), shifts)[:, before : before + n]
 
 
 class FoldAxially(nn.Module):
@@ -334,7 +349,8 @@ class LinearAttentionTransformer(nn.Module):
 
         blocks = []
         for layer in range(depth):
-            self_routes = ("input_mask",) if self.linformer else ("input_mask", "rotary", "segment_ids")
+            self_routes = ("input_mask",) if self.linformer else ("input_mask", "rotary", "segment_ids",
+                                                                   "context_parallel")
             blocks.append((attention_branch(self_attention[layer], *self_routes), branch(feedforward(layer))))
 
             if attend_axially:
@@ -360,7 +376,7 @@ class LinearAttentionTransformer(nn.Module):
         return bool(attend_axially) or any(per_layer)
 
     def forward(self, x, input_mask=None, context=None, context_mask=None, positions=None, cache=None,
-                return_cache=False, segment_ids=None):
+                return_cache=False, segment_ids=None, context_parallel=None):
         """x (b, n, dim) -> (b, n, dim). With ``return_cache`` -> (out, DecodingCache); given a
         ``cache``, x holds only the tokens that continue the cached sequence.
 
@@ -369,13 +385,29 @@ class LinearAttentionTransformer(nn.Module):
         segment run alone: attention, windows, blindspot, convolution and token shift stay
         inside it, and rotary positions (unless ``positions`` is given, (n,) or (b, n)) restart
         at its first token. ``input_mask`` still marks padding. Refused with a cache, with
-        Linformer, attend_axially or receives_context."""
+        Linformer, attend_axially or receives_context.
+
+        ``context_parallel``: a ``torch.distributed`` process group (or a ``ContextParallel``)
+        over which one sequence is split (``context_parallel.py``): x (b, n_local, dim) is this
+        rank's contiguous slice, in rank order, all slices of the same length; returns this
+        rank's slice of the output. Rotary positions start at rank * n_local (``positions``,
+        if given, are the slice's). Each attention layer checks what it supports
+        (``Attention.check_context_parallel``) before any communication; Linformer,
+        attend_axially, cross-attention, segment_ids and a cache are refused. None: off."""
         if x.ndim != 3 or x.shape[-1] != self.dim:
             raise ValueError(f"x must have shape (batch, seq_len, {self.dim}), got {tuple(x.shape)}")
+        check_mask(input_mask, x, "input_mask")
+        if context_parallel is not None:
+            place = self.context_parallel_place(context_parallel, x, segment_ids, cache, return_cache)
+            kwargs = dict(input_mask=input_mask, context_parallel=place)
+            if self.rotary is not None:
+                if positions is None:
+                    positions = torch.arange(place.start, place.start + x.shape[1], device=x.device)
+                kwargs["rotary"] = self.rotary(positions)
+            return self.layers(x, **kwargs)
         start = 0 if cache is None else cache.position
         if start + x.shape[1] > self.max_seq_len:
             raise ValueError(f"sequence length {start + x.shape[1]} exceeds max_seq_len={self.max_seq_len}")
-        check_mask(input_mask, x, "input_mask")
         if segment_ids is not None:
             segment_ids = self._check_segment_ids(segment_ids, x, cache, return_cache)
             if self.rotary is not None and positions is None:
@@ -395,6 +427,26 @@ class LinearAttentionTransformer(nn.Module):
             return self.layers(x, **kwargs)
         out, new_cache = self._forward_cached(x, cache, kwargs)
         return (out, new_cache) if return_cache else out
+
+    def context_parallel_place(self, context_parallel, x, segment_ids=None, cache=None, return_cache=False):
+        """Check that this model can run x (b, n_local, …) split over ``context_parallel``
+        (refusals first, before any communication), then return its ``ContextParallel``."""
+        for refused, what in ((self.linformer, "Linformer self-attention (linformer_settings)"),
+                              (self.attend_axially, "attend_axially"),
+                              (self.receives_context, "cross-attention (receives_context=True)"),
+                              (segment_ids is not None, "packed sequences (segment_ids)"),
+                              (cache is not None or return_cache, "a cache (cache / return_cache): decoding continues "
+                                                                  "one sequence on one rank")):
+            if refused:
+                raise ValueError(f"context_parallel is not supported with {what} yet")
+        for module in self.modules():
+            if isinstance(module, Attention):
+                module.check_context_parallel(x.shape[1])
+        place = ContextParallel.of(context_parallel, x.shape[0], x.shape[1], x.device)
+        if place.world_size * place.length > self.max_seq_len:
+            raise ValueError(f"sequence length {place.world_size * place.length} ({place.world_size} slices of "
+                             f"{place.length}) exceeds max_seq_len={self.max_seq_len}")
+        return place
 
     def _check_segment_ids(self, segment_ids, x, cache, return_cache):
         """Validate packed-sequence ids and canonicalise them once to the run index that every
