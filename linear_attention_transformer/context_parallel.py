@@ -95,7 +95,8 @@ class ContextParallel:
         self.start = rank * length
 
     def __repr__(self):
-        return f"ContextParallel(rank={self.rank}, world_size={self.world_size}, length={self.length}, start={self.start})"
+        return (f"ContextParallel(rank={self.rank}, world_size={self.world_size}, length={self.length}, "
+                f"start={self.start})")
 
     @property
     def first(self):

@@ -133,14 +133,16 @@ class LinearAttentionTransformerLM(nn.Module):
         (``decoding.py``); it runs without gradients and assumes eval mode."""
         return start_decoding(self, x, input_mask, context, context_mask)
 
-    def output_features(self, x, input_mask=None, context=None, context_mask=None, segment_ids=None):
+    def output_features(self, x, input_mask=None, context=None, context_mask=None, segment_ids=None,
+                        context_parallel=None):
         """What the logits are read from: (b, n, emb_dim), with
         ``forward(x, ...) == output_layer(output_features(x, ...))``. ``AutoregressiveWrapper``
         takes its loss from these chunk by chunk, so that the (b, n, num_tokens) logits never
-        exist at once."""
+        exist at once. ``context_parallel``: as in ``forward`` (this rank's slice)."""
         if self.return_embeddings:
             raise ValueError("a model with return_embeddings=True has no output layer")
-        return self.project_out(self.norm(self._body(x, input_mask, context, context_mask, None, False, segment_ids)))
+        out = self._body(x, input_mask, context, context_mask, None, False, segment_ids, context_parallel)
+        return self.project_out(self.norm(out))
 
     @property
     def output_layer(self):

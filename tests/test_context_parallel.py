@@ -85,7 +85,21 @@ MODEL_CONFIGS = {
                                                     False),
     "lm_checkpoint_conv_absolute": ("lm", 2, 16, dict(causal=True, checkpoint=True, use_local_conv=True,
                                                       use_axial_pos_emb=False, chunk_size=4), True),
+    # what AutoregressiveWrapper's loss reads: the features before the output layer
+    "lm_output_features_factorised": ("lm_features", 2, 16, dict(causal=True, emb_dim=4, shift_tokens=True,
+                                                                 chunk_size=4), True),
 }
+
+
+class OutputFeatures(torch.nn.Module):
+    """An LM's ``output_features`` as a module's forward."""
+
+    def __init__(self, lm):
+        super().__init__()
+        self.lm = lm
+
+    def forward(self, x, input_mask=None, **kwargs):
+        return self.lm.output_features(x, input_mask, **kwargs)
 # the bytes a rank hands to the collectives, counted at two lengths (world 2)
 BYTES_CONFIGS = {
     "causal_softmax": (dict(causal=True, chunk_size=4), dict(exp_features=True)),
@@ -110,17 +124,19 @@ def make_model(kind, n, options):
     torch.manual_seed(0)
     if kind == "lm":
         return LinearAttentionTransformerLM(NUM_TOKENS, max_seq_len=n, **MODEL, **options).double()
+    if kind == "lm_features":
+        return OutputFeatures(LinearAttentionTransformerLM(NUM_TOKENS, max_seq_len=n, **MODEL, **options).double())
     return LinearAttentionTransformer(max_seq_len=n, **MODEL, **options).double()
 
 
-def inputs(name, n, scale=1.0, masked=False, tokens=False):
+def inputs(name, n, scale=1.0, masked=False, tokens=False, out_width=DIM):
     """The whole sequence's input, mask and loss weights (the same in every process)."""
     g = torch.Generator().manual_seed(sum(map(ord, name)))
     if tokens:
         x = torch.randint(0, NUM_TOKENS, (B, n), generator=g)
     else:
         x = torch.randn(B, n, DIM, generator=g, dtype=torch.float64) * scale
-    weight = torch.randn(B, n, NUM_TOKENS if tokens else DIM, generator=g, dtype=torch.float64)
+    weight = torch.randn(B, n, out_width, generator=g, dtype=torch.float64)
     mask = None
     if masked:
         mask = torch.rand(B, n, generator=g) > 0.25
@@ -146,7 +162,9 @@ def config(name):
         world, n, options, scale, masked = ATTENTION_CONFIGS[name]
         return (lambda: make_attention(options)), world, n, *inputs(name, n, scale, masked)
     kind, world, n, options, masked = MODEL_CONFIGS[name]
-    return (lambda: make_model(kind, n, options)), world, n, *inputs(name, n, 1.0, masked, tokens=kind == "lm")
+    width = {"lm": NUM_TOKENS, "lm_features": options.get("emb_dim", DIM)}.get(kind, DIM)
+    tokens = kind != "transformer"
+    return (lambda: make_model(kind, n, options)), world, n, *inputs(name, n, 1.0, masked, tokens, width)
 
 
 def assignments():
@@ -355,8 +373,8 @@ def test_a_whole_sequence_longer_than_max_seq_len_is_refused_on_every_rank(resul
 
 
 REFUSED = {  # Attention options, forward keywords, slice length, what the message names
-    "local heads, slice not a multiple of the window": (dict(causal=True, n_local_attn_heads=1, local_attn_window_size=4),
-                                                        {}, 6, "multiple of local_attn_window_size=4"),
+    "local heads, slice not a multiple of the window": (
+        dict(causal=True, n_local_attn_heads=1, local_attn_window_size=4), {}, 6, "multiple of local_attn_window_size=4"),
     "local heads, slice shorter than the windows looked at": (dict(n_local_attn_heads=1, local_attn_window_size=4,
                                                                    local_attn_look_backward=2), {}, 4,
                                                               "local_attn_look_backward"),
@@ -400,7 +418,8 @@ MODELS_REFUSED = {  # model, forward keywords, what the message names
 def test_unsupported_model_options_are_refused_before_any_communication(what):
     make, kwargs, named = MODELS_REFUSED[what]
     model = make()
-    x = torch.zeros(B, 8, dtype=torch.long) if isinstance(model, LinearAttentionTransformerLM) else torch.zeros(B, 8, DIM)
+    lm = isinstance(model, LinearAttentionTransformerLM)
+    x = torch.zeros(B, 8, dtype=torch.long) if lm else torch.zeros(B, 8, DIM)
     with pytest.raises(ValueError, match=named):
         model(x, context_parallel=object(), **kwargs)
 
