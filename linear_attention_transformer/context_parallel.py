@@ -12,9 +12,8 @@ What a layer's global heads exchange, independent of n (LASP-2):
   exponential features the per-feature reference of kv), in O(n d e) without running the
   kernel; one autograd-aware all-gather of the packed summaries (done as an all-reduce of
   a (P, …) tensor holding each rank's summary in its slot, see ``gather_summaries``); an
-  exclusive scan over the
-  ranks gives the state before the rank's slice, from which the chunked kernel runs
-  (``causal_linear_attention(..., state=...)``). The gather's backward sends each summary's
+  exclusive scan over the ranks gives the state before the rank's slice, from which the
+  chunked kernel runs (``causal_linear_attention(..., state=...)``). The gather's backward sends each summary's
   gradient back to the rank that made it, so a key's gradient counts every later rank's
   queries. Every rank computes the exclusive scan over all P summaries and keeps its own
   entry: the gather then takes part in every rank's backward (rank 0 reads nothing from it,
@@ -33,18 +32,18 @@ the local window and of ``blindspot_size`` (refused otherwise).
 
 Bytes per layer and rank (``summary_bytes``): P b h (d (e + 1) + d_g + d) elements for causal
 heads (d_g: 1 per-head decay, d per-feature, 0 without a gate; the last d only for
-exponential features), b h d (e + 1 [+ 1]) for non-causal heads plus b h d for the softmax
-keys' maxima (forward only). Backward sends as much again (the maxima aside).
+exponential features), b h d (e + [1: the normaliser column, unless the softmax map without a
+gate] + [1: the softmax map's sums]) for non-causal heads, plus b h d for the softmax keys'
+maxima (forward only); the halos on top. Backward sends as much again (the maxima aside).
 
 Only ``torch.distributed``: ``torch.distributed.nn.functional``'s autograd-aware all_reduce
-(it warns that they are deprecated in favour of the functional collectives;
-the warning is silenced here: their autograd form is the one this module needs).
+(it warns that it is deprecated in favour of the functional collectives; the warning is
+silenced here: its autograd form is the one this module needs).
 """
 
 from __future__ import annotations
 
 import warnings
-from typing import Optional
 
 import torch
 import torch.nn.functional as F
