@@ -5,7 +5,7 @@
 matmul FLOPs, ``bench_lm.model_flops``, at that rate), all measured in the same worker.
 
 Two models: the benchmark LM of ``bench_lm.py`` (every head global: the chunked kernel with
-segment resets), and the same with seed 000's local heads and a blindspot (there the layer
+segment resets), and the same with the README model's local heads and a blindspot (there the layer
 moves every segment to start at a multiple of the blindspot block: the printed 'slots' is
 the longest row of that layout against n). The two variants alternate step by step, so load
 drift hits both alike; each figure is the best of ``--steps``.

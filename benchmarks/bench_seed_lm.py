@@ -1,7 +1,7 @@
 #!/usr/bin/env python
-"""Seed 000's language-model example, one training step, against its matmul floor and upstream.
+"""Upstream linear-attention-transformer's README LM, one training step, against its floor and upstream.
 
-The model is the one of seed 000's README (``SEED_LM`` below: 20000 tokens, dim 512, emb_dim 128,
+The model is the one of that README (``SEED_LM`` below: 20000 tokens, dim 512, emb_dim 128,
 8 heads of 128 of which 4 local (window 128), blindspot 64, reversible, GLU feed-forward in 2
 chunks, token shift, all dropouts 0.1, depth 1), in training mode, fp32, batch 1, n = 8192. Two
 steps are measured, each in a fresh subprocess so that its peak memory is its own:
@@ -142,7 +142,7 @@ def training_flops(model, n):
 
 
 def build(impl, device):
-    """(model, wrapper, package file) of seed 000's LM: ours, ours as upstream runs it, or upstream's."""
+    """(model, wrapper, package file) of that README's LM: ours, ours as upstream runs it, or upstream's."""
     import linear_attention_transformer as lat
 
     if impl == "upstream":

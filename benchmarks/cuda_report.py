@@ -19,7 +19,7 @@ Steps (``--skip`` leaves any out):
 ``layer``     a whole attention layer on (b, n, h d): ours ``LinearSelfAttention`` (default map),
               ours with ``use_gate=True``, and a softmax layer with the same q/k/v/out projections
               around SDPA.
-``lm``        one training step (cross-entropy of the logits, backward) of the seed's LM at
+``lm``        one training step (cross-entropy of the logits, backward) of upstream's README LM at
               dim ``--lm-dim`` with ``use_gate=True`` (``bench_seed_lm.SEED_LM``) against a
               softmax LM of the same width, heads, embedding factorisation and GLU feed-forward,
               with SDPA attention and plain residual blocks.
@@ -121,7 +121,7 @@ class SoftmaxLayer(nn.Module):
 
 class SoftmaxLM(nn.Module):
     """Embedding (factorised through emb_dim) -> depth x [norm, SDPA layer, norm, GLU
-    feed-forward] with residuals -> norm -> emb_dim -> logits: the seed LM's shape in softmax."""
+    feed-forward] with residuals -> norm -> emb_dim -> logits: that README LM's shape in softmax."""
 
     def __init__(self, num_tokens, dim, depth, heads, dim_head, emb_dim, ff_mult=4):
         super().__init__()

@@ -56,9 +56,9 @@ The hardware (``H100``; every figure a command-line option):
 A peak is a bound no kernel reaches (cuBLAS gets ~60-80 % of it on large bf16 matmuls), so
 both the estimate and the floor are optimistic in the same way; the ratio is the figure.
 
-The default case is the seed's LM (``bench_seed_lm.SEED_LM``: seed 000's README arguments,
-reversible, 4 local + 4 global heads of 128, blindspot 64, GLU feed-forward, token shift,
-dropouts 0.1) at dim 1024 with the seed's gate (use_gate=True), batch 1, training mode, under
+The default case is the README LM of upstream ``linear-attention-transformer``
+(``bench_seed_lm.SEED_LM``: reversible, 4 local + 4 global heads of 128, blindspot 64, GLU
+feed-forward, token shift, dropouts 0.1) at dim 1024 with the gate (use_gate=True), batch 1, training mode, under
 bf16 autocast (the CPU's autocast op lists stand in for CUDA's; the kernel computes in float32
 inside, so its matmuls are float32: at the FP32 peak unless ``--tf32``), loss from
 ``AutoregressiveWrapper`` (chunked ``linear_cross_entropy``), at n = 4096, 16384, 65536. The

@@ -1,4 +1,4 @@
-"""Compare seed 000's variants, and two design choices of the gate and the convolution, on one budget.
+"""Compare baseline, conv_only and full_improved, and two design choices of gate and convolution, on one budget.
 
     python examples/make_local_corpus.py --out /tmp/corpus.txt
     python examples/compare_improvements.py --data /tmp/corpus.txt --seeds 0 1 --out /tmp/compare

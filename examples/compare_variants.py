@@ -1,4 +1,4 @@
-"""Seed 000's experiment: Baseline, Conv_Only and Full_Improved trained side by side, with a plot and a table.
+"""The improvements' experiment: Baseline, Conv_Only and Full_Improved trained side by side, with a plot and a table.
 
     python examples/compare_variants.py                               # built-in corpus, small models
     python examples/compare_variants.py --data /path/to/enwik8 --steps 20000 --seeds 0 1 2 \

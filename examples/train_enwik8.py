@@ -12,7 +12,7 @@ Reference, IDLE's text files, standard-library docstrings), built once into a ca
 usual; any other file 90% / 5% / 5%, contiguously. ``--data`` may also be a ``.gz`` or a
 single-member ``.zip`` (as enwik8 is distributed). Nothing is ever downloaded.
 
-Variants (seed 000's experiment):
+Variants (the gate-and-convolution experiment):
 
     baseline        standard linear attention
     conv_only       + depthwise local convolution on q, k, v      (use_local_conv=True)
@@ -69,7 +69,7 @@ VARIANTS = {
     "baseline": {"use_gate": False, "use_local_conv": False},
     "conv_only": {"use_gate": False, "use_local_conv": True},
     "full_improved": {"use_gate": True, "use_local_conv": True},
-    "gate_only": {"use_gate": True, "use_local_conv": False},  # ablation, not one of the seed's three
+    "gate_only": {"use_gate": True, "use_local_conv": False},  # ablation, not one of the experiment's three
 }
 
 

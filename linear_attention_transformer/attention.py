@@ -1,6 +1,6 @@
 """Attention layers: global linear heads, Q(KᵀV), side by side with local windowed softmax heads.
 
-Seed 000's layer: of ``heads`` heads, the first ``n_local_attn_heads`` attend with an exact
+The mixed layer: of ``heads`` heads, the first ``n_local_attn_heads`` attend with an exact
 softmax inside a sliding window (``ops/windowed_attention.py``: by default each window of w
 tokens looks at itself and the window before), the others attend to the whole sequence with linear
 attention (``ops``). Local heads see the neighbourhood sharply, global heads see everything
@@ -99,7 +99,7 @@ class Attention(nn.Module):
         receives_context: keys and values come from ``context`` (cross-attention); all
             heads are then global and non-causal with respect to the context.
         chunk_size: chunk length of the causal linear attention kernel (default 64); causal only.
-        use_gate: seed 000's sigmoid gating (``gating.py``): a forget gate per global head
+        use_gate: the sigmoid gating (``gating.py``): a forget gate per global head
             (rank ``gate_rank`` = 16, exponent 1 / ``gate_temperature``, 16) decays the causal
             state, or gates each key without a causal order; and a sigmoid output gate on
             every head's output. ``gate_granularity``: ``'head'`` (default), one decay per
@@ -497,7 +497,7 @@ class Attention(nn.Module):
 
 
 def _local_window(size, look_backward, look_forward, exact, causal):
-    """Check the local window options (seed 004's meanings) and build the ``Window``."""
+    """Check the local window options (the ``local-attention`` package's meanings) and build the ``Window``."""
     for name, value in (("local_attn_look_backward", look_backward), ("local_attn_look_forward", look_forward)):
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
             raise ValueError(f"{name} must be an int >= 0, got {value!r}")
@@ -529,14 +529,14 @@ def _last_inputs(t, mask, previous, count):
 
 
 class LinearSelfAttention(Attention):
-    """Global linear self-attention on its own, to drop into any model (seed 001).
+    """Global linear self-attention on its own, to drop into any model (``linear-attention``'s layer).
 
     Args:
         dim: model width. heads: query heads. causal: autoregressive.
         dim_head: size of each head (default dim // heads).
         kv_heads / one_kv_head: shared key/value heads.
-        feature_map: 'softmax', 'elu', 'relu' or a callable; ``psi_fn`` is seed 001's name for
-            a callable feature map and is accepted as such.
+        feature_map: 'softmax', 'elu', 'relu' or a callable; ``psi_fn`` (the ``linear-attention``
+            package's name for a callable feature map) is accepted as one.
         dropout: dropout on the attention output (before the output projection).
         blindspot_size: see ``Attention``.
         **improvements: ``use_gate``, ``use_local_conv`` and their settings, see ``Attention``.

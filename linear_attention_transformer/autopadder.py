@@ -1,8 +1,8 @@
-"""Autopadder: kept for users of the seed API.
+"""Autopadder: kept for users of upstream linear-attention-transformer's API.
 
 Every model in this library already accepts any length up to ``max_seq_len``: local
 windows, blindspot blocks and axial folds pad and mask internally. ``Autopadder(net)``
-therefore adds nothing but the seed's wrapping, and checks that what it wraps is a model of
+therefore adds nothing but upstream's wrapping, and checks that what it wraps is a model of
 this library, so that wrapping keeps working the way users expect.
 """
 

@@ -18,7 +18,7 @@ class FeedForward(nn.Module):
         dim: model width. mult: hidden width = dim * mult (a positive int).
         dropout: dropout on the hidden activations.
         glu: use the GLU variant (Shazeer 2020): hidden = act(gate) * value.
-        activation: 'gelu' (default) or 'relu' (seed 002's two choices).
+        activation: 'gelu' (default) or 'relu' (``linformer-pytorch``'s two choices).
         chunks: apply the network to this many slices of the sequence in turn, so the
             (n, dim * mult) hidden activations of only one slice exist at a time.
     Shapes: x (b, n, dim) -> (b, n, dim).

@@ -1,4 +1,4 @@
-"""Seed 000's two improvements to linear attention: sigmoid gates and a short local convolution.
+"""The two improvements to linear attention: sigmoid gates and a short local convolution.
 
 * ``ForgetGate``: a data-dependent decay of the causal state, a_t = sigmoid(x_t W + b) ** (1 / tau)
   from a low-rank projection, per head and key feature (Gated Linear Attention, Yang et al.

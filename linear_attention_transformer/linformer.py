@@ -14,8 +14,8 @@ first m rows of E and F are used. Masked key/value positions are zeroed before t
 projection, which makes them contribute nothing as well.
 
 E and F are learned and Xavier-initialised, as the Linformer authors did. How many there are
-is ``parameter_sharing`` (the paper's section 4, seed 002): 'none' (an E and an F per
-key/value head and layer), 'headwise' (one E and one F per layer), 'kv' (E = F per layer),
+is ``parameter_sharing`` (the paper's section 4, as in tatp22's ``linformer-pytorch``): 'none' (an
+E and an F per key/value head and layer), 'headwise' (one E and one F per layer), 'kv' (E = F per layer),
 'layerwise' (one E = F for every layer). ``k_reduce_by_layer`` lets k shrink with depth.
 
 Because the projection along the sequence and the feature projections W_k, W_v are both

@@ -27,7 +27,7 @@ class AbsolutePositionalEmbedding(nn.Module):
 
 
 class AxialPositionalEmbedding(nn.Module):
-    """Axial embedding (``axial_positional_embedding``), the seed's default: position
+    """Axial embedding (``axial_positional_embedding``), upstream linear-attention-transformer's default: position
     t = i * w + j gets emb_i + emb_j, with w the local attention window.
     positions (n,) or (b, n) long -> (n, dim) or (b, n, dim)."""
 

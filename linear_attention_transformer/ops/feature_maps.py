@@ -1,15 +1,15 @@
 """Feature maps: how queries and keys become the non-negative features of linear attention.
 
-``'softmax'`` (seed 000): queries take a softmax over their feature dimension. Keys take a
-softmax over the sequence when nothing is causal; in the causal case they are exponentiated,
+``'softmax'`` (the default, as in upstream linear-attention-transformer): queries take a softmax
+over their feature dimension. Keys take a softmax over the sequence when nothing is causal; in the causal case they are exponentiated,
 exp(k), because a softmax over the sequence would see the future.
 
 exp(k) overflows for large logits, so the causal kernels take the logits themselves
 (``exp_features=True``) and exponentiate relative to running maxima that cancel exactly
 (see ``linear_attention.py``).
 
-``'elu'`` (elu + 1, "Transformers are RNNs"), ``'relu'`` and any callable (seed 001's
-``psi_fn``) are applied to queries and keys alike.
+``'elu'`` (elu + 1, "Transformers are RNNs"), ``'relu'`` and any callable (the
+``linear-attention`` package's ``psi_fn``) are applied to queries and keys alike.
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ and the output is ``sum_j w_ij v_j / sum_j w_ij``. Two kinds of features:
 * given features (``exp_features=False``): q and k are already non-negative (elu + 1,
   relu, a user's map);
 * exponential features (``exp_features=True``): q and k are logits and
-  phi(q)_d phi(k)_d = exp(q_d + k_d). This is seed 000's softmax map: the softmax over the
+  phi(q)_d phi(k)_d = exp(q_d + k_d). This is the default softmax map: the softmax over the
   query's features only adds a per-query constant, which cancels in the ratio. The kernels
   never exponentiate a raw logit; every factor is exp(x - reference) <= 1:
 

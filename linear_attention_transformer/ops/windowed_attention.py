@@ -1,7 +1,7 @@
 """Windowed softmax attention by absolute position: what a local head computes.
 
-The sequence is cut into windows of w tokens; window u = i // w holds query i. Seed 004's
-rule (``local_attention.LocalAttention``): query i sees key j when j's window lies between L
+The sequence is cut into windows of w tokens; window u = i // w holds query i. The rule of the
+``local-attention`` package (``local_attention.LocalAttention``): query i sees key j when j's window lies between L
 windows before and F windows after its own (L = look_backward, F = look_forward),
 
     i // w - L  <=  j // w  <=  i // w + F,     and j <= i when causal (then F = 0).
