@@ -119,7 +119,11 @@ SEED_WORDS = re.compile(r"\bseeds? 00\d", re.IGNORECASE)
 
 
 @pytest.mark.parametrize(
-    "path", [ROOT / "README.md", ROOT / "examples" / "README.md", *sorted((ROOT / "docs").rglob("*.md"))],
+    "path",
+    [ROOT / "README.md", ROOT / "examples" / "README.md", *sorted((ROOT / "docs").rglob("*.md")),
+     # docstrings are the API reference, and the examples' and benchmarks' headers are read too
+     *sorted((ROOT / "linear_attention_transformer").rglob("*.py")),
+     *sorted((ROOT / "examples").glob("*.py")), *sorted((ROOT / "benchmarks").glob("*.py"))],
     ids=lambda p: str(p.relative_to(ROOT)),
 )
 def test_user_facing_text_names_projects_not_seed_numbers(path):
