@@ -48,6 +48,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .context_parallel import ContextParallel
 from .ops.segments import check_segment_ids
 
 __all__ = ["top_k", "top_p", "linear_cross_entropy", "AutoregressiveWrapper"]
@@ -163,7 +164,7 @@ def top_p(logits, thres=0.9):
 LOSS_CHUNK_ELEMENTS = 2 ** 22
 
 
-def linear_cross_entropy(features, weight, bias, targets, ignore_index=-100, chunk_rows=None):
+def linear_cross_entropy(features, weight, bias, targets, ignore_index=-100, chunk_rows=None, total_count=None):
     """Mean cross-entropy of the logits ``F.linear(features, weight, bias)`` against ``targets``,
     without holding those logits: rows are taken ``chunk_rows`` at a time.
 
@@ -180,8 +181,12 @@ def linear_cross_entropy(features, weight, bias, targets, ignore_index=-100, chu
         features: (N, e) float. weight: (num_tokens, e). bias: (num_tokens,) or None.
         targets: (N,) integer; entries equal to ``ignore_index`` are not counted.
         chunk_rows: rows per chunk (default ``LOSS_CHUNK_ELEMENTS // num_tokens``, >= 1).
+        total_count: what the summed loss is divided by: None (the default) for the rows
+            counted here; an integer tensor (no gradient) or int otherwise, e.g. the counted
+            rows of a whole sequence whose rows are split over processes.
     Returns:
-        scalar: the mean over the counted rows (NaN when none is counted, as F.cross_entropy).
+        scalar: the summed loss of the counted rows over ``total_count`` (by default their
+        mean, NaN when none is counted, as F.cross_entropy).
     """
     if features.ndim != 2 or weight.ndim != 2 or features.shape[1] != weight.shape[1]:
         raise ValueError(f"features (N, e) and weight (num_tokens, e) must agree, got "
@@ -193,15 +198,21 @@ def linear_cross_entropy(features, weight, bias, targets, ignore_index=-100, chu
     if isinstance(chunk_rows, bool) or not isinstance(chunk_rows, Integral) or chunk_rows < 1:
         raise ValueError(f"chunk_rows must be a positive int, got {chunk_rows!r}")
     # forming the gradients costs two matmuls per chunk: only when backward can use them
+    if total_count is not None:
+        if isinstance(total_count, bool) or not (isinstance(total_count, Integral) or (
+                torch.is_tensor(total_count) and total_count.ndim == 0 and total_count.dtype in _INTEGER_DTYPES)):
+            raise TypeError(f"total_count must be None, an int or a 0-d integer tensor, got {total_count!r}")
+        total_count = torch.as_tensor(total_count, device=features.device)
     want_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (features, weight, bias))
-    return _LinearCrossEntropy.apply(features, weight, bias, targets, int(ignore_index), int(chunk_rows), want_grad)
+    return _LinearCrossEntropy.apply(features, weight, bias, targets, int(ignore_index), int(chunk_rows), want_grad,
+                                     total_count)
 
 
 class _LinearCrossEntropy(torch.autograd.Function):
     """``linear_cross_entropy``: gradients formed in forward, chunk by chunk, scaled in backward."""
 
     @staticmethod
-    def forward(ctx, features, weight, bias, targets, ignore_index, chunk_rows, want_grad):
+    def forward(ctx, features, weight, bias, targets, ignore_index, chunk_rows, want_grad, total_count=None):
         device_type = features.device.type
         matmul_dtype = features.dtype
         if torch.is_autocast_enabled(device_type):
@@ -243,7 +254,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
                     grad_w += (p.t() @ h[rows]).to(grad_w.dtype)
                     if grad_b is not None:
                         grad_b += p.sum(dim=0).to(grad_b.dtype)
-            count = counted.sum()
+            count = counted.sum() if total_count is None else total_count
         if want_grad:
             ctx.save_for_backward(grad_h, grad_w.to(weight.dtype), None if grad_b is None else grad_b.to(bias.dtype),
                                   count)
@@ -254,7 +265,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
         grad_h, grad_w, grad_b, count = ctx.saved_tensors
         scale = grad_loss / count
         grads = [None if g is None else g * scale.to(g.dtype) for g in (grad_h, grad_w, grad_b)]
-        return (*grads, None, None, None, None)
+        return (*grads, None, None, None, None, None)
 
 
 # --------------------------------------------------------------------------- wrapper
@@ -298,15 +309,34 @@ class AutoregressiveWrapper(nn.Module):
                 masked out are ignored in the loss. ``segment_ids`` (b, n) (packed
                 sequences) is cut the same way, and a target that starts a new segment is
                 ignored: predicting it would cross the boundary.
+                ``context_parallel``: a ``torch.distributed`` process group over which one
+                sequence of N + 1 tokens (N = P * n_local, P ranks) is split. Rank r passes
+                x = tokens[:, r * n_local : (r + 1) * n_local + 1]: its n_local tokens and the
+                token that follows them (the next rank's first; on the last rank the sequence's
+                last token), and ``input_mask`` cut the same way. So the net reads rank r's
+                slice of tokens[:, :-1] (``LinearAttentionTransformerLM.forward``'s
+                context_parallel) and every target, the one across each slice boundary
+                included, is counted exactly once, on the rank whose position predicts it.
+                Ranks whose neighbouring slices do not overlap by that token are refused
+                (ValueError on every rank). ``segment_ids`` is refused with it.
         Returns:
             scalar loss: mean over the targets that are neither ``ignore_index`` nor
             masked out (NaN when there are none, as with ``F.cross_entropy``);
             or the net's output when ``return_loss`` is False. A net with
             ``output_features`` / ``output_layer`` (see the module docstring) gets the same
             loss from ``linear_cross_entropy``, without the (b, n - 1, num_tokens) logits.
+            With ``context_parallel``: this rank's part of the whole sequence's mean, its
+            targets' summed loss over the counted targets of all ranks (one all-gather of
+            the counts). The parts sum over the group to the one-process loss, and the
+            parameter gradients summed over the group (an all-reduce, as for the model) are
+            the one-process gradients; ``all_reduce`` a detached copy to log the whole loss.
         """
         if not return_loss:
             return self.net(x, **kwargs)
+        context_parallel = kwargs.pop("context_parallel", None)
+        if context_parallel is not None and kwargs.get("segment_ids") is not None:
+            raise ValueError("segment_ids: packed sequences are not supported with context_parallel "
+                             "(one sequence is split over the ranks)")
 
         _check_tokens(x, "x")
         if x.ndim != 2 or x.shape[1] < 2:
@@ -325,15 +355,50 @@ class AutoregressiveWrapper(nn.Module):
             kwargs["segment_ids"] = segment_ids[:, :-1]
             targets = targets.masked_fill(segment_ids[:, 1:] != segment_ids[:, :-1], self.ignore_index)
 
+        total_count = None
+        if context_parallel is not None:
+            kwargs["context_parallel"], total_count = self._context_parallel_count(
+                context_parallel, x, mask, targets)
+
         layer = self._output_layer()
         if layer is None:
             logits = self.net(inputs, **kwargs)
+            if total_count is not None:
+                summed = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1),
+                                         ignore_index=self.ignore_index, reduction="sum")
+                return summed / total_count
             # rows of (b * n, num_tokens): a softmax along contiguous memory, unlike (b, num_tokens, n)
             return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1),
                                    ignore_index=self.ignore_index)
         features = self.net.output_features(inputs, **kwargs)
         return linear_cross_entropy(features.reshape(-1, features.shape[-1]), layer.weight, layer.bias,
-                                    targets.reshape(-1), self.ignore_index)
+                                    targets.reshape(-1), self.ignore_index, total_count=total_count)
+
+    def _context_parallel_count(self, context_parallel, x, mask, targets):
+        """(the net's ``ContextParallel`` for x[:, :-1], the counted targets of all ranks).
+
+        One all-gather of each rank's first and last tokens (and mask entries) and its count
+        of counted targets: neighbouring slices must overlap by one token (rank r's last
+        equals rank r + 1's first, in every row), or every rank raises the same ValueError.
+        Args:
+            x: (b, n_local + 1) this rank's tokens. mask: (b, n_local + 1) bool or None.
+            targets: (b, n_local) long, ``ignore_index`` where not counted.
+        """
+        place = ContextParallel.of(context_parallel, x.shape[0], x.shape[1] - 1, x.device)
+        ends = [x[:, 0], x[:, -1]]
+        ends += [x.new_ones(x.shape[0]), x.new_ones(x.shape[0])] if mask is None else [mask[:, 0], mask[:, -1]]
+        count = (targets != self.ignore_index).sum()
+        mine = torch.cat([t.long() for t in ends] + [count[None]])  # (4 b + 1,)
+        gathered = [torch.empty_like(mine) for _ in range(place.world_size)]
+        torch.distributed.all_gather(gathered, mine, group=place.group)
+        b = x.shape[0]
+        for r in range(place.world_size - 1):
+            last, first = gathered[r], gathered[r + 1]
+            if not (torch.equal(last[b : 2 * b], first[:b]) and torch.equal(last[3 * b : 4 * b], first[2 * b : 3 * b])):
+                raise ValueError(f"x: with context_parallel each rank passes its n_local tokens and the token that "
+                                 f"follows them (n_local + 1 = {x.shape[1]}), so that rank r's last token (and "
+                                 f"input_mask entry) is rank r + 1's first; ranks {r} and {r + 1} differ")
+        return place, sum(g[-1] for g in gathered)
 
     def _output_layer(self):
         """The net's final Linear when it also exposes the features it reads (see the module
@@ -518,6 +583,9 @@ class AutoregressiveWrapper(nn.Module):
             raise ValueError("compile_step needs the net's one-token decoder (net.start_decoding) and the cache "
                              "(use_cache True or None); pass compile_step=False")
 
+        if kwargs.get("context_parallel") is not None:
+            raise ValueError("context_parallel: generate continues one sequence on one rank; "
+                             "call it without context_parallel")
         if kwargs.get("segment_ids") is not None:
             raise ValueError("segment_ids: generate continues one sequence per row; "
                              "packed prompts are not supported (generate each document on its own)")

@@ -36,6 +36,12 @@ exponential features), b h d (e + [1: the normaliser column, unless the softmax 
 gate] + [1: the softmax map's sums]) for non-causal heads, plus b h d for the softmax keys'
 maxima (forward only); the halos on top. Backward sends as much again (the maxima aside).
 
+``AutoregressiveWrapper``'s loss: rank r passes its n_local tokens and the one after them
+(slices overlap by one token, so each boundary's target is counted once, by the rank that
+predicts it) and returns its targets' summed loss over the whole sequence's count of targets:
+one all-gather of 4 b + 1 integers (the slices' end tokens and mask entries, checked to
+overlap, and the counts).
+
 Only ``torch.distributed``: ``torch.distributed.nn.functional``'s autograd-aware all_reduce
 (it warns that it is deprecated in favour of the functional collectives; the warning is
 silenced here: its autograd form is the one this module needs).

@@ -659,6 +659,25 @@ def test_linear_cross_entropy_nan_when_nothing_counted_and_no_grad_path():
         linear_cross_entropy(features, weight, None, targets, chunk_rows=0)
 
 
+def test_linear_cross_entropy_total_count_divides_the_summed_loss():
+    """``total_count`` (the counted rows of a whole sequence split over processes) replaces
+    the local count: loss and gradients are the plain summed form over that count."""
+    g = torch.Generator().manual_seed(5)
+    features = torch.randn(9, 4, dtype=torch.float64, generator=g, requires_grad=True)
+    weight = torch.randn(6, 4, dtype=torch.float64, generator=g, requires_grad=True)
+    targets = torch.randint(0, 6, (9,), generator=g)
+    targets[2] = -100
+    loss = linear_cross_entropy(features, weight, None, targets, chunk_rows=4, total_count=torch.tensor(23))
+    grads = torch.autograd.grad(loss, (features, weight))
+    summed = F.cross_entropy(F.linear(features, weight), targets, reduction="sum") / 23
+    torch.testing.assert_close(loss, summed, rtol=1e-12, atol=1e-12)
+    for got, want in zip(grads, torch.autograd.grad(summed, (features, weight))):
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    for bad in (2.5, True, torch.tensor([3]), torch.tensor(3.0)):
+        with pytest.raises(TypeError, match="total_count"):
+            linear_cross_entropy(features, weight, None, targets, total_count=bad)
+
+
 def test_linear_cross_entropy_under_bfloat16_autocast_is_finite_and_close():
     g = torch.Generator().manual_seed(12)
     features = (30 * torch.randn(64, 16, generator=g)).requires_grad_()  # large logits

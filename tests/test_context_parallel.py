@@ -14,6 +14,8 @@ ended any other way aborted about once in 50 runs.
 
 Each configuration's loss is sum(out * W) for a fixed random W over the whole sequence, so
 every output position's gradient differs, and every rank's keys reach later ranks' queries.
+``AutoregressiveWrapper``'s loss is compared as itself: the ranks' losses sum to the one-process
+loss of the whole N + 1 tokens (1e-9), their parameter gradients too.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ import torch
 
 from linear_attention_transformer import (
     Attention,
+    AutoregressiveWrapper,
     LinearAttentionTransformer,
     LinearAttentionTransformerLM,
     LinformerSettings,
@@ -89,6 +92,66 @@ MODEL_CONFIGS = {
     "lm_output_features_factorised": ("lm_features", 2, 16, dict(causal=True, emb_dim=4, shift_tokens=True,
                                                                  chunk_size=4), True),
 }
+
+
+# AutoregressiveWrapper's loss: name: (world size, N (the net reads N tokens of the N + 1),
+# LM options, mask, ignore_index, whether the net exposes output_features (the chunked loss) or
+# only logits (F.cross_entropy)); rank r passes tokens[:, r n_local : (r + 1) n_local + 1]
+WRAPPER_CONFIGS = {
+    "wrapper_chunked_loss": (2, 16, dict(causal=True, chunk_size=4, shift_tokens=True), "random", -100, True),
+    "wrapper_logits_loss": (2, 16, dict(causal=True, chunk_size=4, use_gate=True), "random", -100, False),
+    # rank 2's targets all masked out (and rank 1's last, across the boundary): a rank that
+    # counts no target still takes part, and the mean is over the whole sequence's count
+    "wrapper_local_masked_slice_4": (4, 32, dict(causal=True, n_local_attn_heads=1, local_attn_window_size=4,
+                                                 use_local_conv=True), "slice", -100, True),
+    "wrapper_ignore_index_4": (4, 32, dict(causal=True, chunk_size=4, use_rotary_emb=True), None, 3, True),
+}
+
+
+class LogitsOnly(torch.nn.Module):
+    """An LM seen through its logits only (no output_features): the wrapper's plain loss."""
+
+    def __init__(self, lm):
+        super().__init__()
+        self.lm, self.max_seq_len = lm, lm.max_seq_len
+
+    def forward(self, x, input_mask=None, **kwargs):
+        return self.lm(x, input_mask, **kwargs)
+
+
+def make_wrapper(name):
+    _, n, options, _, ignore_index, chunked = WRAPPER_CONFIGS[name]
+    torch.manual_seed(0)
+    lm = LinearAttentionTransformerLM(NUM_TOKENS, max_seq_len=n, **MODEL, **options).double()
+    return AutoregressiveWrapper(lm if chunked else LogitsOnly(lm), ignore_index=ignore_index)
+
+
+def wrapper_inputs(name):
+    """The whole sequence of N + 1 tokens and its mask (or None)."""
+    world, n, _, masked, _, _ = WRAPPER_CONFIGS[name]
+    g = torch.Generator().manual_seed(sum(map(ord, name)))
+    tokens = torch.randint(0, NUM_TOKENS, (B, n + 1), generator=g)
+    mask = None
+    if masked == "random":
+        mask = torch.rand(B, n + 1, generator=g) > 0.25
+    elif masked == "slice":  # the targets of rank 2's positions, tokens 2 n_local + 1 .. 3 n_local
+        n_local = n // world
+        mask = torch.ones(B, n + 1, dtype=torch.bool)
+        mask[:, 2 * n_local : 3 * n_local + 1] = False
+    return tokens, mask
+
+
+def wrapper_slice(t, rank, n_local):
+    """Rank ``rank``'s part of tokens (or mask) (b, N + 1): its n_local and the one after."""
+    return None if t is None else t[:, rank * n_local : (rank + 1) * n_local + 1]
+
+
+def run_wrapper(wrapper, tokens, mask, **kwargs):
+    """The wrapper's loss and its parameter gradients."""
+    wrapper.zero_grad(set_to_none=True)
+    loss = wrapper(tokens, input_mask=mask, **kwargs)
+    loss.backward()
+    return loss.detach(), {name: p.grad.clone() for name, p in wrapper.named_parameters() if p.grad is not None}
 
 
 class OutputFeatures(torch.nn.Module):
@@ -170,8 +233,8 @@ def config(name):
 def assignments():
     """Which group runs each configuration: the world, or one of the pairs (alternating)."""
     placed, pair = {}, 0
-    for name in [*ATTENTION_CONFIGS, *MODEL_CONFIGS]:
-        world = config(name)[1]
+    for name in [*ATTENTION_CONFIGS, *MODEL_CONFIGS, *WRAPPER_CONFIGS]:
+        world = WRAPPER_CONFIGS[name][0] if name in WRAPPER_CONFIGS else config(name)[1]
         if world == WORLD:
             placed[name] = None
         else:
@@ -230,6 +293,15 @@ def worker(rank, store_path, out_dir):
             if rank not in ranks:
                 continue
             group = world_group if group_ranks is None else pairs[group_ranks]
+            if name in WRAPPER_CONFIGS:
+                world, n = WRAPPER_CONFIGS[name][:2]
+                tokens, mask = wrapper_inputs(name)
+                module = make_wrapper(name)
+                local_rank = ranks.index(rank)
+                loss, grads = run_wrapper(module, wrapper_slice(tokens, local_rank, n // world),
+                                          wrapper_slice(mask, local_rank, n // world), context_parallel=group)
+                torch.save(dict(loss=loss, grads=grads), out_dir / f"{name}-{local_rank}.pt")
+                continue
             make, world, n, x, mask, weight = config(name)
             local_rank, n_local = ranks.index(rank), n // world
             part = slice(local_rank * n_local, (local_rank + 1) * n_local)
@@ -268,6 +340,14 @@ def worker(rank, store_path, out_dir):
                 counts["too long"] = None
             except ValueError as error:
                 counts["too long"] = str(error)
+            # the wrapper's slices must overlap by one token: slices that do not are refused
+            wrapper = make_wrapper("wrapper_chunked_loss")
+            tokens = torch.arange(16, dtype=torch.long)[None].expand(B, 16) % NUM_TOKENS
+            try:
+                wrapper(tokens[:, rank * 8 : (rank + 1) * 8], context_parallel=pairs[PAIRS[0]])
+                counts["no overlap"] = None
+            except ValueError as error:
+                counts["no overlap"] = str(error)
             torch.save(counts, out_dir / f"bytes-{rank}.pt")
         del module
         dist.barrier()  # every rank is done communicating before any shuts a connection
@@ -341,6 +421,30 @@ def test_slices_equal_the_whole_sequence(results, name):
     if name not in MODEL_CONFIGS:
         alone, _, _ = run(make(), x[:, n_local:], None if mask is None else mask[:, n_local:], weight[:, n_local:])
         assert (alone[:, :n_local] - want_out[:, n_local : 2 * n_local]).abs().max() > 1e-6
+
+
+@pytest.mark.parametrize("name", list(WRAPPER_CONFIGS))
+def test_autoregressive_loss_equals_the_whole_sequence(results, name):
+    """The ranks' losses sum to the one-process loss of the N + 1 tokens, and their summed
+    parameter gradients are its gradients: every target counted once, the mean over all."""
+    world, n = WRAPPER_CONFIGS[name][:2]
+    tokens, mask = wrapper_inputs(name)
+    want_loss, want_grads = run_wrapper(make_wrapper(name), tokens, mask)
+    got = [torch.load(results / f"{name}-{r}.pt") for r in range(world)]
+    _close(sum(g["loss"] for g in got), want_loss, "summed loss")
+    assert set(got[0]["grads"]) == set(want_grads)
+    for key, want in want_grads.items():
+        _close(sum(g["grads"][key] for g in got), want, f"gradient of {key}")
+    # each rank's part is its own targets' share, not the whole: they differ from rank to rank
+    assert max(abs(g["loss"] - want_loss / world).item() for g in got) > 1e-6
+    if WRAPPER_CONFIGS[name][3] == "slice":
+        assert got[2]["loss"].item() == 0.0 and torch.isfinite(want_loss)
+
+
+def test_autoregressive_slices_that_do_not_overlap_are_refused_on_every_rank(results):
+    for r in PAIRS[0]:
+        message = torch.load(results / f"bytes-{r}.pt")["no overlap"]
+        assert message is not None and "ranks 0 and 1 differ" in message
 
 
 @pytest.mark.parametrize("name", list(BYTES_CONFIGS))
@@ -422,6 +526,28 @@ def test_unsupported_model_options_are_refused_before_any_communication(what):
     x = torch.zeros(B, 8, dtype=torch.long) if lm else torch.zeros(B, 8, DIM)
     with pytest.raises(ValueError, match=named):
         model(x, context_parallel=object(), **kwargs)
+
+
+WRAPPER_REFUSED = {  # what is called, what the message names
+    "generate": (lambda w: w.generate(torch.zeros(B, 3, dtype=torch.long), 2, context_parallel=object()),
+                 "context_parallel: generate"),
+    "generate with the cache": (lambda w: w.generate(torch.zeros(B, 3, dtype=torch.long), 2, use_cache=True,
+                                                     context_parallel=object()), "context_parallel: generate"),
+    "segment_ids": (lambda w: w(torch.zeros(B, 9, dtype=torch.long), segment_ids=torch.zeros(B, 9, dtype=torch.long),
+                                context_parallel=object()), "segment_ids"),
+}
+
+
+@pytest.mark.parametrize("what", list(WRAPPER_REFUSED))
+def test_unsupported_wrapper_uses_are_refused_before_any_communication(what):
+    call, named = WRAPPER_REFUSED[what]
+    with pytest.raises(ValueError, match=named):
+        call(make_wrapper("wrapper_chunked_loss"))
+
+
+def test_the_wrapper_needs_a_process_group():
+    with pytest.raises(TypeError, match="context_parallel must be a torch.distributed ProcessGroup"):
+        make_wrapper("wrapper_chunked_loss")(torch.zeros(B, 9, dtype=torch.long), context_parallel="group")
 
 
 def test_context_parallel_must_be_a_process_group():
