@@ -3,6 +3,7 @@
     python examples/train_enwik8.py                      # small model, built-in corpus, a few minutes on a laptop CPU
     python examples/train_enwik8.py --data /path/to/enwik8 --dim 512 --depth 6 --seq-len 1024 --steps 100000
     torchrun --nproc_per_node 2 examples/train_enwik8.py --data /path/to/enwik8     # data-parallel (DDP)
+    torchrun --nproc_per_node 4 examples/train_enwik8.py --context-parallel 2 --seq-len 8192   # 2 x 2
 
 Without ``--data`` the script trains on a ~1 MB English corpus built from text every Python
 installation has (``make_local_corpus.py``'s sources: license texts, the Python Language
@@ -32,6 +33,16 @@ schedule, step, the position in the batch order, the random state): the losses a
 are those of an uninterrupted run. ``--log run.json`` writes the history, ``--plot curve.png``
 training and validation BPC against steps (needs matplotlib, ``pip install -e ".[examples]"``).
 
+``--context-parallel P`` (under ``torchrun --nproc_per_node N``, N a multiple of P) splits every
+window over P processes (``context_parallel=group``, docs/scale.md): the N ranks form N / P
+data-parallel groups of P consecutive ranks (ranks d P .. d P + P - 1 hold the P slices of data
+group d's windows, made with ``dist.new_group``). Rank c of a group passes its n_local =
+seq_len / P bytes and the one after them; its loss is its part of the window's loss. The
+gradients are summed over every process (the parts of each window) and divided by the number
+of data groups (the mean over their windows), which is what DDP would average; validation and
+test run on the first group's P processes. The batches, losses and updates are those of one
+process training on the same windows (``--batch-size`` per data group).
+
 The loss is ``AutoregressiveWrapper``'s next-byte cross-entropy in nats; BPC = loss / ln 2.
 Validation BPC is the mean over a fixed set of windows evenly spaced over the validation split
 (the same windows at every evaluation and for every variant), so runs are comparable.
@@ -40,6 +51,7 @@ Validation BPC is the mean over a fixed set of windows evenly spaced over the va
 from __future__ import annotations
 
 import argparse
+import gc
 import gzip
 import json
 import math
@@ -50,6 +62,7 @@ import sys
 import time
 import zipfile
 from contextlib import nullcontext
+from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -271,13 +284,39 @@ def build_model(args):
 # -------------------------------------------------------------------------- training
 
 
+@dataclass
+class ContextSplit:
+    """Where this process sits in ``--context-parallel``: slice ``index`` of ``size`` slices of
+    every window, the slices' processes forming ``group`` (a torch.distributed group)."""
+
+    group: object
+    index: int
+    size: int
+
+    def part(self, windows):
+        """This process's part of (b, seq_len + 1) windows: its n_local = seq_len / size tokens
+        and the one after them (what ``AutoregressiveWrapper`` takes with context_parallel)."""
+        n_local = (windows.shape[1] - 1) // self.size
+        return windows[:, self.index * n_local : (self.index + 1) * n_local + 1]
+
+
 @torch.no_grad()
-def evaluate(model, batches, device):
+def evaluate(model, batches, device, split=None):
     """Mean next-byte loss (nats) over ``batches``; every batch has the same number of
-    targets, so this is also the mean over all targets. The training mode is restored."""
+    targets, so this is also the mean over all targets. The training mode is restored.
+    ``split``: a ``ContextSplit``; every process of its group must call this with the same
+    batches (each computes its part of each loss, summed over the group)."""
     was_training = model.training
     model.eval()
-    losses = [model(b.to(device), return_loss=True).item() for b in batches]
+    if split is None:
+        losses = [model(b.to(device), return_loss=True).item() for b in batches]
+    else:
+        import torch.distributed as dist
+
+        parts = torch.stack([model(split.part(b).to(device), return_loss=True, context_parallel=split.group)
+                             for b in batches]).double()
+        dist.all_reduce(parts, group=split.group)
+        losses = parts.tolist()
     model.train(was_training)
     return sum(losses) / len(losses)
 
@@ -320,6 +359,37 @@ def setup_distributed(device):
     if not dist.is_initialized():
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
     return dist.get_rank(), dist.get_world_size(), device
+
+
+def context_parallel_groups(rank, world, size):
+    """``--context-parallel size``: (this process's ``ContextSplit``, its data-parallel group's
+    index, the number of data groups). Consecutive ranks d * size .. d * size + size - 1 hold
+    the slices of data group d; every process makes every group (``new_group`` is collective)."""
+    if world % size:
+        raise SystemExit(f"--context-parallel {size}: the {world} processes are not a multiple of it")
+    import torch.distributed as dist
+
+    groups = [dist.new_group(list(range(d * size, (d + 1) * size))) for d in range(world // size)]
+    return ContextSplit(groups[rank // size], rank % size, size), rank // size, world // size
+
+
+def sum_gradients(model, device, divide_by):
+    """Every parameter's gradient summed over all processes, then divided by ``divide_by``: the
+    whole windows' gradients (parts summed over each context-parallel group), averaged over the
+    data groups. One all-reduce of all gradients at once (a parameter without one counts 0)."""
+    import torch.distributed as dist
+
+    params = list(model.parameters())
+    for p in params:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+    flat = torch.cat([p.grad.reshape(-1) for p in params])
+    dist.all_reduce(flat)
+    flat /= divide_by
+    offset = 0
+    for p in params:
+        p.grad.copy_(flat[offset : offset + p.numel()].view_as(p))
+        offset += p.numel()
 
 
 def mean_over_processes(value, world, device):
@@ -376,6 +446,17 @@ def train(args, quiet=False):
         torch.set_num_threads(args.threads)
     rank, world, device = setup_distributed(resolve_device(args.device))
     main_process = rank == 0
+    split, data_rank, data_world = None, rank, world
+    if args.context_parallel > 1:
+        if world == 1:
+            raise SystemExit("--context-parallel needs several processes: launch with torchrun --nproc_per_node N "
+                             "(N a multiple of it)")
+        if args.seq_len % args.context_parallel:
+            raise SystemExit(f"--context-parallel {args.context_parallel}: --seq-len {args.seq_len} is not a "
+                             f"multiple of it")
+        split, data_rank, data_world = context_parallel_groups(rank, world, args.context_parallel)
+    # who validates: the main process, or under context parallelism its whole group
+    evaluates = main_process if split is None else data_rank == 0
     say = tqdm.write if main_process and not quiet else (lambda *a, **k: None)
 
     data_path = args.data or builtin_corpus(args.corpus_cache or default_corpus_cache(), say=say)
@@ -404,7 +485,12 @@ def train(args, quiet=False):
         set_random_state(ckpt["random"], device)
         progress = ckpt["progress"]
     train_model = model
-    if world > 1:
+    if split is not None:  # the same start everywhere (as DDP makes it): rank 0's parameters
+        import torch.distributed as dist
+
+        for tensor in model.state_dict().values():
+            dist.broadcast(tensor, src=0)
+    elif world > 1:
         train_model = torch.nn.parallel.DistributedDataParallel(
             model, device_ids=[device.index] if device.type == "cuda" else None)
     autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.bf16)
@@ -428,32 +514,42 @@ def train(args, quiet=False):
     say(f"data {data_path}: {data.numel():,} bytes -> train {train_split.numel():,} / "
         f"valid {valid_split.numel():,} / test {test_split.numel():,}")
     say(f"variant {args.variant}, {n_params:,} parameters, device {device}, {torch.get_num_threads()} threads"
-        + (f", {world} processes" if world > 1 else "") + (", bf16 autocast" if args.bf16 else ""))
-    tokens_per_step = args.batch_size * args.grad_accum * world * args.seq_len
+        + (f", {world} processes" if world > 1 else "")
+        + (f" ({data_world} data-parallel x {split.size} context-parallel)" if split is not None else "")
+        + (", bf16 autocast" if args.bf16 else ""))
+    tokens_per_step = args.batch_size * args.grad_accum * data_world * args.seq_len
     history, train_losses, step_times = progress["history"], progress["train_losses"], progress["step_times"]
     bar = tqdm(total=args.steps, initial=progress["step"], unit="step", dynamic_ncols=True,
                disable=quiet or not main_process, mininterval=0.5)
     start, sample = time.perf_counter(), None
     for step in range(progress["step"] + 1, args.steps + 1):
         t0 = time.perf_counter()
-        windows = sample_batch(train_split, args.batch_size * args.grad_accum * world, args.seq_len, data_rng)
-        micro_batches = windows.split(args.batch_size)[rank::world]  # this process's share
+        windows = sample_batch(train_split, args.batch_size * args.grad_accum * data_world, args.seq_len, data_rng)
+        micro_batches = windows.split(args.batch_size)[data_rank::data_world]  # this (data group's) share
         optimizer.zero_grad(set_to_none=True)
         loss_sum = 0.0
         for i, micro in enumerate(micro_batches):
             last = i == len(micro_batches) - 1
-            sync = nullcontext() if last or world == 1 else train_model.no_sync()
+            sync = nullcontext() if last or world == 1 or split is not None else train_model.no_sync()
             with sync, autocast:
-                loss = train_model(micro.to(device), return_loss=True)
+                if split is None:
+                    loss = train_model(micro.to(device), return_loss=True)
+                else:  # this process's part of the windows' loss
+                    loss = train_model(split.part(micro).to(device), return_loss=True, context_parallel=split.group)
             (loss / args.grad_accum).backward()
             loss_sum += loss.item()
+        if split is not None:
+            sum_gradients(model, device, data_world)
         if args.grad_clip:
             torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
         optimizer.step()
         scheduler.step()
         if device.type == "cuda":
             torch.cuda.synchronize()
+        # under context parallelism the processes hold parts: sum each group's, mean over groups
         loss_value = mean_over_processes(loss_sum / args.grad_accum, world, device)
+        if split is not None:
+            loss_value *= split.size
         step_times.append(time.perf_counter() - t0)
         train_losses.append(loss_value)
         progress["step"] = step
@@ -463,11 +559,18 @@ def train(args, quiet=False):
         bar.set_postfix({"loss": f"{loss_value:.3f}", "bpc": f"{bpc(loss_value):.3f}",
                          "tokens/s": f"{tokens_per_step / step_times[-1]:,.0f}"}, refresh=False)
 
-        out_of_time = args.max_minutes and sum(step_times) > 60 * args.max_minutes
+        out_of_time = bool(args.max_minutes) and sum(step_times) > 60 * args.max_minutes
+        if world > 1 and args.max_minutes:  # every process stops at the same step (their clocks differ)
+            import torch.distributed as dist
+
+            flag = torch.tensor([float(out_of_time)], device=device)
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+            out_of_time = bool(flag.item())
         final = step == args.steps or out_of_time
-        if main_process and (step % args.eval_every == 0 or final):
+        if evaluates and (step % args.eval_every == 0 or final):
             with autocast:
-                val_loss = evaluate(model, valid_batches, device)
+                val_loss = evaluate(model, valid_batches, device, split)
+        if main_process and (step % args.eval_every == 0 or final):
             recent = train_losses[-(step - (history[-1]["step"] if history else 0)):]
             train_loss = sum(recent) / len(recent)
             history.append({"step": step, "train_loss": train_loss, "train_bpc": bpc(train_loss),
@@ -481,6 +584,11 @@ def train(args, quiet=False):
             say(f"stopping after step {step}: --max-minutes {args.max_minutes} reached")
             break
     bar.close()
+    test_loss = None
+    if evaluates and args.test_batches:
+        with autocast:
+            test_loss = evaluate(model, fixed_batches(test_split, args.test_batches, args.batch_size, args.seq_len),
+                                 device, split)
     if not main_process:
         return None
 
@@ -490,6 +598,7 @@ def train(args, quiet=False):
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "machine": {"platform": platform.platform(), "processor": platform.processor(),
                     "torch": torch.__version__, "device": str(device), "processes": world,
+                    "context_parallel": 1 if split is None else split.size,
                     "threads": torch.get_num_threads(), "cpu_count": os.cpu_count(),
                     "load_average_at_end": os.getloadavg()},
         "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
@@ -507,9 +616,7 @@ def train(args, quiet=False):
         "train_time_s": sum(step_times),
         "total_time_s": time.perf_counter() - start,
     }
-    if args.test_batches:
-        with autocast:
-            test_loss = evaluate(model, fixed_batches(test_split, args.test_batches, args.batch_size, args.seq_len), device)
+    if test_loss is not None:
         log.update(final_test_loss=test_loss, final_test_bpc=bpc(test_loss))
         say(f"test {bpc(test_loss):.4f} bpc ({args.test_batches * args.batch_size} windows of the test split)")
     if history:
@@ -552,6 +659,8 @@ def build_parser():
     t.add_argument("--grad-clip", type=float, default=0.5, help="max gradient norm (0: off)")
     t.add_argument("--bf16", action="store_true", help="bfloat16 autocast")
     t.add_argument("--seed", type=int, default=0, help="seeds both the initialisation and the batch order")
+    t.add_argument("--context-parallel", type=int, default=1, metavar="P",
+                   help="split every window over P processes (under torchrun, N a multiple of P; 1: off)")
     t.add_argument("--device", default="auto", help="'auto' (cuda if available), 'cpu', 'cuda', ...")
     t.add_argument("--threads", type=int, default=0, help="torch.set_num_threads (0: leave as is)")
     t.add_argument("--save", default=None, help="checkpoint file, written every --save-every steps and at the end")
@@ -634,8 +743,10 @@ def explicit_options(argv):
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else list(argv)
     args = build_parser().parse_args(argv)
-    if args.seq_len < 2 or args.steps < 1 or args.batch_size < 1 or args.eval_every < 1 or args.grad_accum < 1:
-        raise SystemExit("--seq-len must be >= 2 and --steps, --batch-size, --grad-accum, --eval-every >= 1")
+    if args.seq_len < 2 or args.steps < 1 or args.batch_size < 1 or args.eval_every < 1 or args.grad_accum < 1 \
+            or args.context_parallel < 1:
+        raise SystemExit("--seq-len must be >= 2 and --steps, --batch-size, --grad-accum, --eval-every, "
+                         "--context-parallel >= 1")
     if args.resume:  # the checkpoint's options, unless given again (then they must agree)
         if not Path(args.resume).is_file():
             raise SystemExit(f"--resume {args.resume}: no such checkpoint")
@@ -648,9 +759,19 @@ def main(argv=None):
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         import torch.distributed as dist
 
+        # as tests/test_distributed.py's workers end: no process shuts its connections while
+        # another still reads, and nothing holds gloo's state once the group is destroyed
+        dist.barrier()
+        gc.collect()
         dist.destroy_process_group()
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        # leave without interpreter finalization, where gloo's threads can abort the process
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    sys.exit(code)

@@ -79,6 +79,36 @@ def test_resume_continues_with_identical_losses(text, tmp_path):
     assert len(set(uninterrupted)) == 6  # the losses do change from step to step
 
 
+def test_context_parallel_with_data_parallel_trains_as_one_process(text, tmp_path):
+    """torchrun, 4 processes: 2 data-parallel groups of 2 context-parallel ranks, 4 windows per
+    group, against one process on the same 8 windows per step: the same losses (the gradients
+    summed over the slices and averaged over the groups, the same updates), and the same
+    validation and test losses (evaluated by the first group, split, on the same 8 windows)."""
+    common = ["--data", str(text), *TINY, "--steps", "3", "--eval-every", "3", "--threads", "1"]
+    single, split = tmp_path / "single.json", tmp_path / "split.json"
+    train_enwik8.main([*common, "--batch-size", "8", "--eval-batches", "1", "--test-batches", "1",
+                       "--log", str(single)])
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "4",
+           str(EXAMPLES / "train_enwik8.py"), *common, "--context-parallel", "2", "--batch-size", "4",
+           "--eval-batches", "2", "--test-batches", "2", "--json-log", str(split)]
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
+    want, got = json.loads(single.read_text()), json.loads(split.read_text())
+    assert got["machine"]["processes"] == 4 and got["machine"]["context_parallel"] == 2
+    assert len(set(want["train_losses"])) == 3  # the updates change the loss
+    assert got["train_losses"] == pytest.approx(want["train_losses"], rel=1e-5)
+    for key in ("final_val_loss", "final_test_loss"):
+        assert got[key] == pytest.approx(want[key], rel=1e-5), key
+
+
+def test_context_parallel_needs_torchrun(text):
+    with pytest.raises(SystemExit, match="torchrun"):
+        train_enwik8.main(["--data", str(text), *TINY, "--steps", "1", "--context-parallel", "2"])
+    with pytest.raises(SystemExit, match="--context-parallel"):
+        train_enwik8.main(["--data", str(text), *TINY, "--steps", "1", "--context-parallel", "0"])
+
+
 def test_resume_refuses_a_different_model(text, tmp_path):
     ckpt = tmp_path / "ckpt.pt"
     train_enwik8.main(["--data", str(text), *TINY, "--steps", "1", "--test-batches", "0", "--save", str(ckpt)])
