@@ -422,6 +422,26 @@ def kernel_form(form):
         kernel.CHUNK_FORM = saved
 
 
+@contextlib.contextmanager
+def loss_chunks(form):
+    """The wrapper loss's default chunk of logits for the trace: with 'gpu', what it holds on a
+    CUDA device (fewer, larger chunks than on the CPU); otherwise as it runs on the CPU. Yields a
+    note saying what was done."""
+    try:
+        loss_module = importlib.import_module("linear_attention_transformer.autoregressive")
+    except ImportError:
+        loss_module = None
+    if form != "gpu" or loss_module is None or not hasattr(loss_module, "loss_chunk_elements"):
+        yield "loss chunks as on the CPU"
+        return
+    saved = loss_module.LOSS_CHUNK_ELEMENTS
+    loss_module.LOSS_CHUNK_ELEMENTS = loss_module.loss_chunk_elements(torch.device("cuda"))
+    try:
+        yield f"loss chunks of {loss_module.LOSS_CHUNK_ELEMENTS} logits (as on cuda)"
+    finally:
+        loss_module.LOSS_CHUNK_ELEMENTS = saved
+
+
 def seed_lm_kwargs(dim, n, overrides):
     from bench_seed_lm import SEED_LM
 
@@ -601,7 +621,8 @@ def main(argv=None):
     from common import kwargs_text
 
     results, traces = [], {}
-    with kernel_form(args.chunk_form) as form_note:
+    with kernel_form(args.chunk_form) as form_note, loss_chunks(args.chunk_form) as loss_note:
+        form_note = f"{form_note}; {loss_note}"
         for loss in args.loss:
             for n in args.lengths:
                 t0 = time.perf_counter()

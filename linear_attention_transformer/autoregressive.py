@@ -160,8 +160,17 @@ def top_p(logits, thres=0.9):
 
 # ------------------------------------------------------------ chunked cross-entropy
 
-# logits held at once by linear_cross_entropy: rows per chunk = this // num_tokens
+# logits held at once by linear_cross_entropy: rows per chunk = this // num_tokens. On the CPU
+# 2**22 (16 MiB of float32 logits, near the caches); on other devices a chunk costs its ~15
+# launches whatever its size, so fewer, larger chunks: 2**25 (128 MiB). At n = 65536 and 20000
+# tokens that is 40 chunks instead of 313 (benchmarks/estimate_gpu.py: 1833 ops, not 9779).
 LOSS_CHUNK_ELEMENTS = 2 ** 22
+LOSS_CHUNK_ELEMENTS_ACCELERATOR = 2 ** 25
+
+
+def loss_chunk_elements(device):
+    """The logits ``linear_cross_entropy`` holds at once by default on ``device``."""
+    return LOSS_CHUNK_ELEMENTS if torch.device(device).type == "cpu" else LOSS_CHUNK_ELEMENTS_ACCELERATOR
 
 
 def linear_cross_entropy(features, weight, bias, targets, ignore_index=-100, chunk_rows=None, total_count=None):
@@ -180,7 +189,7 @@ def linear_cross_entropy(features, weight, bias, targets, ignore_index=-100, chu
     Args:
         features: (N, e) float. weight: (num_tokens, e). bias: (num_tokens,) or None.
         targets: (N,) integer; entries equal to ``ignore_index`` are not counted.
-        chunk_rows: rows per chunk (default ``LOSS_CHUNK_ELEMENTS // num_tokens``, >= 1).
+        chunk_rows: rows per chunk (default ``loss_chunk_elements(device) // num_tokens``, >= 1).
         total_count: what the summed loss is divided by: None (the default) for the rows
             counted here; an integer tensor (no gradient) or int otherwise, e.g. the counted
             rows of a whole sequence whose rows are split over processes.
@@ -194,7 +203,7 @@ def linear_cross_entropy(features, weight, bias, targets, ignore_index=-100, chu
     if targets.shape != features.shape[:1]:
         raise ValueError(f"targets must have shape ({features.shape[0]},), got {tuple(targets.shape)}")
     if chunk_rows is None:
-        chunk_rows = max(1, LOSS_CHUNK_ELEMENTS // weight.shape[0])
+        chunk_rows = max(1, loss_chunk_elements(features.device) // weight.shape[0])
     if isinstance(chunk_rows, bool) or not isinstance(chunk_rows, Integral) or chunk_rows < 1:
         raise ValueError(f"chunk_rows must be a positive int, got {chunk_rows!r}")
     # forming the gradients costs two matmuls per chunk: only when backward can use them

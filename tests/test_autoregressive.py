@@ -729,6 +729,25 @@ def test_wrapper_chunked_loss_equals_plain_loss_and_gradients(tie, monkeypatch):
         torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-10)
 
 
+def test_loss_chunks_are_larger_off_the_cpu(monkeypatch):
+    """Off the CPU a chunk's cost is its launches: the default budget is larger there, and the
+    chunked loss asks for the budget of the device its features are on."""
+    import linear_attention_transformer.autoregressive as ar
+    assert ar.loss_chunk_elements(torch.device("cpu")) == ar.LOSS_CHUNK_ELEMENTS
+    assert ar.loss_chunk_elements("cuda") == ar.LOSS_CHUNK_ELEMENTS_ACCELERATOR > ar.LOSS_CHUNK_ELEMENTS
+    asked = []
+    monkeypatch.setattr(ar, "loss_chunk_elements", lambda device: asked.append(device) or 5 * 7)
+    features, weight = torch.randn(12, 4, requires_grad=True), torch.randn(7, 4)
+    targets = torch.randint(0, 7, (12,))
+    calls = []
+    real_linear = F.linear
+    monkeypatch.setattr(ar.F, "linear", lambda *a: calls.append(a[0].shape[0]) or real_linear(*a))
+    loss = ar.linear_cross_entropy(features, weight, None, targets)
+    monkeypatch.undo()
+    assert asked == [features.device] and calls == [5, 5, 2]
+    torch.testing.assert_close(loss, F.cross_entropy(features @ weight.t(), targets))
+
+
 def test_wrapper_return_loss_false_still_returns_logits():
     net = small_lm(False)
     x = torch.randint(0, 23, (2, 9))

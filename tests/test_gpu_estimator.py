@@ -177,6 +177,16 @@ def test_kernel_form_is_restored():
     assert kernel.CHUNK_FORM == before
 
 
+def test_loss_chunks_as_on_a_gpu_are_restored():
+    ar = pytest.importorskip("linear_attention_transformer.autoregressive")
+    before = ar.LOSS_CHUNK_ELEMENTS
+    with estimate_gpu.loss_chunks("gpu") as note:
+        assert ar.LOSS_CHUNK_ELEMENTS == ar.LOSS_CHUNK_ELEMENTS_ACCELERATOR and "as on cuda" in note
+    assert ar.LOSS_CHUNK_ELEMENTS == before
+    with estimate_gpu.loss_chunks("sequential"):
+        assert ar.LOSS_CHUNK_ELEMENTS == before
+
+
 def test_command_line_prints_a_labelled_model(capsys):
     assert estimate_gpu.main(["--lengths", "64", "--dim", "32", "--loss", "plain", "--top", "3",
                               "--set", "heads=2", "--set", "n_local_attn_heads=1", "--launch-us", "5"]) == 0
