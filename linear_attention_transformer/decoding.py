@@ -26,18 +26,25 @@ from), and runs each layer as a short fixed list of tensor operations:
   gates' inputs (the projection weights concatenated once, when the decoder is built: the
   model's parameters and state_dict are untouched);
 * local heads: keys and values go to a ring buffer of the window's size (slot = position
-  mod size, written with ``index_copy_``), so no step concatenates or slices the past; the
-  ring also keeps each slot's position per row (padding of the prompt: a position no window
-  reaches), and the query sees the slots whose position lies in its window: a 0 / -inf bias
-  shared by every layer with that window; scores and readouts are products and sums, not
-  batched matmuls (those of such tiny shapes run on every thread, and on a busy machine
-  waiting for the other threads costs milliseconds per call);
+  mod size), so no step concatenates or slices the past; the ring also keeps each slot's
+  position per row (padding of the prompt: a position no window reaches), and the query
+  sees the slots whose position lies in its window: a 0 / -inf bias shared by every layer
+  with that window; scores and readouts are products and sums, not batched matmuls (those
+  of such tiny shapes run on every thread, and on a busy machine waiting for the other
+  threads costs milliseconds per call);
 * global heads: the recurrence of ``ops/linear_attention.py`` (``causal_linear_attention_step``,
   its reference, with the same per-feature references for exponential features, so the
   step stays exact at any logit size) written in place on the state (``GlobalHeads``); with
   a blindspot, the keys of the current block gather in ``pending`` and join the state when
   the block is complete: every step does the join, scaled by a flag that is 1 at the
-  block's last position and 0 elsewhere (0 leaves the state bit for bit as it was);
+  block's last position and 0 elsewhere (0 leaves the state bit for bit as it was). With a
+  blindspot and no forget gate (``BlockHeads``) the block's keys and values wait as they are
+  in a buffer of the block's size and join at once: a step writes them and reads the state;
+* eager steps know the position on the host too (a count the decoder keeps) and use it
+  where it saves work: a slot is written through a view made once (``copy_`` rather than
+  ``index_copy_``), a block joins only at its last position, the window's bias and the
+  position embedding are rows of tables. A compiled step does the same as tensor
+  operations, on the device's position;
 * feed-forward, norms, token shift, position embedding (the model's own module on the
   position tensor): plain functional calls.
 
@@ -152,9 +159,11 @@ class Decoder:
         self._position = torch.tensor(cache.position, dtype=torch.long, device=device)
         self._host_position = cache.position
         # what follows from the position, computed once per step for every layer that needs it:
-        # the local windows' rings (one per distinct window) and the blindspots' join flags
+        # the local windows' rings (one per distinct window), the blindspots' join flags
+        # (GlobalHeads) and block slots (BlockHeads)
         self.rings, self.windows = [], []  # the rings and their windows, in the same order
         self.joins = []  # (blindspot_size, dtype, exp_features, 0, -inf in that dtype)
+        self.block_sizes = []  # the blindspot sizes of BlockHeads
         self.rotary = transformer.rotary
         self.blocks = [
             (self._branch(f, f_cache), self._branch(g, g_cache))
@@ -203,6 +212,12 @@ class Decoder:
             return 0
         return (self.first_real // blindspot_size + 1) * blindspot_size
 
+    def block(self, blindspot_size):
+        """The index of a blindspot size's (slot, joining) (``BlockHeads.step``) in the step's list."""
+        if blindspot_size not in self.block_sizes:
+            self.block_sizes.append(blindspot_size)
+        return self.block_sizes.index(blindspot_size)
+
     def join(self, blindspot_size, dtype, exp_features):
         """The index of a blindspot's join flags (``_join_flags``) in the step's list."""
         for i, (size, dt, exp, _, _) in enumerate(self.joins):
@@ -250,10 +265,12 @@ class Decoder:
         windows = [ring.advance(p, host_position) for ring in self.rings]
         if host_position is None:
             joins = [_join_flags(p, *join) for join in self.joins]
+            blocks = [(torch.remainder(p, size)[None], torch.remainder(p + 1, size) == 0) for size in self.block_sizes]
         else:
             joins = [_joining(*join) if (host_position + 1) % join[0] == 0 else None for join in self.joins]
+            blocks = [(host_position % size, (host_position + 1) % size == 0) for size in self.block_sizes]
         rotary = None if self.rotary is None else self.rotary(p[None])
-        ctx = _StepContext(windows, joins, rotary, host_position)
+        ctx = _StepContext(windows, joins, blocks, rotary, host_position)
         x = self.embedding(tokens, p, host_position)
         if self.reversible:
             x1 = x2 = x
@@ -271,15 +288,16 @@ class Decoder:
 
 
 class _StepContext:
-    """What one step's layers share: per ring its (slot (1,), bias (b, 1, slots)), per
-    blindspot its join flags (lists, indexed as ``Decoder.rings`` / ``Decoder.joins``), and
-    the rotary (cos, sin) of the position; and the position as an int on eager steps, else
-    None."""
+    """What one step's layers share: per ring its (slot, bias (b, 1, slots)), per blindspot
+    its join flags (GlobalHeads) and its (slot, joining) (BlockHeads) (lists, indexed as
+    ``Decoder.rings`` / ``Decoder.joins`` / ``Decoder.block_sizes``), and the rotary (cos,
+    sin) of the position; and the position as an int on eager steps, else None."""
 
-    __slots__ = ("windows", "joins", "rotary", "host_position")
+    __slots__ = ("windows", "joins", "blocks", "rotary", "host_position")
 
-    def __init__(self, windows, joins, rotary, host_position):
-        self.windows, self.joins, self.rotary, self.host_position = windows, joins, rotary, host_position
+    def __init__(self, windows, joins, blocks, rotary, host_position):
+        self.windows, self.joins, self.blocks, self.rotary = windows, joins, blocks, rotary
+        self.host_position = host_position
 
 
 def _join_flags(p, blindspot_size, dtype, exp_features, zero, hidden):
@@ -449,29 +467,31 @@ class _Ring:
         q = size + torch.arange(size, device=device)[:, None]  # one query per residue mod size
         slot_positions = q - (q - torch.arange(size, device=device)) % size
         self.table = torch.where(window.visible(q, slot_positions), self.zero, self.hidden)[:, None, None]
-        self.slot_index = torch.arange(size, device=device)[:, None]  # slot s as a (1,) index: slot_index[s]
+        # eager steps' views: the bias row and the positions' column of each slot
+        self.table_rows, self.position_slots = self.table.unbind(0), self.positions.unbind(1)
 
     def slots_of(self, start, count):
         return torch.arange(start, start + count, device=self.positions.device) % self.size
 
     def advance(self, p, host_position=None):
         """Enter position p (a long tensor of no dimension; ``host_position``: the same as an
-        int, or None): (slot (1,), bias (b or 1, 1, size))."""
+        int, or None): (slot, bias (b or 1, 1, size)); the slot is an int on eager steps (the
+        host knows it), else a long tensor (1,)."""
         w, L, exact = self.window.size, self.window.look_backward, self.window.exact
         if host_position is not None:  # eager: the slot, and from steady on the bias, from the host
-            slot = self.slot_index[host_position % self.size]
+            slot = host_position % self.size
             if host_position >= self.steady_from:  # (the positions are not read again)
-                return slot, self.table[host_position % self.size]
+                return slot, self.table_rows[slot]
+            self.position_slots[slot].copy_(p)
             first = host_position - (L * w - 1) if exact else (host_position // w - L) * w
-        else:
-            slot = torch.remainder(p, self.size)[None]
-            # the window's first key: p - L w + 1 (exact), else the start of the block L blocks back
-            first = p - (L * w - 1) if exact else p - torch.remainder(p, w) - L * w
+            return slot, torch.where(self.positions >= first, self.zero, self.hidden)[:, None]
+        slot = torch.remainder(p, self.size)[None]
+        # the window's first key: p - L w + 1 (exact), else the start of the block L blocks back
+        first = p - (L * w - 1) if exact else p - torch.remainder(p, w) - L * w
         self.positions.index_copy_(1, slot, p.expand(self.positions.shape[0], 1))
         bias = torch.where(self.positions >= first, self.zero, self.hidden)[:, None]
-        if host_position is None:  # (eager steps from steady on did not write the positions)
-            bias = torch.where(p >= self.steady, self.table.index_select(0, slot)[0], bias)
-        return slot, bias
+        # (eager steps from steady on did not write the positions)
+        return slot, torch.where(p >= self.steady, self.table.index_select(0, slot)[0], bias)
 
 
 class GlobalHeads:
@@ -550,6 +570,90 @@ class GlobalHeads:
         pending_ref.add_(b)
 
 
+class BlockHeads:
+    """The recurrent state of one layer's global heads with a blindspot and no decay, stepped
+    in place: the keys and values of the unfinished block wait, as they are, in a buffer of
+    ``blindspot_size`` slots (the key at position t in slot t mod size), and join the state
+    all at once when the block is complete.
+
+    A step then writes its key and value and reads the state; ``GlobalHeads`` updates the
+    block's sum at every step (8 more operations on the state's shape). kv / ref as in
+    ``GlobalHeads``; pending / pending_ref hold what the prompt added to the first block
+    (the cache keeps the sum of those keys, not the keys). A slot without a key holds key
+    -inf (exponential features) or 0, and value 0: it adds nothing to a join."""
+
+    def __init__(self, kv, ref, pending, pending_ref, blindspot_size, exp_features):
+        if blindspot_size < 2 or pending is None or exp_features != (ref is not None):
+            raise ValueError("the state does not match blindspot_size / exp_features")
+        self.kv, self.pending = kv.clone(), pending.clone()
+        self.ref = self.pending_ref = None
+        if exp_features:
+            self.ref, self.pending_ref = ref.clone(), pending_ref.clone()
+        self.blindspot_size, self.exp_features = blindspot_size, exp_features
+        b, h, d, e1 = kv.shape
+        self.keys = kv.new_full((b, h, blindspot_size, d), NEG_INF if exp_features else 0.0)
+        self.values = kv.new_zeros(b, h, blindspot_size, e1)
+        self.values[..., -1] = 1.0  # the normaliser's column of ones
+        # eager steps write a slot through these views (b, h, d) / (b, h, e)
+        self.key_slots, self.value_slots = self.keys.unbind(2), self.values[..., :-1].unbind(2)
+
+    @classmethod
+    def from_state(cls, state, blindspot_size, exp_features):
+        return cls(state.kv, state.ref, state.pending, state.pending_ref, blindspot_size, exp_features)
+
+    def buffers(self):
+        return [t for t in (self.kv, self.ref, self.pending, self.pending_ref, self.keys, self.values) if t is not None]
+
+    def step(self, q, k, v, slot, joining, all_seen=False):
+        """q, k (b, h, d) features (logits with exponential features), v (b, h, e), in the
+        state's dtype, at a position whose slot is ``slot`` (position mod blindspot_size). On
+        eager steps ``slot`` is an int and ``joining`` a bool: whether this position completes
+        its block. Else ``slot`` is a long tensor (1,) and ``joining`` a bool tensor of no
+        dimension, and every step computes the join and keeps it where ``joining`` holds.
+        Returns out (b, h, e) (the query does not see its own block)."""
+        if isinstance(slot, int):
+            self.key_slots[slot].copy_(k)
+            self.value_slots[slot].copy_(v)
+        else:
+            self.keys.index_copy_(2, slot, k[:, :, None])
+            self.values[..., :-1].index_copy_(2, slot, v[:, :, None])
+        out = read_state(q, self.kv, self.ref, self.exp_features, all_seen)
+        if joining is True:
+            self._join()
+        elif joining is not False:
+            self._join(joining)
+        return out
+
+    def _join(self, joining=None):
+        """The block's keys join the state (``_complete_block`` of the block's sum): at once
+        when ``joining`` is None, else where the bool tensor ``joining`` holds (``torch.where``:
+        elsewhere every buffer keeps its values bit for bit)."""
+        kv, ref, pending, pending_ref = self.kv, self.ref, self.pending, self.pending_ref
+        keys = self.keys
+        if self.exp_features:
+            # the block's reference is the largest of its keys (the current one is finite)
+            new_ref = torch.maximum(ref, torch.maximum(pending_ref, keys.amax(dim=2)))
+            weights = (keys - new_ref[:, :, None]).exp()  # (b, h, slots, d); -inf keys give 0
+            earlier = kv * _exp_ratio(ref, new_ref)[..., None] + pending * _exp_ratio(pending_ref, new_ref)[..., None]
+        else:
+            weights, earlier = keys, kv + pending
+        joined = earlier + weights.transpose(-1, -2) @ self.values
+        if joining is None:
+            kv.copy_(joined)
+            if self.exp_features:
+                ref.copy_(new_ref)
+                pending_ref.fill_(NEG_INF)  # (pending then adds nothing: its factor is 0)
+            else:
+                pending.zero_()
+            return
+        kv.copy_(torch.where(joining, joined, kv))
+        if self.exp_features:
+            ref.copy_(torch.where(joining, new_ref, ref))
+            pending_ref.copy_(torch.where(joining, NEG_INF, pending_ref))
+        else:
+            pending.copy_(torch.where(joining, 0.0, pending))
+
+
 def _exp_ratio(a, b):
     """exp(a - b) for references a <= b that may be -inf (no key yet): 0 when a is -inf."""
     return (a - b).exp().nan_to_num(nan=0.0)
@@ -609,21 +713,31 @@ class _AttentionStep:
             local = cache.local
             self.window = decoder.ring(attn.local_window, local)
             ring = decoder.rings[self.window]
-            # keys and values of the local heads: (2, b, local heads, slots, dh)
-            self.ring_kv = torch.zeros(2, b, nl, ring.size, dh, dtype=local.keys.dtype, device=local.keys.device)
+            # keys and values of the local heads: (b, 2, local heads, slots, dh)
+            self.ring_kv = torch.zeros(b, 2, nl, ring.size, dh, dtype=local.keys.dtype, device=local.keys.device)
             m = local.keys.shape[2]
             if m:
                 slots = ring.slots_of(local.start, m)
-                self.ring_kv[0, :, :, slots] = local.keys
-                self.ring_kv[1, :, :, slots] = local.values
+                self.ring_kv[:, 0, :, slots] = local.keys
+                self.ring_kv[:, 1, :, slots] = local.values
+            # eager steps' views: each slot's (b, 2, local heads, dh), and the keys and values
+            self.ring_slots = self.ring_kv.unbind(3)
+            self.ring_keys, self.ring_values = self.ring_kv.unbind(1)
         if ng:
             blindspot = attn.blindspot_size
             self.exp_features = attn.feature_map.is_softmax
             self.feature_map = attn.feature_map
-            self.state = GlobalHeads.from_state(cache.global_.state, blindspot, self.exp_features)
-            self.state_dtype = self.state.kv.dtype
+            state = cache.global_.state
+            self.block = self.join = None
+            if blindspot > 1 and gate is None:  # the block's keys wait as they are (BlockHeads)
+                self.state = BlockHeads.from_state(state, blindspot, self.exp_features)
+                self.block = decoder.block(blindspot)
+            else:
+                self.state = GlobalHeads.from_state(state, blindspot, self.exp_features)
+                if blindspot > 1:
+                    self.join = decoder.join(blindspot, state.kv.dtype, self.exp_features)
+            self.state_dtype = state.kv.dtype
             self.seen_from = decoder.seen_from(blindspot)
-            self.join = None if blindspot == 1 else decoder.join(blindspot, self.state_dtype, self.exp_features)
             if attn.local_conv is not None:
                 # the three convolutions (q, k, v) as one: weights (3, global heads, taps, dh)
                 self.conv_weight = torch.stack(
@@ -666,8 +780,12 @@ class _AttentionStep:
 
     def _local(self, q, kv, ctx):
         slot, bias = ctx.windows[self.window]
-        self.ring_kv.index_copy_(3, slot, kv.transpose(0, 1)[:, :, :, None])
-        keys, values = self.ring_kv[0], self.ring_kv[1]
+        if isinstance(slot, int):  # eager: through the views made once
+            self.ring_slots[slot].copy_(kv)
+            keys, values = self.ring_keys, self.ring_values
+        else:  # (views of the buffer made here: a compiled step's inputs do not alias)
+            self.ring_kv.index_copy_(3, slot, kv[:, :, :, None])
+            keys, values = self.ring_kv.unbind(1)
         # products and sums, not matmuls: a batched matmul of these tiny shapes runs on every
         # thread, and on a busy machine waiting for the other threads costs milliseconds
         sim = (q[:, :, None] * keys).sum(dim=-1) + bias  # (b, h, slots); q is scaled
@@ -691,5 +809,8 @@ class _AttentionStep:
             q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
             log_gate = None if log_gate is None else log_gate.to(dtype)
         seen = ctx.host_position is not None and ctx.host_position >= self.seen_from
-        out = self.state.step(q, k, v, log_gate, None if self.join is None else ctx.joins[self.join], seen)
+        if self.block is not None:
+            out = self.state.step(q, k, v, *ctx.blocks[self.block], seen)
+        else:
+            out = self.state.step(q, k, v, log_gate, None if self.join is None else ctx.joins[self.join], seen)
         return out if out.dtype == out_dtype else out.to(out_dtype)

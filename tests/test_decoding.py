@@ -9,7 +9,7 @@ from torch._dynamo.testing import CompileCounterWithBackend
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from linear_attention_transformer import AutoregressiveWrapper, LinearAttentionTransformerLM
-from linear_attention_transformer.decoding import NEG_INF, CacheDecoder, Decoder, GlobalHeads, _join_flags
+from linear_attention_transformer.decoding import NEG_INF, BlockHeads, CacheDecoder, Decoder, GlobalHeads, _join_flags
 from linear_attention_transformer.ops import CausalState
 from linear_attention_transformer.ops.linear_attention import causal_linear_attention_step
 
@@ -161,6 +161,42 @@ def test_global_step_equals_reference_step_float64(exp_features, logit_scale, bl
     assert all(torch.equal(a, b) for a, b in zip(given, start))
 
 
+@pytest.mark.parametrize("exp_features, logit_scale", [(True, 1.0), (True, 300.0), (False, 1.0)])
+@pytest.mark.parametrize("traced", [False, True], ids=["eager", "traced"])
+@pytest.mark.parametrize("prompt", [0, 2, 4])  # 2, 4: the first block began in the prompt (pending)
+def test_block_heads_equal_reference_step_float64(exp_features, logit_scale, traced, prompt):
+    """BlockHeads (blindspot, no decay: the block's keys kept as they are, joined at once)
+    after a prompt of ``prompt`` tokens: every output and the state after every step equal
+    the reference step's, with the slot and the join given as ints (eager) or as tensors (the
+    form a compiled step traces: the join computed at every step and kept where it applies)."""
+    g = torch.Generator().manual_seed(prompt)
+    b, h, d, e, n, blindspot = 2, 3, 4, 5, 14, 3
+    q, k = (torch.randn(b, h, n, d, generator=g, dtype=D) * logit_scale for _ in range(2))
+    v = torch.randn(b, h, n, e, generator=g, dtype=D)
+    if not exp_features:
+        q, k = q.exp(), k.exp()
+    reference = CausalState.zeros(b, h, d, e, blindspot, exp_features, dtype=D)
+    for t in range(prompt):
+        _, reference = causal_linear_attention_step(q[:, :, t], k[:, :, t], v[:, :, t], reference, None, blindspot,
+                                                    exp_features)
+    start = [t for t in (reference.kv, reference.ref, reference.pending, reference.pending_ref) if t is not None]
+    given = [t.clone() for t in start]
+    lean = BlockHeads.from_state(reference, blindspot, exp_features)
+    for t in range(prompt, n):
+        want, reference = causal_linear_attention_step(q[:, :, t], k[:, :, t], v[:, :, t], reference, None,
+                                                       blindspot, exp_features)
+        slot, joining = t % blindspot, (t + 1) % blindspot == 0
+        if traced:
+            slot, joining = torch.tensor([slot]), torch.tensor(joining)
+        got = lean.step(q[:, :, t], k[:, :, t], v[:, :, t], slot, joining)
+        assert torch.isfinite(got).all()
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(lean.kv, reference.kv, rtol=1e-12, atol=1e-12)
+        if exp_features:
+            torch.testing.assert_close(lean.ref, reference.ref, rtol=0, atol=0)
+    assert all(torch.equal(a, b) for a, b in zip(given, start))
+
+
 # ------------------------------------------- no sync, fixed buffers, one compiled graph
 
 # ops that read a value back to the host (or size their output by one: the same wait)
@@ -172,6 +208,9 @@ SYNC_OPS = {"aten::_local_scalar_dense", "aten::item", "aten::nonzero", "aten::i
 LONG_CONFIGS = {  # for hundreds of steps: max_seq_len 256 (the decoder's state does not grow with it)
     "local+blindspot+gate+shift": dict(n_local_attn_heads=2, local_attn_window_size=4, blindspot_size=3,
                                        use_gate=True, shift_tokens=True),
+    # without a gate the blindspot's keys wait as they are (BlockHeads)
+    "local+blindspot+shift": dict(n_local_attn_heads=2, local_attn_window_size=4, blindspot_size=3,
+                                  shift_tokens=True),
     "global gate per feature+conv+rotary+exact window+kv_heads": dict(
         use_gate=True, gate_granularity="feature", use_local_conv=True, use_rotary_emb=True, n_local_attn_heads=1,
         local_attn_window_size=3, local_attn_exact_windowsize=True, kv_heads=2),
@@ -250,11 +289,13 @@ def graphs(counter):
     return sum(1 for gm in counter.graphs if any(node.op.startswith("call") for node in gm.graph.nodes))
 
 
-def test_compiled_step_one_graph_over_200_steps_float64():
+@pytest.mark.parametrize("name", ["local+blindspot+gate+shift", "local+blindspot+shift"])
+def test_compiled_step_one_graph_over_200_steps_float64(name):
     """``torch.compile(decoder.step, fullgraph=True)``: one graph, no recompile over 200 steps
-    (local heads with their ring, blindspot joins, the gate, token shift); every step's logits
-    equal the full forward in float64; a second decoder of the same model reuses the graph."""
-    model = make_long(LONG_CONFIGS["local+blindspot+gate+shift"])
+    (local heads with their ring, blindspot joins with the gate (GlobalHeads) or without it
+    (BlockHeads), token shift); every step's logits equal the full forward in float64; a
+    second decoder of the same model reuses the graph."""
+    model = make_long(LONG_CONFIGS[name])
     x, mask = padded_prompt()
     tokens = torch.randint(0, 20, (2, 200), generator=torch.Generator().manual_seed(3))
     counter = CompileCounterWithBackend("aot_eager")
@@ -277,7 +318,7 @@ def test_compiled_step_one_graph_over_200_steps_float64():
     assert decoder.position == 206
 
 
-@pytest.mark.parametrize("name", list(LONG_CONFIGS)[1:])
+@pytest.mark.parametrize("name", list(LONG_CONFIGS)[2:])
 def test_compiled_step_equals_eager_steps(name):
     """The other layouts (gate per feature, convolution, rotary, exact window, kv_heads; elu
     features, reversible): one graph over 40 steps, equal to eager steps in float64."""
