@@ -279,10 +279,14 @@ class Decoder:
                 x2 = x2 + g(y1, ctx)
                 x1 = y1
             x = (x1 + x2) / 2
-        else:
+        elif host_position is None:
             for f, g in self.blocks:
                 x = x + f(x, ctx)
                 x = x + g(x, ctx)
+        else:  # each branch adds its output to x in place (x is this step's own tensor)
+            for f, g in self.blocks:
+                f(x, ctx, x)
+                g(x, ctx, x)
         p.add_(1)
         return self.embedding.logits(x)
 
@@ -330,6 +334,7 @@ class _Embedding:
         if self.pos_emb is not None and model.max_seq_len * self.token.shape[1] <= POSITION_TABLE_ELEMENTS:
             positions = torch.arange(model.max_seq_len, device=device)
             self.table = self.pos_emb(positions).to(self.token.dtype)
+            self.table_rows = self.table.unbind(0)  # (eager steps: a row without an indexing op)
         self.project_in = None if isinstance(model.project_in, nn.Identity) else model.project_in
         self.norm = model.norm
         self.project_out = None if isinstance(model.project_out, nn.Identity) else model.project_out
@@ -339,7 +344,7 @@ class _Embedding:
         h = F.embedding(tokens, self.token)
         if self.table is not None:
             # (a tensor index is an embedding lookup: indexing with it would read it back)
-            h = h + (F.embedding(p, self.table) if host_position is None else self.table[host_position])
+            h = h + (F.embedding(p, self.table) if host_position is None else self.table_rows[host_position])
         elif self.pos_emb is not None:
             h = h + self.pos_emb(p[None]).to(h.dtype)
         if self.project_in is not None:
@@ -348,7 +353,7 @@ class _Embedding:
 
     def logits(self, x):
         norm = self.norm
-        x = F.layer_norm(x, norm.normalized_shape, norm.weight, norm.bias, norm.eps)
+        x = torch.layer_norm(x, norm.normalized_shape, norm.weight, norm.bias, norm.eps)
         if self.to_logits is None:  # return_embeddings
             return x
         if self.project_out is not None:
@@ -357,17 +362,20 @@ class _Embedding:
 
 
 class _BranchStep:
-    """LayerNorm, token shift (the previous token's normalised features kept), then the step."""
+    """LayerNorm, token shift (the previous token's normalised features kept), then the step.
+    Called with ``into`` (eager steps of a model that is not reversible), the branch's output
+    is added to ``into`` in place (the residual stream, a tensor of this step's own)."""
 
-    __slots__ = ("norm", "shift_sizes", "previous", "step")
+    __slots__ = ("norm_args", "shift_sizes", "previous", "step")
 
     def __init__(self, branch, previous, step):
-        self.norm = branch.norm
+        norm = branch.norm
+        self.norm_args = (norm.normalized_shape, norm.weight, norm.bias, norm.eps)
         self.shift_sizes = self.previous = None
         if branch.shifts is not None:
             if tuple(branch.shifts) != (1, 0):
                 raise ValueError(f"a causal decoder shifts by (1, 0), got {branch.shifts}")
-            dim = branch.norm.normalized_shape[0]
+            dim = norm.normalized_shape[0]
             self.shift_sizes = (dim // 2, dim - dim // 2)
             self.previous = previous.clone()  # (b, dim), overwritten by every step
         self.step = step
@@ -375,35 +383,38 @@ class _BranchStep:
     def buffers(self):
         return ([] if self.previous is None else [self.previous]) + self.step.buffers()
 
-    def __call__(self, x, ctx):
-        norm = self.norm
-        h = F.layer_norm(x, norm.normalized_shape, norm.weight, norm.bias, norm.eps)
+    def __call__(self, x, ctx, into=None):
+        h = torch.layer_norm(x, *self.norm_args)
         if self.shift_sizes is not None:
             # slice 0 comes from the token before, slice 1 stays (token_shift.shift_tokens)
             shifted = torch.cat((self.previous[:, : self.shift_sizes[0]], h[:, self.shift_sizes[0]:]), dim=-1)
             self.previous.copy_(h)
             h = shifted
-        return self.step(h, ctx)
+        return self.step(h, ctx, into)
 
 
 class _FeedForwardStep:
-    __slots__ = ("proj_in", "proj_out", "glu", "activation")
+    __slots__ = ("in_weight", "in_bias", "out_weight", "out_weight_t", "out_bias", "glu", "activation")
 
     def __init__(self, ff):
-        self.proj_in, self.proj_out = ff.proj_in, ff.proj_out
+        self.in_weight, self.in_bias = ff.proj_in.weight, ff.proj_in.bias
+        self.out_weight, self.out_bias = ff.proj_out.weight, ff.proj_out.bias
+        self.out_weight_t = self.out_weight.t()
         self.glu, self.activation = ff.glu, ff.activation
 
     def buffers(self):
         return []
 
-    def __call__(self, h, ctx):
-        h = F.linear(h, self.proj_in.weight, self.proj_in.bias)
+    def __call__(self, h, ctx, into=None):
+        h = F.linear(h, self.in_weight, self.in_bias)
         if self.glu:
             h, gate = h.chunk(2, dim=-1)
             h = h * self.activation(gate)
         else:
             h = self.activation(h)
-        return F.linear(h, self.proj_out.weight, self.proj_out.bias)
+        if into is None:
+            return F.linear(h, self.out_weight, self.out_bias)
+        return into.addmm_(h, self.out_weight_t).add_(self.out_bias)
 
 
 class _ModuleStep:
@@ -415,8 +426,9 @@ class _ModuleStep:
     def buffers(self):
         return []
 
-    def __call__(self, h, ctx):
-        return self.fn(h[:, None])[:, 0]
+    def __call__(self, h, ctx, into=None):
+        out = self.fn(h[:, None])[:, 0]
+        return out if into is None else into.add_(out)
 
 
 class _ContextStep:
@@ -430,8 +442,9 @@ class _ContextStep:
     def buffers(self):
         return []
 
-    def __call__(self, h, ctx):
-        return self.attn(h[:, None], cache=self.cache)[:, 0]
+    def __call__(self, h, ctx, into=None):
+        out = self.attn(h[:, None], cache=self.cache)[:, 0]
+        return out if into is None else into.add_(out)
 
 
 class _Ring:
@@ -519,12 +532,13 @@ class GlobalHeads:
     def buffers(self):
         return [t for t in (self.kv, self.ref, self.pending, self.pending_ref) if t is not None]
 
-    def step(self, q, k, v, log_decay=None, join=None, all_seen=False):
+    def step(self, q, k, v, log_decay=None, join=None, all_seen=False, out=None):
         """q, k (b, h, d) features (logits with exponential features), v (b, h, e), in the
         state's dtype; log_decay None, (b, h) or (b, h, d). With a blindspot, ``join`` is
         ``_join_flags`` of this position, or None where the caller knows that the position
         does not complete its block. ``all_seen``: the caller knows that every row's query sees
-        a key (see ``read_state``). Returns out (b, h, e); every token is real."""
+        a key (see ``read_state``). Returns out (b, h, e) (written into ``out`` when given);
+        every token is real."""
         kv, ref, pending, pending_ref = self.kv, self.ref, self.pending, self.pending_ref
         exp_features, blindspot = self.exp_features, self.blindspot_size > 1
         v1 = F.pad(v, (0, 1), value=1.0)[:, :, None, :]  # the normaliser's column of ones
@@ -548,7 +562,7 @@ class GlobalHeads:
             acc_ref.copy_(new_ref)
         else:
             acc.addcmul_(k[..., None], v1)
-        out = read_state(q, kv, ref, exp_features, all_seen)
+        out = read_state(q, kv, ref, exp_features, all_seen, out)
         if blindspot and join is not None:
             self._join(*join)
         return out
@@ -604,20 +618,21 @@ class BlockHeads:
     def buffers(self):
         return [t for t in (self.kv, self.ref, self.pending, self.pending_ref, self.keys, self.values) if t is not None]
 
-    def step(self, q, k, v, slot, joining, all_seen=False):
+    def step(self, q, k, v, slot, joining, all_seen=False, out=None):
         """q, k (b, h, d) features (logits with exponential features), v (b, h, e), in the
         state's dtype, at a position whose slot is ``slot`` (position mod blindspot_size). On
         eager steps ``slot`` is an int and ``joining`` a bool: whether this position completes
         its block. Else ``slot`` is a long tensor (1,) and ``joining`` a bool tensor of no
         dimension, and every step computes the join and keeps it where ``joining`` holds.
-        Returns out (b, h, e) (the query does not see its own block)."""
+        Returns out (b, h, e) (the query does not see its own block), written into ``out``
+        when given."""
         if isinstance(slot, int):
             self.key_slots[slot].copy_(k)
             self.value_slots[slot].copy_(v)
         else:
             self.keys.index_copy_(2, slot, k[:, :, None])
             self.values[..., :-1].index_copy_(2, slot, v[:, :, None])
-        out = read_state(q, self.kv, self.ref, self.exp_features, all_seen)
+        out = read_state(q, self.kv, self.ref, self.exp_features, all_seen, out)
         if joining is True:
             self._join()
         elif joining is not False:
@@ -659,25 +674,27 @@ def _exp_ratio(a, b):
     return (a - b).exp().nan_to_num(nan=0.0)
 
 
-def read_state(q, kv, ref, exp_features, all_seen=False):
+def read_state(q, kv, ref, exp_features, all_seen=False, out=None):
     """A query reads a state: q (b, h, d), kv (b, h, d, e + 1) relative to ref (b, h, d) (or
-    None) -> (b, h, e). With exponential features the query's factors are exp(q + ref - M),
-    M = max_d (q_d + ref_d): the largest is 1, so the denominator is >= 1 once a key is seen;
-    before any key (ref all -inf) every factor is 0 and so is the output. With given
-    (non-negative) features a denominator of 0 means no key was seen, and the output is 0.
-    ``all_seen``: the caller knows that every row has seen a key (exponential features: the
-    guards against a row without one are left out; they change nothing then)."""
+    None) -> (b, h, e), written into ``out`` when given. With exponential features the
+    query's factors are exp(q + ref - M), M = max_d (q_d + ref_d): the largest is 1, so the
+    denominator is >= 1 once a key is seen; before any key (ref all -inf) every factor is 0
+    and so is the output. With given (non-negative) features a denominator of 0 means no key
+    was seen, and the output is 0. ``all_seen``: the caller knows that every row has seen a
+    key (exponential features: the factors are then a softmax, whose sum cancels in the
+    ratio, and the guards against a row without a key are left out; they change nothing)."""
     if not exp_features:  # (products and sums rather than a batched matmul: see _AttentionStep._local)
-        out = (q[..., None] * kv).sum(dim=-2)
-        den = out[..., -1:]
-        return out[..., :-1] / torch.where(den > 0, den, 1.0)
+        num = (q[..., None] * kv).sum(dim=-2)
+        den = num[..., -1:]
+        return torch.div(num[..., :-1], torch.where(den > 0, den, 1.0), out=out)
+    if all_seen:
+        num = (torch.softmax(q + ref, dim=-1)[..., None] * kv).sum(dim=-2)
+        return torch.div(num[..., :-1], num[..., -1:], out=out)
     logits = q + ref
-    top = logits.amax(dim=-1, keepdim=True)
-    if not all_seen:  # a row before any key: ref and top are -inf; a finite top gives 0 / 0 -> 0 / 1
-        top = top.clamp(min=-torch.finfo(logits.dtype).max)
-    out = ((logits - top).exp()[..., None] * kv).sum(dim=-2)
-    den = out[..., -1:]
-    return out[..., :-1] / (den if all_seen else den.clamp(min=1.0))
+    # a row before any key: ref and top are -inf; a finite top gives 0 / 0 -> 0 / 1
+    top = logits.amax(dim=-1, keepdim=True).clamp(min=-torch.finfo(logits.dtype).max)
+    num = ((logits - top).exp()[..., None] * kv).sum(dim=-2)
+    return torch.div(num[..., :-1], num[..., -1:].clamp(min=1.0), out=out)
 
 
 class _AttentionStep:
@@ -747,18 +764,41 @@ class _AttentionStep:
             if gate is not None:
                 self.gate_up, self.gate_per_head = gate.gate_up, gate.granularity == "head"
                 self.temperature = gate.temperature
+        self._eager_buffers(attn, b)
+
+    def _eager_buffers(self, attn, batch):
+        """What eager steps write into and read through, made once: the projection's output
+        and views of its parts, and the heads' outputs (b, heads * dh + 1) with a last column
+        of ones, so that the output projection's bias is one more weight column and a single
+        ``addmm_`` adds the branch to the residual stream."""
+        b, heads, dh, kvh, nl = batch, self.heads, self.dim_head, self.kv_heads, self.n_local
+        q_end, kv_end = self.ends[0], self.ends[1]
+        self.weight_t = self.weight.t()
+        self.proj = proj = self.weight.new_empty(b, self.weight.shape[0])
+        self.parts = None  # (q local (b, nl, 1, dh), kv local (b, 2, nl, dh), q, k, v global (b, ng, dh))
+        if not self.rotary and kvh == heads:  # the parts are views of the projection
+            q, kv = proj[:, :q_end].view(b, heads, dh), proj[:, q_end:kv_end].view(b, 2, heads, dh)
+            self.parts = (q[:, :nl, None], kv[:, :, :nl], q[:, nl:], kv[:, 0, nl:], kv[:, 1, nl:])
+        self.gate_in = None if self.gate is None else proj[:, kv_end : self.ends[2]]
+        self.out_gate_in = None if self.out_gate is None else proj[:, self.ends[-2]:]
+        self.heads_out = proj.new_ones(b, heads * dh + 1)
+        self.heads_flat = self.heads_out[:, :-1]
+        heads_view = self.heads_flat.view(b, heads, dh)
+        self.out_local, self.out_global = heads_view[:, :nl], heads_view[:, nl:]
+        to_out = attn.to_out
+        self.out_weight_t = torch.cat((to_out.weight, to_out.bias[:, None]), dim=1).t()
 
     def buffers(self):
         found = [t for t in (self.ring_kv, self.conv) if t is not None]
         return found + ([] if self.state is None else self.state.buffers())
 
-    def __call__(self, h, ctx):
-        b = h.shape[0]
-        heads, dh, kvh, nl = self.heads, self.dim_head, self.kv_heads, self.n_local
-        proj = F.linear(h, self.weight, self.bias)
+    def _split(self, proj, rotary):
+        """The projection (b, width) -> (q local (b, nl, 1, dh), kv local (b, 2, nl, dh), q, k,
+        v global (b, ng, dh) each): views, unless rotary or kv_heads make new tensors."""
+        b, heads, dh, kvh, nl = proj.shape[0], self.heads, self.dim_head, self.kv_heads, self.n_local
         q_end, kv_end = self.ends[0], self.ends[1]
         if self.rotary:  # q and k are side by side: rotate them at once
-            qk = apply_rotary(proj[:, : q_end + kvh * dh].view(b, heads + kvh, dh), ctx.rotary)
+            qk = apply_rotary(proj[:, : q_end + kvh * dh].view(b, heads + kvh, dh), rotary)
             q = qk[:, :heads]
             kv = torch.stack((qk[:, heads:], proj[:, q_end + kvh * dh : kv_end].view(b, kvh, dh)), dim=1)
         else:
@@ -766,19 +806,53 @@ class _AttentionStep:
             kv = proj[:, q_end:kv_end].view(b, 2, kvh, dh)
         if kvh != heads:
             kv = kv.repeat_interleave(heads // kvh, dim=2)
-        outs = []
-        if nl:
-            outs.append(self._local(q[:, :nl], kv[:, :, :nl], ctx))
+        return q[:, :nl, None], kv[:, :, :nl], q[:, nl:], kv[:, 0, nl:], kv[:, 1, nl:]
+
+    def __call__(self, h, ctx, into=None):
+        """The branch's output for h (b, dim); with ``into`` (eager steps) added to it in place."""
+        if ctx.host_position is None:
+            return self._traced(h, ctx)
+        proj = self.proj
+        if self.bias is None:
+            torch.mm(h, self.weight_t, out=proj)
+        else:
+            torch.addmm(self.bias, h, self.weight_t, out=proj)
+        q_local, kv_local, q, k, v = self.parts if self.parts is not None else self._split(proj, ctx.rotary)
+        if self.n_local:
+            out = self._local(q_local, kv_local, ctx, self.out_local)
+            if out is not self.out_local:
+                self.out_local.copy_(out)
         if self.n_global:
-            log_gate = None if self.gate is None else self._log_gate(proj[:, kv_end : self.ends[2]])
-            outs.append(self._global(q[:, nl:], kv[:, 0, nl:], kv[:, 1, nl:], log_gate, ctx))
+            log_gate = None if self.gate is None else self._log_gate(self.gate_in)
+            out = self._global(q, k, v, log_gate, ctx, self.out_global)
+            if out is not self.out_global:
+                self.out_global.copy_(out)
+        if self.out_gate is not None:
+            self.heads_flat.mul_(torch.sigmoid(self.out_gate_in))
+        if into is None:
+            return torch.mm(self.heads_out, self.out_weight_t)
+        return into.addmm_(self.heads_out, self.out_weight_t)
+
+    def _traced(self, h, ctx):
+        """The step as a compiled step traces it: new tensors, no buffer but the state's."""
+        b = h.shape[0]
+        proj = F.linear(h, self.weight, self.bias)
+        q_local, kv_local, q, k, v = self._split(proj, ctx.rotary)
+        outs = []
+        if self.n_local:
+            outs.append(self._local(q_local, kv_local, ctx))
+        if self.n_global:
+            log_gate = None if self.gate is None else self._log_gate(proj[:, self.ends[1] : self.ends[2]])
+            outs.append(self._global(q, k, v, log_gate, ctx))
         out = torch.cat(outs, dim=1) if len(outs) > 1 else outs[0]
-        out = out.reshape(b, heads * dh)
+        out = out.reshape(b, self.heads * self.dim_head)
         if self.out_gate is not None:
             out = out * torch.sigmoid(proj[:, self.ends[-2]:])
         return F.linear(out, self.to_out.weight, self.to_out.bias)
 
-    def _local(self, q, kv, ctx):
+    def _local(self, q, kv, ctx, out=None):
+        """q (b, nl, 1, dh) (scaled), kv (b, 2, nl, dh) -> (b, nl, dh), written into ``out``
+        when given."""
         slot, bias = ctx.windows[self.window]
         if isinstance(slot, int):  # eager: through the views made once
             self.ring_slots[slot].copy_(kv)
@@ -788,15 +862,17 @@ class _AttentionStep:
             keys, values = self.ring_kv.unbind(1)
         # products and sums, not matmuls: a batched matmul of these tiny shapes runs on every
         # thread, and on a busy machine waiting for the other threads costs milliseconds
-        sim = (q[:, :, None] * keys).sum(dim=-1) + bias  # (b, h, slots); q is scaled
-        return (sim.softmax(dim=-1)[..., None] * values).sum(dim=-2)  # the query sees its own key
+        sim = (q * keys).sum(dim=-1) + bias  # (b, h, slots)
+        return torch.sum(sim.softmax(dim=-1)[..., None] * values, dim=-2, out=out)  # the query sees its own key
 
     def _log_gate(self, down):
         logits = F.linear(down, self.gate_up.weight, self.gate_up.bias)
         log_a = F.logsigmoid(logits.to(torch.promote_types(logits.dtype, torch.float32))) / self.temperature
         return log_a if self.gate_per_head else log_a.view(log_a.shape[0], self.n_global, self.dim_head)
 
-    def _global(self, q, k, v, log_gate, ctx):
+    def _global(self, q, k, v, log_gate, ctx, out=None):
+        """The global heads' output (b, ng, dh), written into ``out`` when given and of the
+        state's dtype."""
         if self.conv is not None:
             window = torch.cat((self.conv, torch.stack((q, k, v), dim=1)[:, :, :, None]), dim=3)
             self.conv.copy_(window[:, :, :, 1:])  # the raw inputs, for the next steps
@@ -805,12 +881,13 @@ class _AttentionStep:
             q, k = self.feature_map._pointwise(q), self.feature_map._pointwise(k)
         dtype = out_dtype = q.dtype
         if dtype != self.state_dtype:
-            dtype = self.state_dtype
+            dtype, out = self.state_dtype, None
             q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
             log_gate = None if log_gate is None else log_gate.to(dtype)
         seen = ctx.host_position is not None and ctx.host_position >= self.seen_from
         if self.block is not None:
-            out = self.state.step(q, k, v, *ctx.blocks[self.block], seen)
+            out = self.state.step(q, k, v, *ctx.blocks[self.block], seen, out=out)
         else:
-            out = self.state.step(q, k, v, log_gate, None if self.join is None else ctx.joins[self.join], seen)
+            join = None if self.join is None else ctx.joins[self.join]
+            out = self.state.step(q, k, v, log_gate, join, seen, out=out)
         return out if out.dtype == out_dtype else out.to(out_dtype)
