@@ -117,6 +117,36 @@ def stepwise_cached(model, prompt, new_tokens, device):
     return torch.stack(tokens, dim=1), t_prompt, steps
 
 
+# aten ops that only make a view (their cost is the dispatch, not the data)
+VIEW_OPS = {"view", "_unsafe_view", "slice", "select", "unsqueeze", "squeeze", "expand", "transpose", "t", "permute",
+            "as_strided", "alias", "narrow", "reshape", "unbind", "split", "chunk", "detach", "view_as"}
+
+
+@torch.inference_mode()
+def ops_per_step(model, prompt, steps=200):
+    """The aten ops one eager decoder step runs (a TorchDispatchMode over it), views and the
+    rest, at the position ``steps`` tokens after the prompt (a step that completes no block)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.names = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.names.append(func.overloadpacket.__name__)
+            return func(*args, **(kwargs or {}))
+
+    logits, decoder = model.start_decoding(prompt)
+    token = logits.argmax(dim=-1)
+    for _ in range(steps):
+        token = decoder.step(token).argmax(dim=-1)
+    with Count() as count:
+        decoder.step(token)
+    views = sum(name in VIEW_OPS for name in count.names)
+    return len(count.names) - views, views
+
+
 @torch.inference_mode()
 def general_step_seconds(model, prompt, device, reps=50):
     """Median seconds of one step of the general cached form (model(..., cache=...)) after
@@ -194,14 +224,15 @@ def compiled_generate(wrapper, prompt, new_tokens, cached_tokens, device, args):
                 rounds=args.compile_rounds)
 
 
-def print_compiled(result, t_cached, new_tokens, t_recompute):
+def print_compiled(result, t_cached, new_tokens, t_recompute, t_floor):
     if result is None:
         return
     e, c = result["eager"], result["compiled"]
     print(f"compiled step (generate(compile_step={{'backend': '{result['backend']}'}})): first call (compile + 8 "
           f"tokens) {result['first']:.1f} s; then, best of {result['rounds']} alternating pairs: eager "
-          f"{e:.2f} s ({1e3 * e / new_tokens:.2f} ms/token), compiled {c:.2f} s ({1e3 * c / new_tokens:.2f} "
-          f"ms/token): compiled / eager = {c / e:.2f}; tokens {'same' if result['same'] else 'DIFFER'}")
+          f"{e:.2f} s ({1e3 * e / new_tokens:.2f} ms/token, {e / (new_tokens * t_floor):.1f}x the matvec floor), "
+          f"compiled {c:.2f} s ({1e3 * c / new_tokens:.2f} ms/token, {c / (new_tokens * t_floor):.1f}x the floor): "
+          f"compiled / eager = {c / e:.2f}; tokens {'same' if result['same'] else 'DIFFER'}")
     if t_recompute is not None:
         print(f"  speed-up over recompute with the compiled step: {t_recompute / c:.1f}x (eager, same pairs: "
               f"{t_recompute / e:.1f}x; first cached run above: {t_recompute / t_cached:.1f}x)")
@@ -310,9 +341,13 @@ def main(argv=None):
     stepwise_same = torch.equal(step_tokens, cached_tokens)
     first, last = steps[:W], steps[-W:]  # generated tokens 1 .. W and N - W .. N - 1
 
+    ops, views = ops_per_step(model, prompt)
+
     compiled = compiled_generate(wrapper, prompt, N, cached_tokens, device, args) if args.compile_step else None
     if args.skip_recompute:
-        print_compiled(compiled, t_cached, N, None)
+        t_floor, _ = matvec_floor_seconds(model, device)
+        print(f"decoder step: {ops} aten ops + {views} views; matvec floor {1e3 * t_floor:.3f} ms")
+        print_compiled(compiled, t_cached, N, None, t_floor)
         return 0
 
     # 3. recompute path: single forwards at a few lengths -> estimate; the real run if affordable
@@ -372,7 +407,7 @@ def main(argv=None):
     step_median = statistics.median(steps)
     print(f"matvec floor of a step (every nn.Linear of the model on one token, back to back, best of 200): "
           f"{1e3 * t_floor:.3f} ms ({weight_bytes / 1e6:.1f} MB of weights, {weight_bytes / t_floor / 1e9:.1f} GB/s); "
-          f"the decoder's step is {step_median / t_floor:.1f}x it")
+          f"the decoder's step is {step_median / t_floor:.1f}x it; {ops} aten ops per step, and {views} views")
     if t_ff is not None:
         print(f"the first feed-forward on one token: eager {1e6 * t_ff['eager']:.0f} us, torch.compile "
               f"{1e6 * t_ff['compiled']:.0f} us (median; {t_ff['compiled'] / t_ff['eager']:.2f}x)")
@@ -401,7 +436,7 @@ def main(argv=None):
     print(f"tokens: cached == recompute over {short} tokens: {'yes' if same else 'NO'}"
           + ("" if recompute_same is None else f"; over all {N}: {'yes' if recompute_same else 'NO'}"))
     if compiled is not None:
-        print_compiled(compiled, t_cached, N, t_re)
+        print_compiled(compiled, t_cached, N, t_re, t_floor)
     print(f"matmul reference: {ref_start / 1e9:.1f} / {ref_end / 1e9:.1f} GFLOP/s (start / end)")
     print(f"(total benchmark time {time.perf_counter() - t_start:.0f} s; {load_average()} at the end)")
     return 0

@@ -122,8 +122,9 @@ class Decoder:
     """One running sequence per row, one token per row per step, state updated in place.
 
     Built by ``start_decoding`` (or ``LinearAttentionTransformerLM.start_decoding``) from
-    the model and the ``DecodingCache`` of its prompt. The projection weights are copied
-    (concatenated) when it is built: parameters changed afterwards are not seen.
+    the model and the ``DecodingCache`` of its prompt. The attention layers' projection
+    weights are copied (concatenated) when it is built: parameters changed afterwards are not
+    seen. Eager steps under autocast take the form a compiled step traces.
 
     ``step(tokens (b,) integer) -> logits (b, num_tokens)`` for the token after them. It makes
     no host sync and keeps every buffer at its shape, so that
@@ -246,11 +247,14 @@ class Decoder:
         p = self.position
         if p >= self.max_seq_len:
             raise ValueError(f"sequence length {p + 1} exceeds max_seq_len={self.max_seq_len}")
+        # under autocast the form a compiled step traces (its F.linear casts; the eager form
+        # writes into buffers of the model's dtype)
+        host = None if torch.is_autocast_enabled(self.device.type) else p
         if torch.is_inference_mode_enabled():  # (generate runs in it: no context to enter)
-            out = self._advance(tokens, p)
+            out = self._advance(tokens, host)
         else:
             with torch.inference_mode():
-                out = self._advance(tokens, p)
+                out = self._advance(tokens, host)
         self._host_position = p + 1
         return out
 

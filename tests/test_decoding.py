@@ -81,6 +81,23 @@ def test_decoder_float32_close_to_full_forward():
     torch.testing.assert_close(out[mask[:, 4:]], full[:, 4:][mask[:, 4:]], rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("name", ["local+blindspot+shift+reversible", "elu+gate+blindspot 3+conv 4+per-layer local"],
+                         ids=["local+blindspot+shift (not reversible)", "elu+gate+blindspot+conv"])
+def test_decoder_under_autocast_close_to_full_forward(name):
+    """Under CPU bfloat16 autocast a step takes the functional form (the eager form's buffers
+    hold the model's dtype): it runs, and its logits are the full forward's to bfloat16
+    rounding."""
+    cfg = {**DECODER_CONFIGS[name], "reversible": False}
+    model = make(cfg, torch.float32)
+    x, mask, kw = inputs(cfg, dtype=torch.float32)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        full = model(x, input_mask=mask, **kw)
+        out, _ = decoded(model, x, mask, kw, 5)
+    assert out.dtype == full.dtype == torch.bfloat16
+    err = (out.float() - full[:, 4:].float())[mask[:, 4:]].abs().max()
+    assert err <= 0.03 * full[mask].float().abs().max()
+
+
 def test_axial_model_gets_the_general_form_behind_the_same_interface():
     cfg = CONFIGS["gate+conv+axial+rotary"]
     model = make(cfg)
