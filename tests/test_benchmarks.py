@@ -38,3 +38,25 @@ def test_matmul_replay_counts_batched_matmuls_as_the_kernel_formula_does():
     q, k, v = (torch.rand(1, 2, 64, 8) for _ in range(3))
     _, flops, _ = matmul_replay(lambda: causal_linear_attention(q, k, v, chunk_size=16), "cpu", reps=1)
     assert flops == causal_kernel_flops(2, 64, 8, 8, 16)
+
+
+def test_bench_context_parallel_counts_the_bytes_a_layer_sends(tmp_path):
+    """bench_context_parallel's counter, around one causal layer on a group of one: the float
+    bytes forward + backward are summary_bytes' (the formula tests/test_context_parallel.py
+    checks on 2 ranks), the integers the shape check's two int64."""
+    import torch.distributed as dist
+
+    from bench_context_parallel import CollectiveBytes
+    from linear_attention_transformer import Attention
+    from linear_attention_transformer.context_parallel import summary_bytes
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        layer = Attention(dim=16, heads=2, causal=True)
+        x = torch.randn(3, 8, 16, requires_grad=True)
+        with CollectiveBytes() as sent:
+            layer(x, context_parallel=dist.group.WORLD).sum().backward()
+        assert sent.floats == sum(summary_bytes(3, 2, 8, 8, 1, exp_features=True))
+        assert sent.integers == 2 * 8
+    finally:
+        dist.destroy_process_group()
