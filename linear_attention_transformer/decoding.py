@@ -72,6 +72,8 @@ NEG_INF = float("-inf")
 NO_KEY = -(2 ** 62)
 # a decoder keeps the position embeddings of every position when they are at most this many numbers
 POSITION_TABLE_ELEMENTS = 2 ** 23
+# eager steps on a CPU for at most this many rows run on one thread (Decoder.step_threads)
+ONE_THREAD_MAX_BATCH = 8
 _INTEGER_DTYPES = (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64)
 
 
@@ -135,6 +137,15 @@ class Decoder:
     ``position``: tokens consumed so far (prompt included), an int. After compiled steps it is
     read back from the device once (a sync: read it between steps, not inside a loop that
     must not wait).
+
+    ``step_threads``: the torch thread count an eager step runs with, torch's own count
+    restored after it (None: torch's count as it is). On a CPU it is 1 for at most
+    ``ONE_THREAD_MAX_BATCH`` rows: a step is some fifty small operations, which a second
+    thread does not speed up, and each that uses one waits for it; when another process
+    holds the other core that wait is milliseconds (benchmark model, 2 threads on a busy
+    2-core machine, 2026-11-24: a step of one row 0.53 ms at best and 0.61 ms median on one
+    thread against 0.57 ms and 37 ms on two; eight rows 1.26 / 2.1 ms against 1.9 / 12 ms).
+    Set it to None, or to a count, on the decoder to choose otherwise.
     """
 
     compilable = True  # (AutoregressiveWrapper.generate's compile_step)
@@ -156,6 +167,7 @@ class Decoder:
         self.reversible = isinstance(transformer.layers, ReversibleSequence)
         self.max_seq_len = model.max_seq_len
         self.device = device = model.token_emb.weight.device
+        self.step_threads = 1 if device.type == "cpu" and batch <= ONE_THREAD_MAX_BATCH else None
         # the position: on the device for the step, and on the host for eager steps' check
         self._position = torch.tensor(cache.position, dtype=torch.long, device=device)
         self._host_position = cache.position
@@ -250,11 +262,19 @@ class Decoder:
         # under autocast the form a compiled step traces (its F.linear casts; the eager form
         # writes into buffers of the model's dtype)
         host = None if torch.is_autocast_enabled(self.device.type) else p
-        if torch.is_inference_mode_enabled():  # (generate runs in it: no context to enter)
-            out = self._advance(tokens, host)
-        else:
-            with torch.inference_mode():
+        threads, saved = self.step_threads, None
+        if threads is not None and torch.get_num_threads() != threads:
+            saved = torch.get_num_threads()
+            torch.set_num_threads(threads)
+        try:
+            if torch.is_inference_mode_enabled():  # (generate runs in it: no context to enter)
                 out = self._advance(tokens, host)
+            else:
+                with torch.inference_mode():
+                    out = self._advance(tokens, host)
+        finally:
+            if saved is not None:
+                torch.set_num_threads(saved)
         self._host_position = p + 1
         return out
 

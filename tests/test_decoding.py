@@ -365,6 +365,44 @@ def test_compiled_step_checks_max_seq_len_on_the_device():
         step(torch.tensor([1]))
 
 
+def test_eager_step_runs_on_step_threads_and_restores_torch_threads():
+    """On a CPU an eager step of a few rows runs its ops on one thread (Decoder.step_threads)
+    and leaves torch's thread count as it found it; step_threads None leaves it alone; more
+    rows than ONE_THREAD_MAX_BATCH keep torch's count."""
+    from linear_attention_transformer.decoding import ONE_THREAD_MAX_BATCH
+
+    class Threads(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.seen = set()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.seen.add(torch.get_num_threads())
+            return func(*args, **(kwargs or {}))
+
+    model = make_long(LONG_CONFIGS["local+blindspot+shift"], torch.float32)
+    x, _ = padded_prompt()
+    _, decoder = model.start_decoding(x)
+    _, many = model.start_decoding(x[:1].expand(ONE_THREAD_MAX_BATCH + 1, -1))
+    assert decoder.step_threads == 1 and many.step_threads is None
+    tokens, more_tokens = torch.tensor([3, 7]), torch.full((ONE_THREAD_MAX_BATCH + 1,), 3)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        with Threads() as inside:
+            decoder.step(tokens)
+        assert inside.seen == {1} and torch.get_num_threads() == 2
+        decoder.step_threads = None
+        with Threads() as inside:
+            decoder.step(tokens)
+        assert inside.seen == {2}
+        with Threads() as inside:
+            many.step(more_tokens)
+        assert inside.seen == {2} and torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_step_refuses_bad_tokens():
     model = make_long(LONG_CONFIGS["local+blindspot+gate+shift"], torch.float32)
     _, decoder = model.start_decoding(torch.randint(0, 20, (2, 4)))
