@@ -104,41 +104,45 @@ def test_default_configuration_has_no_graph_break():
 
 @pytest.mark.parametrize("magnitude", [1.0, 100.0])
 def test_compiled_kernel_recomputes_lost_chunks(magnitude, monkeypatch):
-    """Compiled, the kernel's safe recompute is a ``torch.cond``: at x100 logits (where some
-    chunks are lost to underflow: without the recompute the result is far off) and at x1
-    (where none is) the compiled output and gradients equal the float64 reference."""
+    """Compiled with dynamic shapes, the kernel's safe recompute is a ``torch.cond`` and its
+    chunk states the blocked scan: at x100 logits (where some chunks are lost to underflow:
+    without the recompute the result is far off) and at x1 (where none is) the compiled
+    output and gradients equal the float64 reference, at a length that is not a multiple of
+    the chunk (8) and at one that is, on one graph."""
     from linear_attention_transformer.ops import causal_linear_attention, naive_causal_linear_attention
 
     kernel_module = importlib.import_module("linear_attention_transformer.ops.linear_attention")
     g = torch.Generator().manual_seed(0)
-    q, k = (magnitude * torch.randn(1, 2, 20, 4, generator=g) for _ in range(2))
-    v = torch.randn(1, 2, 20, 3, generator=g)
-    mask = torch.ones(1, 20, dtype=torch.bool)
-    mask[0, 5] = False
+    compiled = torch.compile(causal_linear_attention, backend="aot_eager", fullgraph=True, dynamic=True)
+    for n in (20, 32):
+        q, k = (magnitude * torch.randn(1, 2, n, 4, generator=g) for _ in range(2))
+        v = torch.randn(1, 2, n, 3, generator=g)
+        mask = torch.ones(1, n, dtype=torch.bool)
+        mask[0, 5] = False
 
-    def run(fn, *inputs, **options):
-        inputs = [t.clone().requires_grad_() for t in inputs]
-        out = fn(*inputs, mask=mask, exp_features=True, **options)
-        (out * torch.linspace(-1, 1, 3)).sum().backward()
-        return out.detach().double(), [t.grad.double() for t in inputs]
+        def run(fn, *inputs, **options):
+            inputs = [t.clone().requires_grad_() for t in inputs]
+            out = fn(*inputs, mask=mask, exp_features=True, **options)
+            (out * torch.linspace(-1, 1, 3)).sum().backward()
+            return out.detach().double(), [t.grad.double() for t in inputs]
 
-    expected, expected_grads = run(naive_causal_linear_attention, *(t.double() for t in (q, k, v)))
-    with monkeypatch.context() as m:  # the inputs need the recompute exactly when magnitude is large
-        m.setattr(kernel_module, "_recompute_chunks", lambda out, *args: out)
-        unsafe, _ = run(causal_linear_attention, q, k, v, chunk_size=8)
-    unsafe_error = (unsafe - expected).abs().max().item()
-    assert (unsafe_error > 1e-2) == (magnitude > 1), unsafe_error
+        expected, expected_grads = run(naive_causal_linear_attention, *(t.double() for t in (q, k, v)))
+        with monkeypatch.context() as m:  # the inputs need the recompute exactly when magnitude is large
+            m.setattr(kernel_module, "_recompute_chunks", lambda out, *args: out)
+            unsafe, _ = run(causal_linear_attention, q, k, v, chunk_size=8)
+        unsafe_error = (unsafe - expected).abs().max().item()
+        assert (unsafe_error > 1e-2) == (magnitude > 1), (n, unsafe_error)
 
-    compiled = torch.compile(causal_linear_attention, backend="aot_eager", fullgraph=True)
-    out, grads = run(compiled, q, k, v, chunk_size=8)
-    assert_close(out, expected, 1e-4, "output")
-    for name, got, want in zip("qkv", grads, expected_grads):
-        assert_close(got, want, 1e-3, f"d{name}")
+        with torch._dynamo.config.patch(error_on_recompile=n != 20):
+            out, grads = run(compiled, q, k, v, chunk_size=8)
+        assert_close(out, expected, 1e-4, f"output, n={n}")
+        for name, got, want in zip("qkv", grads, expected_grads):
+            assert_close(got, want, 1e-3, f"d{name}, n={n}")
 
 
 # ------------------------------------------------ dynamic shapes: one graph for every length
 
-LENGTHS = (21, 38, 61)  # none a multiple of the chunk (8) or of the window (8)
+LENGTHS = (21, 40, 64, 61)  # chunk 8: not a multiple, multiples (40; 64 also of the blocked scan's 8 chunks)
 
 
 def dynamic_training_compiles(model):
@@ -169,20 +173,18 @@ def dynamic_training_compiles(model):
     return calls
 
 
-def test_dynamic_training_step_one_graph_for_three_lengths_default_model():
+def test_dynamic_training_step_one_graph_for_every_length_default_model():
     """The default LM (no causal mask): the graph compiled at the first length serves the
-    next two, no recompile."""
+    others, no recompile."""
     model = LinearAttentionTransformerLM(num_tokens=NUM_TOKENS, dim=16, depth=1, max_seq_len=64, heads=2)
     calls = dynamic_training_compiles(model)
-    assert calls[0] >= 1 and calls[1:] == [0, 0], calls
+    assert calls[0] >= 1 and calls[1:] == [0] * (len(LENGTHS) - 1), calls
 
 
-@pytest.mark.xfail(strict=False, reason=(
-    "the causal kernel's safe-chunk recompute (ops/linear_attention.py, _recompute_chunks) is a torch.cond whose "
-    "operands alias each other (t.contiguous() returns t) and, with .clone(), whose outputs' strides are not dense "
-    "under symbolic sizes: dynamo refuses it with dynamic=True (2026-11-24, torch 2.13); the chunk loop also "
-    "unrolls per length. Issue 21 §1-2 replace both (the scan; the fix-up decided on the device)"))
-def test_dynamic_training_step_one_graph_for_three_lengths_causal_model():
-    """A causal LM (chunk 8, exact global heads): one graph for three lengths."""
-    calls = dynamic_training_compiles(make_model())
-    assert calls[0] >= 1 and calls[1:] == [0, 0], calls
+def test_dynamic_training_step_one_graph_for_every_length_causal_model():
+    """A causal LM (chunk 8, exact global heads, the safe recompute a torch.cond): one graph
+    for every length, multiples of the chunk (40) and of the chunk times the blocked scan's
+    block (64) included. The kernel's chunk states are ``blocked_linear_scan`` under compile:
+    the loop over chunks would unroll into a graph for each chunk count."""
+    calls = dynamic_training_compiles(make_model(max_seq_len=max(LENGTHS)))
+    assert calls[0] >= 1 and calls[1:] == [0] * (len(LENGTHS) - 1), calls

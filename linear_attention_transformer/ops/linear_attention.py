@@ -98,7 +98,7 @@ import torch
 import torch.nn.functional as F
 from einops import rearrange
 
-from .scan import linear_scan, linear_terms, references, sequential_linear_scan
+from .scan import blocked_linear_scan, linear_scan, linear_terms, references, sequential_linear_scan
 from .segments import segment_one_hot, segment_runs
 
 __all__ = [
@@ -119,16 +119,24 @@ PER_FEATURE_CHUNK, PER_FEATURE_SUB_CHUNK = 16, 4
 # The form of ``causal_linear_attention``: "parallel" (the state across chunks as a log-depth
 # scan, exponential-feature chunks exact by construction: no host sync, launches ~ log n),
 # "sequential" (a loop over chunks, lost chunks recomputed after reading their count back: the
-# faster form on the CPU), or "auto": parallel except on the CPU. Both equal the same naive forms.
+# faster form on the CPU), "blocked" (sequential's chunks, the state across them as
+# ``blocked_linear_scan``: what torch.compile traces on the CPU, here run eagerly), or "auto":
+# parallel except on the CPU. All equal the same naive forms. Under torch.compile the state
+# across chunks is always the blocked scan: the loop would unroll (a graph ~ n, a recompile for
+# every chunk count under dynamic shapes) and the log-depth scan branches on the chunk count.
 CHUNK_FORM = "auto"
 
 
 def _parallel_form(device):
     if CHUNK_FORM == "auto":
         return device.type != "cpu"
-    if CHUNK_FORM not in ("parallel", "sequential"):
-        raise ValueError(f"CHUNK_FORM must be 'auto', 'parallel' or 'sequential', got {CHUNK_FORM!r}")
+    if CHUNK_FORM not in ("parallel", "sequential", "blocked"):
+        raise ValueError(f"CHUNK_FORM must be 'auto', 'parallel', 'sequential' or 'blocked', got {CHUNK_FORM!r}")
     return CHUNK_FORM == "parallel"
+
+
+def _blocked_form():
+    return CHUNK_FORM == "blocked" or torch.compiler.is_compiling()
 
 
 # --------------------------------------------------------------------------- helpers
@@ -694,7 +702,7 @@ def _lost_to_underflow(den, mask, state, n, runs=None):
             if state is not None:
                 seen = seen | torch.isfinite(state.ref).any(dim=-1)[..., None]
             real = real & seen
-        return (lost & rearrange(real, "... (c l) -> ... c l", l=l)).any(dim=-1)
+        return (lost & real.view(*real.shape[:-1], c, l)).any(dim=-1)
 
 
 def _recompute_chunks(out, lost, q, k, v, G, states, r_prev, same=None, reads=None):
@@ -706,21 +714,28 @@ def _recompute_chunks(out, lost, q, k, v, G, states, r_prev, same=None, reads=No
     (no graph break): when some chunk is lost every chunk is recomputed and the lost ones
     selected, otherwise nothing is."""
     if torch.compiler.is_compiling():
-        # (the branches' outputs, and in backward their gradients for every operand, must
-        # agree on strides; where() and the recompute give contiguous ones)
+        # The branches' outputs, and in backward their gradients for every operand, must agree
+        # on strides, which dynamo checks as products of the sizes; under dynamic shapes the
+        # chunk length is a symbolic quotient it cannot simplify. So every operand goes in (and
+        # the result comes out) flat and contiguous, each with its chunks' trailing shape on the
+        # side. The branches close over no tensor (dynamo would lift a captured tensor as an
+        # operand aliasing the one passed, which it refuses).
+        shape = out.shape
+        b, h, c = lost.shape
         operands = (q, k, v, G, states, r_prev, same, reads)
-        given = [t.contiguous() for t in operands if t is not None]
+        trailing = [None if t is None else tuple(t.shape[3:]) for t in operands]
+        given = [t.expand(b, h, c, *t.shape[3:]).reshape(-1) for t in operands if t is not None]
 
         def recompute_all(out, lost, *given):
             it = iter(given)
-            b, h, c = lost.shape
-            flat = [None if t is None else next(it).expand(b, h, c, *t.shape[3:]).flatten(0, 2) for t in operands]
-            return torch.where(lost[..., None, None], _safe_chunk_outputs(*flat).view_as(out), out)
+            flat = [None if rest is None else next(it).view(-1, *rest) for rest in trailing]
+            recomputed = _safe_chunk_outputs(*flat).reshape(-1)
+            return torch.where(lost.repeat_interleave(out.shape[0] // lost.shape[0]), recomputed, out)
 
         def keep(out, lost, *given):
             return out.clone()
 
-        return torch.cond(lost.any(), recompute_all, keep, (out.contiguous(), lost, *given))
+        return torch.cond(lost.any(), recompute_all, keep, (out.reshape(-1), lost.reshape(-1), *given)).view(shape)
     where = lost.nonzero(as_tuple=True)
     if where[0].numel() == 0:
         return out
@@ -776,6 +791,7 @@ def causal_linear_attention(
     out_dtype = q.dtype
     dtype = _compute_dtype(q)
     parallel = _parallel_form(q.device)
+    blocked = _blocked_form()
     with torch.autocast(q.device.type, enabled=False):
         # q and k contiguous once: heads split off a fused projection are strided views, and
         # every elementwise result keeps that layout, so each batched matmul below would copy
@@ -799,18 +815,24 @@ def causal_linear_attention(
             C = min(chunk_size, PER_FEATURE_CHUNK)
         else:
             C = chunk_size
-        pad = -n % C
-        if pad:  # padded keys are invisible (zero features) and do not decay
+        # (the padding as c C - n: under dynamic shapes the padded length is then c C by its
+        # very form, and splitting it into (c, C) gives exactly C again)
+        c = (n + C - 1) // C
+        pad = c * C - n
+        if blocked or pad:  # padded keys are invisible (zero features) and do not decay
+            # (compiled, always: a branch on the padding would specialise dynamic shapes)
             q, v = (F.pad(t, (0, 0, 0, pad)) for t in (q, v))
             k = F.pad(k, (0, 0, 0, pad), value=NEG_INF if exp_features else 0.0)
             if log_decay is not None:
                 log_decay = F.pad(log_decay, (0, 0, 0, pad) if log_decay.ndim == 4 else (0, pad))
-        q, k, v = (rearrange(t, "b h (c l) d -> b h c l d", l=C) for t in (q, k, v))
+        # (every size given: under dynamic shapes an inferred size (-1, einops) makes the chunk
+        # length a symbolic quotient instead of C, which torch.cond's stride check cannot simplify)
+        q, k, v = (t.view(b, h, c, C, t.shape[-1]) for t in (q, k, v))
         runs = same = reads = kept = carries = None
         if segments is not None:
             runs = segment_runs(segments)
             # padded positions join the last segment: they hold no key, and their queries are dropped
-            seg = rearrange(torch.cat((runs, runs[:, -1:].expand(b, pad)), dim=1), "b (c l) -> b 1 c l", l=C)
+            seg = torch.cat((runs, runs[:, -1:].expand(b, pad)), dim=1).view(b, 1, c, C)
             last = seg[..., -1]  # (b, 1, c): the segment that the state after chunk c belongs to
             before = F.pad(last[..., :-1], (1, 0), value=-1)  # the segment of the token before chunk c
             same = seg[..., :, None] == seg[..., None, :]  # (b, 1, c, l, l)
@@ -821,8 +843,7 @@ def causal_linear_attention(
         if log_decay is None:
             G = Gd = G_end = None
         else:
-            pattern = "b h (c l) d -> b h c l d" if log_decay.ndim == 4 else "b h (c l) -> b h c l"
-            G = rearrange(log_decay, pattern, l=C).cumsum(dim=3)  # decay since the chunk start
+            G = log_decay.view(b, h, c, C, *log_decay.shape[3:]).cumsum(dim=3)  # decay since the chunk start
             Gd = G if G.ndim == 5 else G[..., None]  # (b, h, c, l, 1 or d)
             G_end = Gd[:, :, :, -1]  # (b, h, c, 1 or d): the chunk's total log decay
         # the log decay of the state across chunk c: -inf where a segment starts in it (drops it)
@@ -852,8 +873,8 @@ def causal_linear_attention(
                     m_kept = k_kept.detach().amax(dim=3)
                 k_to_end = _exp_relative(k_kept, m_kept[:, :, :, None])
             r_prev, r = references(m_kept, state_log_decay, None if state is None else state.ref.to(dtype), 2,
-                                   drops=carries is not None)
-            state_decay, chunk_scale = linear_terms(state_log_decay, m_kept, r_prev, r)
+                                   drops=carries is not None, blocked=blocked)
+            state_decay, chunk_scale = linear_terms(state_log_decay, m_kept, r_prev, r, log=blocked)
             if G is not None and G_end.requires_grad:
                 chunk_scale = chunk_scale * (G_end - G_end.detach()).exp()
         else:
@@ -861,7 +882,7 @@ def causal_linear_attention(
             if kept is not None:
                 k_to_end = k_to_end.masked_fill(~kept[..., None], 0.0)
             chunk_scale = None
-            state_decay, _ = linear_terms(state_log_decay, None, None, None)
+            state_decay, _ = linear_terms(state_log_decay, None, None, None, log=blocked)
 
         # each chunk's own contribution to the state, decayed to the chunk's end
         kv_chunks = torch.einsum("bhcld,bhcle->bhcde", k_to_end, v)
@@ -870,9 +891,10 @@ def causal_linear_attention(
 
         # the scan over chunks: states[c] is the state before chunk c (for exponential
         # features relative to r_prev_c, which every query of chunk c sees), kv the state after
-        # the last. S_c = a_c S_{c-1} + x_c as a log-depth scan, or as a loop (ops/scan.py)
+        # the last. S_c = a_c S_{c-1} + x_c as a log-depth scan, a loop, or in blocks (then
+        # state_decay holds log a_c; ops/scan.py)
         start = None if state is None else state.kv.to(dtype)
-        scan_states = linear_scan if parallel else sequential_linear_scan
+        scan_states = blocked_linear_scan if blocked else linear_scan if parallel else sequential_linear_scan
         states, kv = scan_states(None if state_decay is None else state_decay[..., None], kv_chunks, start, 2)
 
         if exp_features:
@@ -896,7 +918,7 @@ def causal_linear_attention(
             if reads is not None:
                 q_state = q_state.masked_fill(~reads[..., None], 0.0)
             q_intra = [q]
-        out = torch.einsum("bhcld,bhcde->bhcle", q_state, states)
+        out = q_state @ states  # (a matmul keeps the chunk length C exact under dynamic shapes)
         if not blindspot:
             if not exact_chunks:
                 weights = _intra_chunk_weights(q_intra[0], k, None if exp_features else G, PER_FEATURE_SUB_CHUNK)
@@ -907,7 +929,10 @@ def causal_linear_attention(
                 lost = _lost_to_underflow(out[..., -1], mask, state, n, runs)
                 out = _recompute_chunks(out, lost, q, k_logits, v, Gd, states, r_prev, same, reads)
 
-        out = _divide(rearrange(out, "b h c l e -> b h (c l) e")[:, :, :n])
+        out = out.flatten(2, 3)
+        # (compiled, a fresh tensor of the n real positions, not a view of the padded ones: its
+        # layout would make dynamic shapes guard on whether n is a multiple of C)
+        out = _divide(out.index_select(2, torch.arange(n, device=out.device)) if blocked else out[:, :, :n])
 
     if not return_state:
         return out.to(out_dtype)

@@ -56,7 +56,7 @@ from typing import NamedTuple, Optional
 import torch
 
 __all__ = ["Summary", "combine", "scan", "sequential_scan", "references", "linear_terms", "linear_scan",
-           "sequential_linear_scan"]
+           "sequential_linear_scan", "blocked_linear_scan"]
 
 NEG_INF = float("-inf")
 
@@ -181,20 +181,27 @@ def scan(summaries: Summary, initial: Optional[Summary] = None, dim: int = 0, dr
     return Summary(before, None, r_prev), Summary(final, total, r.select(dim, -1))
 
 
-def linear_terms(log_decay, m, r_prev, r):
+def linear_terms(log_decay, m, r_prev, r, log=False):
     """Step 2 of the module docstring: (a, scale) with a_c = exp(r_{c-1} + g_c - r_c) (given
     features: exp(g_c); None without decay) and scale_c = exp(m_c - r_c) (None for given
-    features), so that S_c = a_c S_{c-1} + scale_c kv_c. The gradient reaches g through a."""
+    features), so that S_c = a_c S_{c-1} + scale_c kv_c. The gradient reaches g through a.
+    With ``log``, log a_c instead of a_c (-inf where a_c is 0), for ``blocked_linear_scan``."""
     if m is None:
-        return (None if log_decay is None else log_decay.exp()), None
-    a = _exp_ratio(r_prev if log_decay is None else r_prev + log_decay, r)
+        return (None if log_decay is None else log_decay if log else log_decay.exp()), None
+    before = r_prev if log_decay is None else r_prev + log_decay
+    if log:
+        reached = torch.isfinite(r)
+        a = torch.where(reached, before - torch.where(reached, r, torch.zeros_like(r)), NEG_INF)
+    else:
+        a = _exp_ratio(before, r)
     return a, _exp_ratio(m, r)
 
 
-def references(m, log_decay, start, dim, drops=True):
+def references(m, log_decay, start, dim, drops=True, blocked=False):
     """(r_prev, r) along ``dim``: r_c = max(r_{c-1} + g_c, m_c), r_prev_c = r_{c-1} (``start``
     or -inf before the first). No gradient. m: (…, c, d); log_decay: (…, c, 1 or d) or None;
-    start: (…, d) or None."""
+    start: (…, d) or None. ``blocked``: with drops, the (max, +) scan in the blocked form of
+    ``blocked_linear_scan`` (a graph independent of c) instead of the log-depth one."""
     with torch.no_grad():
         m = m.detach()
         if start is None:
@@ -208,9 +215,16 @@ def references(m, log_decay, start, dim, drops=True):
             T = torch.broadcast_to(log_decay.detach().clamp(min=-1e4).cumsum(dim=dim), m.shape)
             rel = torch.cat((start, m - T), dim=dim).cummax(dim=dim).values.narrow(dim, 1, m.shape[dim])
             r = T + rel
+        elif blocked:
+            r, _ = _blocked_scan(MAX_PLUS, log_decay.detach().unsqueeze(-1), m.unsqueeze(-1),
+                                 start.squeeze(dim).unsqueeze(-1), dim, inclusive=True)
+            r = r.squeeze(-1)
         else:
             r, _ = _scan(MAX_PLUS, log_decay.detach(), m, start.squeeze(dim), dim)
-        r_prev = torch.cat((start, r.narrow(dim, 0, m.shape[dim] - 1)), dim=dim)
+        if blocked:
+            r_prev = _first(torch.cat((start, r), dim=dim), dim, m.shape[dim])
+        else:
+            r_prev = torch.cat((start, r.narrow(dim, 0, m.shape[dim] - 1)), dim=dim)
     return r_prev, r
 
 
@@ -270,6 +284,123 @@ def _scan(sr, a, x, initial, dim, reverse=False, exclusive=False):
         seq = (after, mid) if reverse else (mid, after)
     out = _interleave(*seq, dim)
     return (out.narrow(dim, 0, c) if odd else out), last
+
+
+# ------------------------------------------------------- the blocked scan (torch.compile)
+
+# Elements per block of ``blocked_linear_scan``: its work is ~ c B (inside blocks) + (c / B)^2
+# (across them) per state element; 8 keeps both small for c up to ~1000 chunks.
+SCAN_BLOCK = 8
+
+
+def _segment_sums(la, axis):
+    """la (…, T, …) log coefficients -> (…, T, T, …) along ``axis``: entry (i, j) = sum_{j < t
+    <= i} la_t for j <= i (0 on the diagonal), -inf above it. Each entry is summed term by
+    term (a cumulative sum down the columns of a masked copy), not taken as a difference of
+    one cumulative sum, which would cancel: the factors exp(entry) are as exact as the loop's
+    products."""
+    axis = axis % la.ndim
+    T = la.shape[axis]
+    trailing = (1,) * (la.ndim - 1 - axis)
+    lower = torch.ones(T, T, dtype=torch.bool, device=la.device).tril()
+    strictly_lower = lower.tril(-1).view(T, T, *trailing)
+    # (t, j): la_t where t > j, by broadcasting in where() (an expand would ask whether the
+    # symbolic sizes before ``axis`` are 1: a guard under dynamic shapes)
+    sums = torch.where(strictly_lower, la.unsqueeze(axis + 1), 0.0).cumsum(dim=axis)
+    return sums.masked_fill(~lower.view(T, T, *trailing), NEG_INF)
+
+
+def _blocked_apply(sr, L, x, axis):
+    """sum_j exp(L_ij) x_j (LINEAR) or max_j (L_ij + x_j) (MAX_PLUS): L (…, I, J, …) with J
+    at ``axis`` + 1, x (…, J, …) with J at ``axis``; -> (…, I, …). A product and a reduction,
+    not a matmul: every operand keeps its layout (moving the symbolic chunk axis past others
+    makes dynamic shapes guard on stride equalities, and recompile)."""
+    if sr is LINEAR:
+        return (L.exp() * x.unsqueeze(axis)).sum(dim=axis + 1)
+    return (L + x.unsqueeze(axis)).amax(dim=axis + 1)
+
+
+def _pad_axis(t, axis, before, after, value):
+    return torch.nn.functional.pad(t, (0, 0) * (t.ndim - 1 - axis) + (before, after), value=value)
+
+
+def _first(t, axis, length):
+    """The first ``length`` entries of t along ``axis``, as a fresh tensor (index_select): a
+    view would keep the strides of the longer axis, and every later layout decision would
+    compare the two symbolic lengths under dynamic shapes (a guard, so a recompile)."""
+    return t.index_select(axis, torch.arange(length, device=t.device))
+
+
+def _blocked_scan(sr, la, x, initial, dim, inclusive=False):
+    """S_j = x_j ⊕ exp(la_j) ⊗ S_{j-1} along ``dim`` in a number of operations that does not
+    depend on the length c (the form torch.compile traces: one graph for every length).
+
+    la: the log coefficients (for MAX_PLUS the additive ones themselves), x's dimensions with
+    size c along ``dim`` and 1 in the last (the decay never depends on it), broadcastable to
+    x; x: (…, c, …, E); initial: x's shape without ``dim``. The c elements are padded with
+    the identity to P blocks of ``SCAN_BLOCK``, at least one of them padding (always: a
+    branch on the padding would specialise dynamic shapes). Inside a block the states from its own elements are one
+    (B x B) product with the segment sums of la; the states after each block are the same
+    form over the P blocks' totals, starting from ``initial``; each element's state adds its
+    block's start state decayed to it. The blocks of every leading index share one batch
+    axis (its size is then never 1, which dynamic shapes would otherwise have to guard on).
+    Returns (S before each element, or with ``inclusive`` after it; the state after the last)."""
+    c, B = x.shape[dim], SCAN_BLOCK
+    # (one block more than needed, all identity: P >= 2 for every c, so that dynamic shapes
+    # need not guard on P == 1 where the blocks' axis is merged with the leading ones)
+    P = (c + B - 1) // B + 1
+    pad = P * B - c
+    pre, rest = x.shape[:dim], x.shape[dim + 1:]
+    la_rest = la.shape[dim + 1:]
+    # (split into (P, B), then merged with the leading axes: a view straight to (N, B) would
+    # ask whether the leading sizes alone are divisible by N, a guard on P == 1)
+    x = _pad_axis(x, dim, 0, pad, sr.zero).view(*pre, P, B, *rest).flatten(0, dim)  # (N, B, …, E)
+    la = _pad_axis(la.expand(*pre, *la.shape[dim:]), dim, 0, pad, 0.0).view(*pre, P, B, *la_rest).flatten(0, dim)
+    L = _segment_sums(la, 1)  # (N, B, B, …)
+    D = la.cumsum(dim=1)  # log coefficient from the block's start through each element
+    own_end = _blocked_apply(sr, L.narrow(1, B - 1, 1), x, 1).view(*pre, P, *rest)  # each block's own state
+    totals = _pad_axis(D.select(1, B - 1).view(*pre, P, *la_rest), dim, 1, 0, 0.0)  # [0]: the initial state's
+    start = initial.unsqueeze(dim).expand(*pre, 1, *rest)
+    ends = _blocked_apply(sr, _segment_sums(totals, dim), torch.cat((start, own_end), dim=dim), dim)  # (…, P + 1, …)
+    if not inclusive:  # the state before each element: one row down
+        L = _pad_axis(L.narrow(1, 0, B - 1), 1, 1, 0, NEG_INF)
+        D = _pad_axis(D.narrow(1, 0, B - 1), 1, 1, 0, 0.0)
+    own = _blocked_apply(sr, L, x, 1)  # (N, B, …, E)
+    block_start = _first(ends, dim, P).flatten(0, dim).unsqueeze(1)
+    if sr is LINEAR:
+        states = own + D.exp() * block_start
+    else:
+        states = torch.maximum(own, D + block_start)
+    states = _first(states.view(*pre, P, B, *rest).flatten(dim, dim + 1), dim, c)
+    return states, ends.select(dim, -1)
+
+
+def blocked_linear_scan(log_a, x, initial=None, dim=0):
+    """``linear_scan`` in a number of operations independent of c, for torch.compile: the
+    kernel's chunk loop unrolls there (a graph ~ c, and a recompile for every chunk count
+    under dynamic shapes), the log-depth scan's depth is a branch on c. Here the c elements
+    are blocks of ``SCAN_BLOCK``, each state a sum of terms exp(sum of log a) x_j summed term
+    by term (``_segment_sums``): no factor exceeds 1 and nothing cancels. Backward is
+    autograd's (it keeps the (B x B) factors of each block: B / e times the states, per feature).
+
+    log_a: log a_c <= 0 (-inf for a dropped state) with x's number of dimensions, size c along
+    ``dim`` and 1 in the last, broadcastable to x; None for a = 1 (a cumulative sum). x: (…,
+    c, …, e), ``dim`` before the last dimension; initial: x's shape without ``dim``, None for
+    zeros. Returns (before (…, c, …): the state before each element, last)."""
+    if not 0 <= dim < x.ndim - 1:
+        raise ValueError(f"dim must index one of x's dimensions before its last, got {dim} for {x.ndim} dims")
+    c = x.shape[dim]
+    if c == 0:
+        raise ValueError("x must hold at least one element along dim")
+    shape = x.select(dim, 0).shape
+    initial = (torch.zeros(shape, dtype=x.dtype, device=x.device) if initial is None
+               else torch.broadcast_to(initial, shape))
+    if log_a is None:
+        return linear_scan(None, x, initial, dim)
+    if not torch.is_tensor(log_a) or log_a.ndim != x.ndim or log_a.shape[-1] != 1 or log_a.shape[dim] != c:
+        raise ValueError(f"log_a must have x's {x.ndim} dimensions, its size {c} along dim and 1 in the last, "
+                         f"got {getattr(log_a, 'shape', type(log_a))}")
+    return _blocked_scan(LINEAR, log_a, x, initial, dim)
 
 
 def _shift_coefficients(a, c, dim):

@@ -161,11 +161,12 @@ def helpers():
 KERNEL_MODULE = "linear_attention_transformer.ops.linear_attention"
 
 
-@pytest.fixture(params=["sequential", "parallel"])
+@pytest.fixture(params=["sequential", "parallel", "blocked"])
 def kernel_form(request, monkeypatch):
-    """Runs a test under both forms of ``causal_linear_attention`` (``CHUNK_FORM``): the loop
-    over chunks that the CPU takes, and the scan without host sync that other devices take.
-    Both must equal the same naive forms."""
+    """Runs a test under the forms of ``causal_linear_attention`` (``CHUNK_FORM``): the loop
+    over chunks that the CPU takes, the scan without host sync that other devices take, and
+    the blocked scan that torch.compile traces (run eagerly). All must equal the same naive
+    forms."""
     import importlib
 
     monkeypatch.setattr(importlib.import_module(KERNEL_MODULE), "CHUNK_FORM", request.param)

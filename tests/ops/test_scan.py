@@ -8,9 +8,12 @@ import torch
 from torch.autograd import gradcheck
 
 from linear_attention_transformer.ops.scan import (
+    SCAN_BLOCK,
     Summary,
+    blocked_linear_scan,
     combine,
     linear_scan,
+    references,
     scan,
     sequential_linear_scan,
     sequential_scan,
@@ -263,3 +266,88 @@ def test_inputs_are_not_modified():
     sequential_scan(s, dim=1)
     for t, copy in zip(s, copies):
         assert torch.equal(t, copy)
+
+
+# ------------------------------------------------- the blocked scan (what torch.compile traces)
+
+BLOCKED_COUNTS = [1, 2, SCAN_BLOCK - 1, SCAN_BLOCK, SCAN_BLOCK + 1, 3 * SCAN_BLOCK, 100]
+
+
+def log_or_none(a):
+    return None if a is None else a.log()  # a = 0 (a dropped state) -> -inf
+
+
+@pytest.mark.parametrize("c", BLOCKED_COUNTS)
+@pytest.mark.parametrize("kind", [None, "head", "feature"])
+@pytest.mark.parametrize("with_initial", [False, True])
+def test_blocked_linear_scan_equals_the_loop(c, kind, with_initial):
+    """Float64, counts below, at and past multiples of the block, some coefficients exactly 0
+    (log a = -inf): states before each element and the last equal the loop's to rounding."""
+    g = torch.Generator().manual_seed(c * 11 + with_initial)
+    b, d, e = 2, 3, 4
+    a = coefficients(kind, b, c, d, g, zeros=True)
+    x = torch.randn(b, c, d, e, dtype=DOUBLE, generator=g)
+    initial = torch.randn(b, d, e, dtype=DOUBLE, generator=g) if with_initial else None
+    before, last = blocked_linear_scan(log_or_none(a), x, initial, dim=1)
+    ref_before, ref_last = sequential_linear_scan(a, x, initial, dim=1)
+    torch.testing.assert_close(before, ref_before, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(last, ref_last, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("c", [3, SCAN_BLOCK + 5])
+@pytest.mark.parametrize("kind", ["head", "feature"])
+def test_blocked_linear_scan_gradients_equal_the_loops(c, kind):
+    """Autograd through the blocked form equals autograd through the loop, for x, the initial
+    state and log a (d/dlog a = a d/da), -inf coefficients included (their gradient 0, not
+    NaN); and gradcheck where every coefficient is finite."""
+    g = torch.Generator().manual_seed(c)
+    b, d, e = 2, 3, 2
+    a = coefficients(kind, b, c, d, g, zeros=True)
+    x = torch.randn(b, c, d, e, dtype=DOUBLE, generator=g)
+    initial = torch.randn(b, d, e, dtype=DOUBLE, generator=g)
+    w1 = torch.randn(b, c, d, e, dtype=DOUBLE, generator=g)
+    w2 = torch.randn(b, d, e, dtype=DOUBLE, generator=g)
+
+    def loss(fn, coefficient, x, initial):
+        before, last = fn(coefficient, x, initial, 1)
+        return (before * w1).sum() + (last * w2).sum()
+
+    la, xb, ib = (t.clone().requires_grad_() for t in (a.log(), x, initial))
+    loss(blocked_linear_scan, la, xb, ib).backward()
+    ar, xr, ir = (t.clone().requires_grad_() for t in (a, x, initial))
+    loss(sequential_linear_scan, ar, xr, ir).backward()
+    assert torch.isfinite(la.grad).all()
+    torch.testing.assert_close(la.grad, ar.grad * a, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(xb.grad, xr.grad, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(ib.grad, ir.grad, rtol=1e-10, atol=1e-12)
+    finite = coefficients(kind, b, c, d, g).log().requires_grad_()
+    assert gradcheck(lambda *t: loss(blocked_linear_scan, *t), (finite, xb.detach().requires_grad_(),
+                                                                 ib.detach().requires_grad_()))
+
+
+@pytest.mark.parametrize("c", [1, SCAN_BLOCK, 13])
+def test_blocked_references_equal_the_log_depth_ones(c):
+    """The (max, +) scan of the references with drops, blocked as under torch.compile: equal
+    to the log-depth scan (and -inf at the same places)."""
+    g = torch.Generator().manual_seed(c + 3)
+    m = 3.0 * torch.randn(2, 2, c, 4, dtype=DOUBLE, generator=g)
+    m = m.masked_fill(torch.rand(m.shape, generator=g) < 0.2, NEG_INF)
+    log_decay = -torch.rand(2, 2, c, 1, dtype=DOUBLE, generator=g)
+    log_decay = log_decay.masked_fill(torch.rand(log_decay.shape, generator=g) < 0.25, NEG_INF)
+    start = torch.randn(2, 2, 4, dtype=DOUBLE, generator=g)
+    for got, want in zip(references(m, log_decay, start, 2, drops=True, blocked=True),
+                         references(m, log_decay, start, 2, drops=True)):
+        assert torch.equal(torch.isfinite(got), torch.isfinite(want))
+        torch.testing.assert_close(got[torch.isfinite(want)], want[torch.isfinite(want)], rtol=1e-12, atol=1e-12)
+
+
+def test_blocked_linear_scan_bad_input_names_the_argument():
+    x = torch.zeros(2, 3, 4, 5)
+    with pytest.raises(ValueError, match="log_a"):
+        blocked_linear_scan(torch.zeros(2, 3, 4, 5), x, dim=1)  # a decay that depends on the last axis
+    with pytest.raises(ValueError, match="log_a"):
+        blocked_linear_scan(torch.zeros(2, 2, 4, 1), x, dim=1)
+    with pytest.raises(ValueError, match="dim"):
+        blocked_linear_scan(None, x, dim=3)
+    with pytest.raises(ValueError, match="x must"):
+        blocked_linear_scan(None, torch.zeros(2, 0, 4, 5), dim=1)
