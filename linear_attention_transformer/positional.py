@@ -46,6 +46,14 @@ class AxialPositionalEmbedding(nn.Module):
         # the table entry of t is row_emb[t // w] + column_emb[t % w]: gather the two rows
         # directly rather than building the whole (max_seq_len, dim) table for a few positions
         row_emb, col_emb = self.axial.weights
+        if torch.compiler.is_compiling():
+            # Compiled with dynamic shapes, inductor (torch 2.13, CPU) fuses the backward of the
+            # two gathers below into one kernel that indexes wrongly: an out-of-bounds error, or
+            # silently wrong gradients written as two F.embedding calls. The whole table and one
+            # gather compile correctly (tests/test_compile.py); max_seq_len x dim adds cost
+            # nothing beside a training step.
+            table = (row_emb[0, :, 0, None, :] + col_emb[0, 0, None, :, :]).flatten(0, 1)
+            return nn.functional.embedding(positions, table)
         return row_emb[0, positions // self.width, 0] + col_emb[0, 0, positions % self.width]
 
 

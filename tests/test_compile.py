@@ -188,3 +188,31 @@ def test_dynamic_training_step_one_graph_for_every_length_causal_model():
     the loop over chunks would unroll into a graph for each chunk count."""
     calls = dynamic_training_compiles(make_model(max_seq_len=max(LENGTHS)))
     assert calls[0] >= 1 and calls[1:] == [0] * (len(LENGTHS) - 1), calls
+
+
+def test_axial_positions_compile_with_dynamic_shapes_under_inductor():
+    """The axial embedding's gradients, compiled by inductor with dynamic shapes, equal eager
+    ones at two lengths (its two-gather form crashed there with an out-of-bounds index, or
+    as two F.embedding calls gave wrong gradients: positional.py uses one table compiled)."""
+    from torch._inductor import config
+
+    from linear_attention_transformer.positional import AxialPositionalEmbedding
+
+    torch.manual_seed(0)
+    emb = AxialPositionalEmbedding(16, 256, 128)
+
+    def loss(x):
+        return (x + emb(torch.arange(x.shape[1]))).square().sum()
+
+    torch._dynamo.reset()
+    compiled = torch.compile(loss, dynamic=True)
+    with config.patch(compile_threads=1):
+        for n in (21, 200):  # positions in the first row of the table only, and in both rows
+            x = torch.randn(2, n, 16, generator=torch.Generator().manual_seed(n))
+            grads = []
+            for fn in (compiled, loss):
+                emb.zero_grad(set_to_none=True)
+                fn(x).backward()
+                grads.append([p.grad.clone() for p in emb.parameters()])
+            for got, want in zip(*grads):
+                assert_close(got, want, 1e-5, f"axial gradient at n={n}")
