@@ -66,7 +66,9 @@ above). That is a scan of chunk summaries under one associative operator (``ops/
 also the summary that context parallelism exchanges): ``CHUNK_FORM`` picks a loop over the
 chunks (the CPU's form: faster there) or a work-efficient log-depth scan whose backward is the
 reverse scan (every other device: launches grow as log n, not n; with the exact chunks above,
-no host sync in forward or backward, segments included).
+no host sync in forward or backward, segments included). Under ``torch.compile`` the states
+are ``blocked_linear_scan``: a graph whose size does not depend on n, so one compile serves
+every length.
 
 ``log_decay`` (log a_t <= 0), per position (b, h, n) or per position and key feature
 (b, h, n, d), is the forget gate of gated linear attention. Decays are applied as
