@@ -372,13 +372,10 @@ class AutoregressiveWrapper(nn.Module):
         layer = self._output_layer()
         if layer is None:
             logits = self.net(inputs, **kwargs)
-            if total_count is not None:
-                summed = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1),
-                                         ignore_index=self.ignore_index, reduction="sum")
-                return summed / total_count
             # rows of (b * n, num_tokens): a softmax along contiguous memory, unlike (b, num_tokens, n)
-            return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1),
-                                   ignore_index=self.ignore_index)
+            loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1),
+                                   ignore_index=self.ignore_index, reduction="mean" if total_count is None else "sum")
+            return loss if total_count is None else loss / total_count
         features = self.net.output_features(inputs, **kwargs)
         return linear_cross_entropy(features.reshape(-1, features.shape[-1]), layer.weight, layer.bias,
                                     targets.reshape(-1), self.ignore_index, total_count=total_count)
