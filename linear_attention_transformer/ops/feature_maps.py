@@ -1,8 +1,9 @@
 """Feature maps: how queries and keys become the non-negative features of linear attention.
 
 ``'softmax'`` (the default, as in upstream linear-attention-transformer): queries take a softmax
-over their feature dimension. Keys take a softmax over the sequence when nothing is causal; in the causal case they are exponentiated,
-exp(k), because a softmax over the sequence would see the future.
+over their feature dimension. Keys take a softmax over the sequence when nothing is causal; in
+the causal case they are exponentiated, exp(k), because a softmax over the sequence would see
+the future.
 
 exp(k) overflows for large logits, so the causal kernels take the logits themselves
 (``exp_features=True``) and exponentiate relative to running maxima that cancel exactly
