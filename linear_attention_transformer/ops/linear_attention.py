@@ -101,7 +101,7 @@ import torch.nn.functional as F
 from einops import rearrange
 
 from .scan import blocked_linear_scan, linear_scan, linear_terms, references, sequential_linear_scan
-from .segments import segment_one_hot, segment_runs
+from .segments import positions_in_segment, segment_one_hot, segment_runs
 
 __all__ = [
     "linear_attention",
@@ -218,6 +218,65 @@ def _apply_key_mask(k, v, log_decay, mask, exp_features):
 def _finite_or_zero(t):
     return torch.where(torch.isfinite(t), t, torch.zeros_like(t))
 
+
+def _quarantine(q, k, v, log_decay, mask, check_first):
+    """Non-finite queries, keys, values and decays read as 0, so that a later token's NaN or
+    inf cannot reach an earlier query through a product with a zero weight (0 * NaN is NaN),
+    in forward or in backward. Returns (q, k, v, log_decay, bad): None when all are finite,
+    else (b, h, n) bools for ``_poisoned``: which real tokens held a non-finite query, key or
+    value, and decay. ``check_first`` (the forms that read a count back anyway): a finite
+    input, the usual case, is found by one reduction read back to the host and costs nothing
+    more; the other forms never branch on the data."""
+    def non_finite(t):
+        return None if t is None else ~torch.isfinite(t).all(dim=-1) if t.ndim == 4 else ~torch.isfinite(t)
+
+    if check_first:
+        total = q.sum() + k.sum() + v.sum() + (0.0 if log_decay is None else log_decay.sum())
+        if torch.isfinite(total):  # (overflowing finite inputs only take the path below)
+            return q, k, v, log_decay, None
+    bad = [non_finite(q), non_finite(k) | non_finite(v), non_finite(log_decay)]
+    if mask is not None:  # padding is never read: its values do not matter
+        real = rearrange(mask, "b n -> b 1 n")
+        bad = [None if t is None else t & real for t in bad]
+    q, k, v, log_decay = (None if t is None else _finite_or_zero(t) for t in (q, k, v, log_decay))
+    return q, k, v, log_decay, bad
+
+
+def _poisoned(out, bad, blindspot_size, runs):
+    """NaN for the queries ``_quarantine`` read as 0, that see a key or value it read as 0
+    (keys in earlier blocks with a blindspot, else at or before the query; only of the
+    query's segment with ``runs``), or that lie after a non-finite decay of their segment.
+    out: (b, h, n, e)."""
+    bad_query, bad_key, bad_decay = bad
+    n = out.shape[2]
+    pos = torch.arange(n, device=out.device)
+    seg_start = torch.zeros_like(pos) if runs is None else pos - positions_in_segment(runs)  # (n,) or (b, n)
+
+    def seen(flags, until):  # any flag at positions [seg_start, until] (until < seg_start: none)
+        count = F.pad(flags.long().cumsum(dim=-1), (1, 0))  # count[t] = flags before t
+        upto = torch.gather(count, -1, torch.broadcast_to(until + 1, count.shape[:-1] + (n,)).clamp(min=0))
+        start = torch.gather(count, -1, torch.broadcast_to(seg_start, count.shape[:-1] + (n,)))
+        return (until >= seg_start) & (upto > start)
+
+    last_seen = pos if blindspot_size == 1 else pos - pos % blindspot_size - 1
+    if runs is not None:
+        seg_start = seg_start[:, None]
+        last_seen = torch.broadcast_to(last_seen, runs.shape)[:, None]
+        pos = pos.expand_as(runs)[:, None]
+    hit = bad_query | seen(bad_key, last_seen)
+    if bad_decay is not None:
+        hit = hit | seen(bad_decay, pos)
+    return out.masked_fill(hit[..., None], float("nan"))
+
+
+def _poison_state(bad, state):
+    """The state after a sequence that held a non-finite key, value or decay is NaN (the
+    recurrence's own result), not the state of its quarantined zeros: a decode continuing
+    from it must not silently differ from the full forward."""
+    if bad is None:
+        return state
+    hit = bad[1].any(dim=-1) if bad[2] is None else bad[1].any(dim=-1) | bad[2].any(dim=-1)  # (b, h)
+    return state._map(lambda t: t.masked_fill(hit.view(*hit.shape, *(1,) * (t.ndim - 2)), float("nan")))
 
 def _exp_ratio(a, b):
     """exp(a - b) for references a <= b that may be -inf (no key yet): 0 when a is -inf."""
@@ -800,6 +859,7 @@ def causal_linear_attention(
         # its operand again (forward and backward). v is copied by _append_ones anyway.
         q, k, v = q.to(dtype).contiguous(), k.to(dtype).contiguous(), v.to(dtype)
         log_decay = None if log_decay is None else log_decay.to(dtype)
+        q, k, v, log_decay, bad = _quarantine(q, k, v, log_decay, mask, check_first=not (parallel or blocked))
         k, v, log_decay = _apply_key_mask(k, v, log_decay, mask, exp_features)
         v = _append_ones(v)
 
@@ -935,6 +995,8 @@ def causal_linear_attention(
         # (compiled, a fresh tensor of the n real positions, not a view of the padded ones: its
         # layout would make dynamic shapes guard on whether n is a multiple of C)
         out = _divide(out.index_select(2, torch.arange(n, device=out.device)) if blocked else out[:, :, :n])
+        if bad is not None:
+            out = _poisoned(out, bad, blindspot_size, runs)
 
     if not return_state:
         return out.to(out_dtype)
@@ -942,11 +1004,11 @@ def causal_linear_attention(
     position = (state.position if state is not None else 0) + n
     ref = r[:, :, -1] if exp_features else None
     if not blindspot:
-        return out.to(out_dtype), CausalState(kv, ref, position=position)
+        return out.to(out_dtype), _poison_state(bad, CausalState(kv, ref, position=position))
     if n % C == 0:  # every block complete
         pending = torch.zeros_like(kv)
         pending_ref = torch.full_like(ref, NEG_INF) if exp_features else None
-        return out.to(out_dtype), CausalState(kv, ref, pending, pending_ref, position)
+        return out.to(out_dtype), _poison_state(bad, CausalState(kv, ref, pending, pending_ref, position))
     # the last block is unfinished: its keys wait in `pending`, the visible state is the
     # one the last chunk's queries read, decayed through that chunk
     last, last_ref = states[:, :, -1], None
@@ -959,9 +1021,9 @@ def causal_linear_attention(
         last_ref = r_prev[:, :, -1]
     elif G is not None:
         last = last * G_end[:, :, -1, :, None].exp()
-    return out.to(out_dtype), CausalState(
+    return out.to(out_dtype), _poison_state(bad, CausalState(
         last, last_ref, pending, m[:, :, -1] if exp_features else None, position
-    )
+    ))
 
 
 def _continue_inside_block(q, k, v, log_decay, mask, blindspot_size, chunk_size, exp_features, state, return_state):

@@ -70,6 +70,7 @@ def windowed_attention_by_position(q, k, v, q_positions, k_positions, window, ke
     Returns:
         (b, h, n, d)
     """
+    q, k, v, bad = _quarantine(q, k, v)
     sim = torch.einsum("bhid,bhjd->bhij", q, k) * q.shape[-1] ** -0.5
     visible = window.visible(q_positions[..., :, None], k_positions[..., None, :])
     if q_segments is not None:
@@ -78,7 +79,7 @@ def windowed_attention_by_position(q, k, v, q_positions, k_positions, window, ke
         visible = visible[:, None]
     if key_mask is not None:
         visible = visible & rearrange(key_mask, "b j -> b 1 1 j")
-    return _softmax_attend(sim, visible, v)
+    return _softmax_attend(sim, visible, v, bad)
 
 
 def windowed_attention(q, k, v, window, key_mask=None, segments=None):
@@ -103,8 +104,12 @@ def windowed_attention(q, k, v, window, key_mask=None, segments=None):
     pad = -n % w
     span = (before + 1 + after) * w
     sides = (before * w, pad + after * w)
+    q, k, v, bad = _quarantine(q, k, v)
     q = rearrange(F.pad(q, (0, 0, 0, pad)), "b h (u i) d -> b h u i d", i=w)
     k, v = (rearrange(F.pad(t, (0, 0, *sides)).unfold(2, span, w), "b h u d j -> b h u j d") for t in (k, v))
+    if bad is not None:  # the same blocks of the flags: queries (b, h, u, i), keys (b, h, u, j)
+        bad = (rearrange(F.pad(bad[0], (0, pad)), "b h (u i) -> b h u i", i=w),
+               F.pad(bad[1], sides).unfold(2, span, w))
     key_mask = F.pad(key_mask, sides, value=False).unfold(1, span, w)[:, :, None]  # (b, u, 1, j)
     if runs is None:
         q_positions = torch.arange(n + pad, device=q.device).view(-1, w, 1)  # (u, i, 1)
@@ -117,23 +122,45 @@ def windowed_attention(q, k, v, window, key_mask=None, segments=None):
         k_runs = F.pad(runs, sides, value=-1).unfold(1, span, w)[:, :, None]  # padding is no segment
         visible = window.visible(q_positions, k_positions) & (q_runs == k_runs) & key_mask
     sim = torch.einsum("bhuid,bhujd->bhuij", q, k) * q.shape[-1] ** -0.5
-    out = _softmax_attend(sim, visible[:, None], v)
+    out = _softmax_attend(sim, visible[:, None], v, bad)
     return rearrange(out, "b h u i d -> b h (u i) d")[:, :, :n]
 
 
 def windowed_attention_last(q, k, v, key_mask=None):
     """One query whose window holds exactly the keys given (what a decoder's cache keeps):
     only the padding mask is left to apply. q (b, h, 1, d) -> (b, h, 1, d)."""
+    q, k, v, bad = _quarantine(q, k, v)
     sim = torch.einsum("bhid,bhjd->bhij", q, k) * q.shape[-1] ** -0.5
     visible = None if key_mask is None else rearrange(key_mask, "b j -> b 1 1 j")
-    return _softmax_attend(sim, visible, v)
+    return _softmax_attend(sim, visible, v, bad)
 
 
-def _softmax_attend(sim, visible, v):
+def _quarantine(q, k, v):
+    """Non-finite queries, keys and values read as 0: a zero weight times a later key's NaN
+    is NaN, and would reach earlier queries in forward (through the values) or backward
+    (through the softmax). Returns (q, k, v, bad): bad None when all are finite (one
+    reduction read back, eagerly on the CPU), else (query (b, h, n), key or value (b, h, m))
+    bools for ``_softmax_attend``, which gives NaN to the queries that hold or see one."""
+    if not torch.compiler.is_compiling() and q.device.type == "cpu":
+        if torch.isfinite(q.sum() + k.sum() + v.sum()):  # (overflowing finite inputs take the path below)
+            return q, k, v, None
+    bad = (~torch.isfinite(q).all(dim=-1), ~torch.isfinite(k).all(dim=-1) | ~torch.isfinite(v).all(dim=-1))
+    q, k, v = (torch.where(torch.isfinite(t), t, 0.0) for t in (q, k, v))
+    return q, k, v, bad
+
+
+def _softmax_attend(sim, visible, v, bad=None):
     if visible is None:
-        return sim.softmax(dim=-1) @ v
-    # the most negative finite value keeps a row with no visible key finite; its weights are
-    # then zeroed, so such a query (a padded one in a causal model) gets 0 and reads no key:
-    # a uniform row would spread over the window's later keys, against causality
-    sim = sim.masked_fill(~visible, -torch.finfo(sim.dtype).max)
-    return sim.softmax(dim=-1).masked_fill(~visible, 0.0) @ v
+        out = sim.softmax(dim=-1) @ v
+    else:
+        # the most negative finite value keeps a row with no visible key finite; its weights
+        # are then zeroed, so such a query (a padded one in a causal model) gets 0 and reads
+        # no key: a uniform row would spread over the window's later keys, against causality
+        sim = sim.masked_fill(~visible, -torch.finfo(sim.dtype).max)
+        out = sim.softmax(dim=-1).masked_fill(~visible, 0.0) @ v
+    if bad is None:
+        return out
+    bad_query, bad_key = bad
+    seen = bad_key[..., None, :] if visible is None else visible & bad_key[..., None, :]
+    hit = bad_query | seen.any(dim=-1)
+    return out.masked_fill(hit[..., None], float("nan"))
