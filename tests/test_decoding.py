@@ -1,5 +1,5 @@
 """The one-token decoder (decoding.py) equals the full forward, and its recurrence step
-equals the reference step of ops/linear_attention.py."""
+equals the reference step of ops/causal/recurrent.py."""
 
 import pytest
 import torch
@@ -11,7 +11,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from linear_attention_transformer import AutoregressiveWrapper, LinearAttentionTransformerLM
 from linear_attention_transformer.decoding import NEG_INF, BlockHeads, CacheDecoder, Decoder, GlobalHeads, _join_flags
 from linear_attention_transformer.ops import CausalState
-from linear_attention_transformer.ops.linear_attention import causal_linear_attention_step
+from linear_attention_transformer.ops import causal_linear_attention_step
 
 D = torch.float64
 

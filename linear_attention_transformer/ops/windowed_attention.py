@@ -32,6 +32,8 @@ import torch
 import torch.nn.functional as F
 from einops import rearrange
 
+from .causal.forms import _blocked_form, _parallel_form
+from .non_finite import poisoned, quarantine
 from .segments import positions_in_segment, segment_runs
 
 
@@ -136,17 +138,11 @@ def windowed_attention_last(q, k, v, key_mask=None):
 
 
 def _quarantine(q, k, v):
-    """Non-finite queries, keys and values read as 0: a zero weight times a later key's NaN
-    is NaN, and would reach earlier queries in forward (through the values) or backward
-    (through the softmax). Returns (q, k, v, bad): bad None when all are finite (one
-    reduction read back, eagerly on the CPU), else (query (b, h, n), key or value (b, h, m))
-    bools for ``_softmax_attend``, which gives NaN to the queries that hold or see one."""
-    if not torch.compiler.is_compiling() and q.device.type == "cpu":
-        if torch.isfinite(q.sum() + k.sum() + v.sum()):  # (overflowing finite inputs take the path below)
-            return q, k, v, None
-    bad = (~torch.isfinite(q).all(dim=-1), ~torch.isfinite(k).all(dim=-1) | ~torch.isfinite(v).all(dim=-1))
-    q, k, v = (torch.where(torch.isfinite(t), t, 0.0) for t in (q, k, v))
-    return q, k, v, bad
+    """``non_finite.quarantine`` of q, k, v: (q, k, v, None or (query flags (b, h, n), key or
+    value flags (b, h, m))) for ``_softmax_attend``. Checked first where the kernel's form may
+    read back to the host."""
+    (q, k, v), bad = quarantine((q, k, v), check_first=not (_parallel_form(q.device) or _blocked_form()))
+    return q, k, v, None if bad is None else (bad[0], bad[1] | bad[2])
 
 
 def _softmax_attend(sim, visible, v, bad=None):
@@ -160,7 +156,6 @@ def _softmax_attend(sim, visible, v, bad=None):
         out = sim.softmax(dim=-1).masked_fill(~visible, 0.0) @ v
     if bad is None:
         return out
-    bad_query, bad_key = bad
+    bad_query, bad_key = bad  # a query sees a bad key or value: NaN, as its plain sum is
     seen = bad_key[..., None, :] if visible is None else visible & bad_key[..., None, :]
-    hit = bad_query | seen.any(dim=-1)
-    return out.masked_fill(hit[..., None], float("nan"))
+    return poisoned(out, bad_query | seen.any(dim=-1))
