@@ -18,8 +18,9 @@ on a shared, busy machine: use many rounds), are the figures to read.
 The floor is the kernel's matmul FLOPs (``common.causal_kernel_flops``, x3 for forward +
 backward) at the square matmul rate measured before and after.
 
-``--form`` sets this kernel's ``CHUNK_FORM`` (the loop over chunks or the log-depth scan;
-'auto' is what the device gets).
+``--form`` names this kernel's form (``causal_linear_attention(..., form=...)``, see
+ops/causal/forms.py: the loop over chunks, the log-depth scan, the blocked scan; 'auto' is
+what the device gets).
 
 Usage:  python benchmarks/bench_kernel.py [--shapes 4,4,256,64 1,8,4096,64] [--map elu] [--form parallel]
         python benchmarks/bench_kernel.py --threads 1 --against /tmp/kernel_rev.py
@@ -28,6 +29,7 @@ Usage:  python benchmarks/bench_kernel.py [--shapes 4,4,256,64 1,8,4096,64] [--m
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib.util
 import os
 import sys
@@ -90,8 +92,8 @@ def main(argv=None):
     p.add_argument("--shapes", nargs="+", default=["4,4,256,64", "1,8,4096,64"], help="b,h,n,d each")
     p.add_argument("--map", choices=["softmax", "elu"], default="softmax")
     p.add_argument("--against", default=None, help="another ops/causal/chunk.py to time beside this one")
-    p.add_argument("--form", choices=["auto", "sequential", "parallel"], default="auto",
-                   help="this kernel's CHUNK_FORM (auto: the device's own; default: %(default)s)")
+    p.add_argument("--form", choices=["auto", "sequential", "parallel", "blocked"], default="auto",
+                   help="this kernel's form (auto: the device's own; default: %(default)s)")
     p.add_argument("--rounds", type=int, default=3, help="alternating rounds (default: %(default)s)")
     p.add_argument("--reps", type=int, default=None, help="timed calls per round (default: by size)")
     p.add_argument("--threads", type=int, default=None)
@@ -106,8 +108,7 @@ def main(argv=None):
     size = args.matmul_size or default_matmul_size(args.device)
     set_threads(args.threads)
     this = importlib.import_module("linear_attention_transformer.ops.causal.chunk")
-    importlib.import_module("linear_attention_transformer.ops.causal.forms").CHUNK_FORM = args.form
-    kernels = {"this": this.causal_linear_attention}
+    kernels = {"this": functools.partial(this.causal_linear_attention, form=args.form)}
     if args.against:
         kernels["against"] = load_kernel(args.against).causal_linear_attention
     print_header(args.device, args.threads, [

@@ -62,7 +62,7 @@ feed-forward, token shift, dropouts 0.1) at dim 1024 with the gate (use_gate=Tru
 bf16 autocast (the CPU's autocast op lists stand in for CUDA's; the kernel computes in float32
 inside, so its matmuls are float32: at the FP32 peak unless ``--tf32``), loss from
 ``AutoregressiveWrapper`` (chunked ``linear_cross_entropy``), at n = 4096, 16384, 65536. The
-causal kernel is traced in the form it takes on a GPU (``CHUNK_FORM``: the device-chosen form,
+causal kernel is traced in the form it takes on a GPU (``use_form``: the device-chosen form,
 see ops/causal/forms.py), whatever device the trace runs on. Issue 21's target: the
 estimate <= 1.5 x the floor.
 
@@ -399,27 +399,17 @@ def by_op(ops):
 
 @contextlib.contextmanager
 def kernel_form(form):
-    """The causal kernel's ``CHUNK_FORM`` for the trace: 'gpu' picks what its 'auto' picks on a
-    CUDA device; 'parallel' / 'sequential' force one. Yields a note saying what was done."""
-    try:
-        kernel = importlib.import_module("linear_attention_transformer.ops.causal.forms")
-    except ImportError:
-        kernel = None
-    if kernel is None or not hasattr(kernel, "CHUNK_FORM"):
-        yield "the kernel has no CHUNK_FORM switch: traced as it runs"
-        return
-    saved = kernel.CHUNK_FORM
+    """The causal kernel's form for the trace (``ops/causal/forms.py``'s ``use_form`` scope):
+    'gpu' picks what 'auto' picks on a CUDA device; 'parallel' / 'sequential' name one.
+    Yields a note saying what was done."""
+    forms = importlib.import_module("linear_attention_transformer.ops.causal.forms")
     if form == "gpu":
-        chooser = getattr(kernel, "_parallel_form", None)
-        chosen = ("parallel" if chooser(torch.device("cuda")) else "sequential") if chooser else saved
-        note = f"CHUNK_FORM={chosen!r} (what {saved!r} picks on cuda)"
+        chosen = forms.device_form(torch.device("cuda"))
+        note = f"form={chosen!r} (what 'auto' picks on cuda)"
     else:
-        chosen, note = form, f"CHUNK_FORM={form!r} (forced)"
-    kernel.CHUNK_FORM = chosen
-    try:
+        chosen, note = form, f"form={form!r} (named)"
+    with forms.use_form(chosen):
         yield note
-    finally:
-        kernel.CHUNK_FORM = saved
 
 
 @contextlib.contextmanager

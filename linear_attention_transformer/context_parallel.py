@@ -55,7 +55,8 @@ import torch
 import torch.nn.functional as F
 
 from .ops import CausalState, causal_linear_attention, linear_attention_readout
-from .ops.causal.scan import Summary, scan
+from .ops.causal.scan import Summary, scan, summarize
+from .ops.common import _append_ones, _apply_key_mask, _compute_dtype
 
 __all__ = [
     "ContextParallel",
@@ -151,12 +152,6 @@ def _autograd_all_reduce(t, group):
         return all_reduce(t, group=group)
 
 
-def _exp_ratio(a, b):
-    """exp(a - b) for a <= b (b a reference without gradient) that may be -inf: 0 there."""
-    reached = torch.isfinite(b)
-    return torch.where(reached, (a - torch.where(reached, b, torch.zeros_like(b))).exp(), torch.zeros_like(a))
-
-
 # ------------------------------------------------------------------------- boundaries
 
 
@@ -234,33 +229,19 @@ def causal_summary(k, v, log_decay=None, mask=None, exp_features=False) -> Summa
         the slice from a zero start (for exponential features relative to ``ref``).
         Computed in at least float32.
     """
-    b, h, n, d = k.shape
-    dtype = torch.promote_types(k.dtype, torch.float32)
-    k, v = k.to(dtype), v.to(dtype)
-    if mask is not None:
-        m = mask[:, None, :, None]
-        k = k.masked_fill(~m, NEG_INF if exp_features else 0.0)
-        v = v.masked_fill(~m, 0.0)
-    v = F.pad(v, (0, 1), value=1.0)
+    dtype = _compute_dtype(k)
+    k, v, ld = _apply_key_mask(k.to(dtype), v.to(dtype), None if log_decay is None else log_decay.to(dtype), mask,
+                               exp_features)
     total = to_end = None
-    if log_decay is not None:
-        ld = log_decay.to(dtype)
+    if ld is not None:
         ld = ld if ld.ndim == 4 else ld[..., None]  # (b, h, n, 1 or d)
-        if mask is not None:
-            ld = ld.masked_fill(~mask[:, None, :, None], 0.0)
         total = ld.sum(dim=2)  # (b, h, 1 or d)
         # the decay from each key to the slice's end, sum_{t > j} log a_t: an exclusive
         # reverse cumulative sum (no cancellation, every entry <= 0)
         later = torch.cat((torch.zeros_like(ld[:, :, :1]), ld.flip(2)[:, :, :-1]), dim=2)
         to_end = later.cumsum(dim=2).flip(2)
-    if not exp_features:
-        k_end = k if to_end is None else k * to_end.exp()
-        return Summary(torch.einsum("bhnd,bhne->bhde", k_end, v), total, None)
-    k_end = k if to_end is None else k + to_end
-    with torch.no_grad():
-        ref = k_end.detach().amax(dim=2)  # (b, h, d), -inf where no key
-    kv = torch.einsum("bhnd,bhne->bhde", _exp_ratio(k_end, ref[:, :, None]), v)
-    return Summary(kv, total, ref)
+    summary, _ = summarize(k, _append_ones(v), to_end, total, exp_features)
+    return summary
 
 
 def gather_summaries(summary: Summary, group) -> Summary:

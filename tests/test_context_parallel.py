@@ -557,3 +557,35 @@ def test_context_parallel_must_be_a_process_group():
 
 if __name__ == "__main__" and sys.argv[1:2] == ["--worker"]:
     worker_main(sys.argv[2:5])
+
+
+@pytest.mark.parametrize("exp_features", [False, True])
+@pytest.mark.parametrize("decay", [None, "head", "feature"])
+def test_causal_summary_is_the_recurrences_state(exp_features, decay):
+    """A slice's summary (``scan.summarize`` under ``causal_summary``) is the state the
+    recurrence holds after the slice from a zero start, its reference included, float64,
+    masked tokens neither adding a key nor decaying; a slice whose keys are all masked has
+    a summary of zeros on references of -inf. Its log decay is the slice's total."""
+    from linear_attention_transformer.context_parallel import causal_summary
+    from linear_attention_transformer.ops import recurrent_causal_linear_attention
+
+    g = torch.Generator().manual_seed(3)
+    b, h, n, d, e = 2, 2, 13, 4, 3
+    q, k = (torch.randn(b, h, n, d, generator=g, dtype=torch.float64) * 4 for _ in range(2))
+    if not exp_features:
+        q, k = q.abs(), k.abs()
+    v = torch.randn(b, h, n, e, generator=g, dtype=torch.float64)
+    log_decay = None if decay is None else -torch.rand(b, h, n, *(() if decay == "head" else (d,)), generator=g,
+                                                       dtype=torch.float64)
+    mask = torch.rand(b, n, generator=g) < 0.7
+    mask[1] = False  # a slice without a key
+    summary = causal_summary(k, v, log_decay, mask, exp_features)
+    _, state = recurrent_causal_linear_attention(q, k, v, log_decay, mask, exp_features=exp_features)
+    torch.testing.assert_close(summary.kv, state.kv, rtol=1e-12, atol=1e-12)
+    assert torch.equal(summary.kv[1], torch.zeros_like(summary.kv[1]))
+    if exp_features:
+        torch.testing.assert_close(summary.ref, state.ref, rtol=1e-12, atol=1e-12)
+        assert torch.equal(summary.ref[1], torch.full_like(summary.ref[1], float("-inf")))
+    if decay is not None:
+        masked = log_decay.masked_fill(~mask.view(b, 1, n, *([1] if decay == "feature" else [])), 0.0)
+        torch.testing.assert_close(summary.log_decay, masked.sum(dim=2).view(b, h, -1), rtol=1e-12, atol=1e-12)

@@ -167,14 +167,14 @@ def test_fake_trace_costs_what_a_real_one_does(loss):
     assert [(o.name, o.flops, o.bytes) for o in fake] == [(o.name, o.flops, o.bytes) for o in real]
 
 
-def test_kernel_form_is_restored():
-    kernel = pytest.importorskip("linear_attention_transformer.ops.causal.forms")
-    if not hasattr(kernel, "CHUNK_FORM"):
-        pytest.skip("the kernel has no CHUNK_FORM")
-    before = kernel.CHUNK_FORM
+def test_kernel_form_is_scoped_and_restored():
+    forms = pytest.importorskip("linear_attention_transformer.ops.causal.forms")
+    before = forms.scoped_form()
     with estimate_gpu.kernel_form("sequential"):
-        assert kernel.CHUNK_FORM == "sequential"
-    assert kernel.CHUNK_FORM == before
+        assert forms.scoped_form() == "sequential"
+    with estimate_gpu.kernel_form("gpu"):
+        assert forms.scoped_form() == "parallel"
+    assert forms.scoped_form() == before
 
 
 def test_loss_chunks_as_on_a_gpu_are_restored():

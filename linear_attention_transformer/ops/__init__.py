@@ -8,4 +8,9 @@ from .causal import (
     recurrent_causal_linear_attention,
 )
 from .feature_maps import FEATURE_MAP_NAMES, FeatureMap
-from .linear_attention import linear_attention, linear_attention_readout, linear_attention_summary, naive_linear_attention
+from .linear_attention import (
+    linear_attention,
+    linear_attention_readout,
+    linear_attention_summary,
+    naive_linear_attention,
+)

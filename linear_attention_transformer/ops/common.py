@@ -88,9 +88,17 @@ def _finite_or_zero(t):
     return torch.where(torch.isfinite(t), t, torch.zeros_like(t))
 
 
+def _log_ratio(a, b):
+    """log of ``_exp_ratio(a, b)``: a - b, and -inf where b is not finite."""
+    return a - torch.where(torch.isfinite(b), b, float("inf"))
+
+
 def _exp_ratio(a, b):
-    """exp(a - b) for references a <= b that may be -inf (no key yet): 0 when a is -inf."""
-    return (a - b).exp().nan_to_num(nan=0.0)
+    """exp(a - b) for a log reference b (-inf: no key yet) and a <= b or a = -inf: 0 when a or
+    b is -inf (or b is +inf), with a zero gradient there, never 0 * NaN. The non-finite b are
+    replaced on b's side (usually the small, broadcast one): no extra pass over a. (a = +inf
+    is outside the domain: references and logits are finite or -inf.)"""
+    return _log_ratio(a, b).exp()
 
 
 def _queries_relative_to(q, ref):

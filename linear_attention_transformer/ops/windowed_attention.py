@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 from einops import rearrange
 
-from .causal.forms import _blocked_form, _parallel_form
+from .causal.forms import pick_form, reads_back, scoped_form
 from .non_finite import poisoned, quarantine
 from .segments import positions_in_segment, segment_runs
 
@@ -139,9 +139,10 @@ def windowed_attention_last(q, k, v, key_mask=None):
 
 def _quarantine(q, k, v):
     """``non_finite.quarantine`` of q, k, v: (q, k, v, None or (query flags (b, h, n), key or
-    value flags (b, h, m))) for ``_softmax_attend``. Checked first where the kernel's form may
-    read back to the host."""
-    (q, k, v), bad = quarantine((q, k, v), check_first=not (_parallel_form(q.device) or _blocked_form()))
+    value flags (b, h, m))) for ``_softmax_attend``. Checked first where the causal kernel's
+    form in scope may read back to the host."""
+    form = pick_form(q.device, torch.compiler.is_compiling(), scoped_form())
+    (q, k, v), bad = quarantine((q, k, v), check_first=reads_back(form))
     return q, k, v, None if bad is None else (bad[0], bad[1] | bad[2])
 
 

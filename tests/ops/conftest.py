@@ -158,16 +158,13 @@ def helpers():
     )
 
 
-FORMS_MODULE = "linear_attention_transformer.ops.causal.forms"
-
-
 @pytest.fixture(params=["sequential", "parallel", "blocked"])
-def kernel_form(request, monkeypatch):
-    """Runs a test under the forms of ``causal_linear_attention`` (``CHUNK_FORM``): the loop
-    over chunks that the CPU takes, the scan without host sync that other devices take, and
-    the blocked scan that torch.compile traces (run eagerly). All must equal the same naive
-    forms."""
-    import importlib
+def kernel_form(request):
+    """Runs a test under the forms of ``causal_linear_attention`` (``forms.use_form``): the
+    loop over chunks that the CPU takes, the scan without host sync that other devices take,
+    and the blocked scan that torch.compile traces (run eagerly). All must equal the same
+    naive forms."""
+    from linear_attention_transformer.ops.causal.forms import use_form
 
-    monkeypatch.setattr(importlib.import_module(FORMS_MODULE), "CHUNK_FORM", request.param)
-    return request.param
+    with use_form(request.param):
+        yield request.param

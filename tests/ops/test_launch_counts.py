@@ -84,8 +84,9 @@ def lm_step_count(cfg, n, fake=True):
 
 
 @pytest.fixture
-def parallel(monkeypatch):
-    monkeypatch.setattr(FORMS, "CHUNK_FORM", "parallel")
+def parallel():
+    with FORMS.use_form("parallel"):
+        yield
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
@@ -104,12 +105,12 @@ def test_fake_and_real_tensors_dispatch_the_same_ops(parallel):
     assert real.ops == fake.ops
 
 
-def test_the_counter_sees_the_sequential_forms_sync_and_growth(monkeypatch):
+def test_the_counter_sees_the_sequential_forms_sync_and_growth():
     """Not vacuous: the CPU's form (a loop over chunks; the inputs' finiteness and the
     lost-chunk check read back) shows two syncs per layer and ops growing with n past the
     bound above at only 8x the length."""
-    monkeypatch.setattr(FORMS, "CHUNK_FORM", "sequential")
-    short, long = (lm_step_count({}, n, fake=False) for n in (256, 2048))
+    with FORMS.use_form("sequential"):
+        short, long = (lm_step_count({}, n, fake=False) for n in (256, 2048))
     assert short.syncs == ["aten::_local_scalar_dense", "aten::nonzero"]
     assert long.total > 1.25 * short.total
 
@@ -230,19 +231,71 @@ def test_segments_make_no_sync_and_stay_exact(exp_features, decay, blindspot, pa
     for g, g_ref in zip(grads, ref_grads):
         torch.testing.assert_close(g, g_ref, rtol=1e-7, atol=1e-9)
     if exp_features and blindspot == 1:  # not vacuous: these inputs defeat the fast form
-        monkeypatch.setattr(FORMS, "CHUNK_FORM", "sequential")
         monkeypatch.setattr(KERNEL, "_lost_to_underflow", lambda den, *args: torch.zeros_like(den[..., 0], dtype=bool))
         monkeypatch.setattr(KERNEL, "_recompute_chunks", lambda out, *args: out)
         fast = causal_linear_attention(q, k, v, log_decay, mask=mask, exp_features=True, segments=segments,
-                                       chunk_size=16)
+                                       chunk_size=16, form="sequential")
         assert (fast - ref).abs().max() > 0.1
 
 
-def test_chunk_form_auto_is_parallel_off_the_cpu(monkeypatch):
-    monkeypatch.setattr(FORMS, "CHUNK_FORM", "auto")
-    assert not FORMS._parallel_form(torch.device("cpu"))
-    assert FORMS._parallel_form(torch.device("cuda"))
-    assert FORMS._parallel_form(torch.device("meta"))
-    monkeypatch.setattr(FORMS, "CHUNK_FORM", "fast")
-    with pytest.raises(ValueError, match="CHUNK_FORM"):
-        causal_linear_attention(*(torch.rand(1, 1, 4, 2) for _ in range(3)))
+CPU, CUDA, META = torch.device("cpu"), torch.device("cuda"), torch.device("meta")
+
+
+@pytest.mark.parametrize("device, compiling, form, expected", [
+    (CPU, False, "auto", ("loop", False, 64)),
+    (CUDA, False, "auto", ("log_depth", True, 16)),
+    (META, False, "auto", ("log_depth", True, 16)),
+    (CPU, False, "parallel", ("log_depth", True, 16)),
+    (CUDA, False, "sequential", ("loop", False, 64)),
+    (CPU, False, "blocked", ("blocked", False, 64)),
+    (CPU, True, "auto", ("blocked", False, 64)),
+    (CUDA, True, "auto", ("blocked", True, 16)),
+    (CUDA, True, "sequential", ("blocked", False, 64)),
+])
+def test_pick_form_follows_its_table(device, compiling, form, expected):
+    """The rows of forms.py's table, for exponential features without a blindspot."""
+    assert tuple(FORMS.pick_form(device, compiling, form, exp_features=True)) == expected
+
+
+def test_pick_form_options_decide_exact_chunks_and_the_chunk():
+    """Exact chunks only for exponential features outside the blindspot form; chunks of 16
+    for them and for a per-feature decay of given features; the blindspot block otherwise."""
+    assert FORMS.pick_form(CUDA, exp_features=False) == ("log_depth", False, 64)
+    assert FORMS.pick_form(CUDA, exp_features=True, blindspot_size=4) == ("log_depth", False, 4)
+    assert FORMS.pick_form(CPU, exp_features=False, per_feature_decay=True) == ("loop", False, 16)
+    assert FORMS.pick_form(CPU, exp_features=True, per_feature_decay=True) == ("loop", False, 64)
+    assert FORMS.pick_form(CUDA, exp_features=True, chunk_size=8) == ("log_depth", True, 8)
+
+
+def test_a_bad_form_is_refused_naming_the_choices():
+    q = k = v = torch.rand(1, 1, 4, 2)
+    for bad in ("fast", "Parallel", None):
+        with pytest.raises(ValueError, match=r"form must be one of 'auto', 'sequential', 'parallel', 'blocked'"):
+            FORMS.pick_form(CPU, form=bad)
+        with pytest.raises(ValueError, match="form must be one of"):
+            with FORMS.use_form(bad):
+                pass
+    with pytest.raises(ValueError, match="form must be one of"):
+        causal_linear_attention(q, k, v, form="fast")
+
+
+def test_use_form_is_scoped_and_restored():
+    """The scope nests, is restored on exit (an exception's included), and an explicit
+    ``form=`` wins over it; outside any scope the kernel runs 'auto'."""
+    assert FORMS.scoped_form() == "auto"
+    with FORMS.use_form("parallel"):
+        with pytest.raises(RuntimeError):
+            with FORMS.use_form("blocked"):
+                assert FORMS.scoped_form() == "blocked"
+                raise RuntimeError
+        assert FORMS.scoped_form() == "parallel"
+    assert FORMS.scoped_form() == "auto"
+    # the scope acts (the parallel form makes no sync on these inputs) and form= wins over it
+    q, k = (torch.randn(1, 1, 40, 4, generator=torch.Generator().manual_seed(i)) for i in (0, 1))
+    v = torch.randn(1, 1, 40, 3)
+    read_back = ["aten::_local_scalar_dense", "aten::nonzero"]  # the inputs' finiteness, the lost chunks
+    for scope, form, syncs in [("parallel", None, []), ("parallel", "sequential", read_back),
+                               ("sequential", None, read_back)]:
+        with FORMS.use_form(scope), OpCount() as count:
+            causal_linear_attention(q, k, v, exp_features=True, chunk_size=8, form=form)
+        assert count.syncs == syncs, (scope, form)

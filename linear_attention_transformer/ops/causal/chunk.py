@@ -1,4 +1,5 @@
-"""Linear attention kernels, each with the plain reference it must equal.
+"""The chunked causal kernel, and the math that the causal forms share (``__init__.py`` lists
+the forms; each equals ``naive.py``'s explicit matrix).
 
 The attention weight of key j for query i is
 
@@ -34,7 +35,7 @@ and the output is ``sum_j w_ij v_j / sum_j w_ij``. Two kinds of features:
     torch.compile the choice is a ``torch.cond`` (no graph break): when any chunk is lost,
     all are recomputed and the lost ones selected. Eagerly the lost chunks' count is read
     back: one host sync per call.
-  - the parallel form (``CHUNK_FORM``: every device but the CPU) needs no recompute, so
+  - the exact chunks (``forms.py``: every device but the CPU) need no recompute, so
     nothing is decided and nothing read back: inside a chunk keys are taken relative to
     their running maximum P_id = max_{j <= i} (k_jd - G_jd), query i against
     M_i = max(max_d (q_id + G_id + P_id), max_d (q_id + G_id + r_d)), which is exactly its
@@ -42,9 +43,8 @@ and the output is ``sum_j w_ij v_j / sum_j w_ij``. Two kinds of features:
     exp(k_jd - G_jd - P_jd): three factors <= 1, the middle one a per-feature decay with log
     cumulative -P (``_exact_chunk_factors``), formed like a per-feature gate's weights (chunks
     of 16 in sub-chunks of 4). Exact by construction at any spread; on the CPU that sub-chunk
-    work costs more than the fast form plus its (rare) recompute (bench_kernel --form
-    parallel, softmax map, 1 thread, 2026-11-24: 4.6x / 3.4x the sequential form at n = 4096
-    / 16384), so the CPU keeps those. With
+    work costs more than the fast form plus its (rare) recompute (measured: ``forms.py``), so
+    the CPU keeps those. With
     segments the running maxima restart at each segment's first token (a log-depth segmented
     maximum) and the factors through a sub-chunk's reference are kept only for pairs whose
     segment holds that reference (every pair of one segment does).
@@ -53,22 +53,15 @@ and the output is ``sum_j w_ij v_j / sum_j w_ij``. Two kinds of features:
   (float64 equal to the explicit matrix, float32 within the rounding of its logits),
   gradients included: the shifts carry no gradient, they cancel.
 
-In the causal case the same computation has three views:
-
-* the explicit (n x n) weight matrix             -> ``naive_causal_linear_attention``
-* the recurrence S_t = a_t * S_{t-1} + k_t v_t^T  -> ``causal_linear_attention_step``
-* chunks: quadratic inside a chunk of C tokens, the running state S between
-  chunks                                          -> ``causal_linear_attention``
-
-Between chunks the state obeys S_c = a_c S_{c-1} + x_c (x_c the chunk's keys decayed to its
-end, a_c its total decay; for exponential features both relative to the references r, see
-above). That is a scan of chunk summaries under one associative operator (``scan.py``,
-also the summary that context parallelism exchanges): ``CHUNK_FORM`` picks a loop over the
-chunks (the CPU's form: faster there) or a work-efficient log-depth scan whose backward is the
-reverse scan (every other device: launches grow as log n, not n; with the exact chunks above,
-no host sync in forward or backward, segments included). Under ``torch.compile`` the states
-are ``blocked_linear_scan``: a graph whose size does not depend on n, so one compile serves
-every length.
+Chunks: quadratic inside a chunk of C tokens, the running state S between chunks. Between
+chunks the state obeys S_c = a_c S_{c-1} + x_c (x_c the chunk's keys decayed to its end,
+``scan.summarize``; a_c its total decay; for exponential features both relative to the
+references r, see above). That is a scan of chunk summaries under one associative operator
+(``scan.py``, also what context parallelism exchanges): a loop over the chunks, a
+work-efficient log-depth scan whose backward is the reverse scan (launches grow as log n, not
+n; with the exact chunks above, no host sync in forward or backward, segments included), or
+``blocked_linear_scan``, a graph whose size does not depend on n (under ``torch.compile``:
+one compile serves every length). Which runs where, and why: ``forms.py``.
 
 ``log_decay`` (log a_t <= 0), per position (b, h, n) or per position and key feature
 (b, h, n, d), is the forget gate of gated linear attention. Decays are applied as
@@ -100,17 +93,17 @@ import torch
 import torch.nn.functional as F
 from einops import rearrange
 
-from ..common import (NEG_INF, _append_ones, _apply_key_mask, _check_mask, _compute_dtype, _divide,
-                      _finite_or_zero)
+from ..common import NEG_INF, _append_ones, _apply_key_mask, _check_mask, _compute_dtype, _divide
 from ..non_finite import poisoned, quarantine, seen
 from ..segments import positions_in_segment, segment_runs
-from .forms import _blocked_form, _parallel_form
+from .forms import check_form, pick_form, reads_back, scoped_form
 from .recurrent import CausalState, recurrent_causal_linear_attention
-from .scan import blocked_linear_scan, linear_scan, linear_terms, references, sequential_linear_scan
+from .scan import (blocked_linear_scan, key_factors, linear_scan, linear_terms, references, sequential_linear_scan,
+                   summarize)
 
 __all__ = ["causal_linear_attention"]
 
-PER_FEATURE_CHUNK, PER_FEATURE_SUB_CHUNK = 16, 4
+PER_FEATURE_SUB_CHUNK = 4  # (the sub-chunk of chunks formed pair by pair, see forms.py)
 
 
 # --------------------------------------------------------------------- causal: chunked
@@ -176,12 +169,6 @@ def _two_level_weights(q, k, G, s, seg=None):
     eye = torch.eye(m, dtype=w.dtype, device=w.device)[:, None, :, None]
     w = w + diag[..., :, :, None, :] * eye
     return rearrange(w, "... m s m2 s2 -> ... (m s) (m2 s2)")
-
-
-def _exp_relative(logits, ref):
-    """exp(logits - ref) for a reference without gradient that may be -inf (no key): the
-    non-finite references become 0, whose features are then -inf - 0 -> 0 anyway."""
-    return (logits - _finite_or_zero(ref)).exp()
 
 
 def _query_factors(parts):
@@ -369,7 +356,7 @@ def _non_finite_state(bad, state):
 
 def causal_linear_attention(
     q, k, v, log_decay=None, mask=None, blindspot_size=1, chunk_size=64, exp_features=False,
-    state=None, return_state=False, segments=None,
+    state=None, return_state=False, segments=None, form=None,
 ):
     """Causal linear attention, chunk by chunk, in O(n) memory.
 
@@ -395,6 +382,9 @@ def causal_linear_attention(
             chunk keeps the keys of the chunk's last segment (on a reference over those keys
             alone) and carries the earlier state only when no segment starts in the chunk.
             Not with ``state`` / ``return_state``.
+        form: the form that computes it, one of ``forms.FORM_NAMES`` ('auto': by the
+            device, ``forms.pick_form``); None: the ``forms.use_form`` scope's, else 'auto'.
+            (One token from a state is the recurrence, whatever the form.)
     Returns:
         (b, h, n, e), and the state when ``return_state``.
     """
@@ -402,6 +392,9 @@ def causal_linear_attention(
     _check_mask(mask, b, n)
     if blindspot_size < 1 or chunk_size < 1:
         raise ValueError("blindspot_size and chunk_size must be >= 1")
+    if form is None:
+        form = scoped_form()
+    check_form(form)
     if segments is not None and (state is not None or return_state):
         raise ValueError("segments cannot be combined with a state (state / return_state): a state continues one sequence")
     if state is not None and n == 1:  # decoding one token: the recurrence is the cheapest form
@@ -409,37 +402,25 @@ def causal_linear_attention(
         return (out, state) if return_state else out
     if state is not None and blindspot_size > 1 and state.position % blindspot_size:
         return _continue_inside_block(q, k, v, log_decay, mask, blindspot_size, chunk_size, exp_features, state,
-                                      return_state)
+                                      return_state, form)
 
     out_dtype = q.dtype
     dtype = _compute_dtype(q)
-    parallel = _parallel_form(q.device)
-    blocked = _blocked_form()
     with torch.autocast(q.device.type, enabled=False):
         # q and k contiguous once: heads split off a fused projection are strided views, and
         # every elementwise result keeps that layout, so each batched matmul below would copy
         # its operand again (forward and backward). v is copied by _append_ones anyway.
         q, k, v = q.to(dtype).contiguous(), k.to(dtype).contiguous(), v.to(dtype)
         log_decay = None if log_decay is None else log_decay.to(dtype)
+        plan = pick_form(q.device, torch.compiler.is_compiling(), form, exp_features, blindspot_size,
+                         log_decay is not None and log_decay.ndim == 4, chunk_size)
+        blocked, exact_chunks, C = plan.scan == "blocked", plan.exact_chunks, plan.chunk
         real = None if mask is None else rearrange(mask, "b n -> b 1 n")
-        (q, k, v, log_decay), bad = quarantine((q, k, v, log_decay), not (parallel or blocked), real)
+        (q, k, v, log_decay), bad = quarantine((q, k, v, log_decay), reads_back(plan), real)
         k, v, log_decay = _apply_key_mask(k, v, log_decay, mask, exp_features)
         v = _append_ones(v)
 
         blindspot = blindspot_size > 1
-        per_feature_decay = log_decay is not None and log_decay.ndim == 4
-        # exponential-feature chunks exact by construction (the parallel form)
-        exact_chunks = parallel and exp_features and not blindspot
-        # a per-feature decay is formed pair by pair inside sub-chunks (see _two_level_weights):
-        # chunks of 16 in sub-chunks of 4 keep that elementwise work smallest (measured on CPU:
-        # 0.6 s vs 1.4 s for chunks of 64 in 16, n=4096, 8 heads of 64, forward + backward);
-        # the exact exponential-feature chunks take the same form
-        if blindspot:
-            C = blindspot_size
-        elif (per_feature_decay and not exp_features) or exact_chunks:
-            C = min(chunk_size, PER_FEATURE_CHUNK)
-        else:
-            C = chunk_size
         # (the padding as c C - n: under dynamic shapes the padded length is then c C by its
         # very form, and splitting it into (c, C) gives exactly C again)
         c = (n + C - 1) // C
@@ -485,32 +466,31 @@ def causal_linear_attention(
             # contribution to the state through a factor of exactly 1 that carries it: then
             # no gradient of a query reaches a later decay, not even by rounding)
             k_logits = k
-            k_end = k if G is None else k + (G_end.detach()[:, :, :, None] - Gd)
-            with torch.no_grad():
-                m = k_end.detach().amax(dim=3)
-            k = k_to_end = _exp_relative(k_end, m[:, :, :, None])
-            m_kept = m
-            if segments is not None:
+            to_end = None if G is None else G_end.detach()[:, :, :, None] - Gd
+            if segments is None:
+                chunk_summary, k = summarize(k_logits, v, to_end, exp_features=True)
+                k_to_end, m = k, chunk_summary.ref
+            else:
                 # the state keeps only the last segment's keys: on their own maximum, as an
-                # earlier segment's keys in the chunk may be far larger (and would underflow them)
-                k_kept = k_end.masked_fill(~kept[..., None], NEG_INF)
-                with torch.no_grad():
-                    m_kept = k_kept.detach().amax(dim=3)
-                k_to_end = _exp_relative(k_kept, m_kept[:, :, :, None])
+                # earlier segment's keys in the chunk may be far larger (and would underflow them);
+                # the chunk's queries read all of its keys, relative to the maximum of all
+                chunk_summary, k_to_end = summarize(k_logits.masked_fill(~kept[..., None], NEG_INF), v, to_end,
+                                                    exp_features=True)
+                k, m = key_factors(k_logits, to_end, exp_features=True)
+            m_kept = chunk_summary.ref
             r_prev, r = references(m_kept, state_log_decay, None if state is None else state.ref.to(dtype), 2,
                                    drops=carries is not None, blocked=blocked)
             state_decay, chunk_scale = linear_terms(state_log_decay, m_kept, r_prev, r, log=blocked)
             if G is not None and G_end.requires_grad:
                 chunk_scale = chunk_scale * (G_end - G_end.detach()).exp()
         else:
-            k_to_end = k if G is None else k * (G_end[:, :, :, None] - Gd).exp()
-            if kept is not None:
-                k_to_end = k_to_end.masked_fill(~kept[..., None], 0.0)
+            chunk_summary, k_to_end = summarize(k if kept is None else k.masked_fill(~kept[..., None], 0.0), v,
+                                                None if G is None else G_end[:, :, :, None] - Gd)
             chunk_scale = None
             state_decay, _ = linear_terms(state_log_decay, None, None, None, log=blocked)
 
         # each chunk's own contribution to the state, decayed to the chunk's end
-        kv_chunks = torch.einsum("bhcld,bhcle->bhcde", k_to_end, v)
+        kv_chunks = chunk_summary.kv
         if chunk_scale is not None:
             kv_chunks = kv_chunks * chunk_scale[..., None]
 
@@ -519,7 +499,8 @@ def causal_linear_attention(
         # the last. S_c = a_c S_{c-1} + x_c as a log-depth scan, a loop, or in blocks (then
         # state_decay holds log a_c; scan.py)
         start = None if state is None else state.kv.to(dtype)
-        scan_states = blocked_linear_scan if blocked else linear_scan if parallel else sequential_linear_scan
+        scan_states = {"loop": sequential_linear_scan, "log_depth": linear_scan,
+                       "blocked": blocked_linear_scan}[plan.scan]
         states, kv = scan_states(None if state_decay is None else state_decay[..., None], kv_chunks, start, 2)
 
         if exp_features:
@@ -589,7 +570,8 @@ def causal_linear_attention(
     ))
 
 
-def _continue_inside_block(q, k, v, log_decay, mask, blindspot_size, chunk_size, exp_features, state, return_state):
+def _continue_inside_block(q, k, v, log_decay, mask, blindspot_size, chunk_size, exp_features, state, return_state,
+                           form):
     """Continue from a state in the middle of a blindspot block: finish that block with
     the recurrence, then go on chunk by chunk from the block boundary."""
     n = q.shape[2]
@@ -609,7 +591,7 @@ def _continue_inside_block(q, k, v, log_decay, mask, blindspot_size, chunk_size,
         out, state = causal_linear_attention(
             *(part(t, rest) for t in (q, k, v, log_decay)), mask=None if mask is None else mask[:, rest],
             blindspot_size=blindspot_size, chunk_size=chunk_size, exp_features=exp_features, state=state,
-            return_state=True,
+            return_state=True, form=form,
         )
         outs.append(out)
     out = torch.cat(outs, dim=2)

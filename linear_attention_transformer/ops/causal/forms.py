@@ -1,28 +1,138 @@
-"""Which form of the chunked causal kernel runs (``chunk.py``)."""
+"""Which form of the chunked causal kernel runs: decided in one place, ``pick_form``.
+
+Every form computes the same thing (each is tested against ``naive.py`` in float64); they
+differ in two choices, which a ``Form`` names:
+
+* ``scan``: how the state crosses the chunks (``scan.py``): a Python ``loop`` over them,
+  the work-efficient ``log_depth`` scan (launches grow as log n, not n), or the ``blocked``
+  scan (a graph whose size does not depend on n);
+* ``exact_chunks``: exponential-feature chunks exact by construction (``chunk.py``,
+  ``_exact_chunk_factors``: no recompute, nothing read back to the host), or the fast
+  chunks whose rare lost chunks are found and recomputed (one host sync per call eagerly,
+  a ``torch.cond`` compiled).
+
+===========  ==================  =========  ============  =========================================
+requested    where               scan       exact chunks  why
+===========  ==================  =========  ============  =========================================
+auto         CPU, eager          loop       no            the CPU's fastest: exact chunks cost 4.6x
+                                                          / 3.4x the fast ones plus their recompute
+                                                          (bench_kernel --form parallel, softmax
+                                                          map, 1 thread, 2026-11-24, n = 4096 /
+                                                          16384); a loop costs a CPU nothing
+auto         any other device    log_depth  yes           no host sync in forward or backward
+                                                          (segments included), launches ~ log n
+sequential   anywhere, eager     loop       no            the CPU's form, on any device
+parallel     anywhere, eager     log_depth  yes           the accelerators' form, on any device
+blocked      anywhere, eager     blocked    no            what torch.compile traces on the CPU
+any          torch.compile       blocked    as above      the loop would unroll (a graph ~ n, a
+                                                          recompile per chunk count under dynamic
+                                                          shapes); the log-depth scan branches on
+                                                          the chunk count
+===========  ==================  =========  ============  =========================================
+
+Exact chunks only exist for exponential features outside the blindspot form: given
+features never underflow, and blindspot chunks hold no pairs inside a chunk. The chunk
+length (``chunk``) is the blindspot block with ``blindspot_size`` > 1; chunks of
+``PER_FEATURE_CHUNK`` (16, formed pair by pair in sub-chunks of 4) for a per-feature decay of
+given features and for exact chunks (measured on the CPU: 0.6 s vs 1.4 s for chunks of 64 in
+16, n = 4096, 8 heads of 64, forward + backward); else the caller's ``chunk_size``.
+
+A form is named per call (``causal_linear_attention(..., form=...)``) or for a scope of code
+that calls the kernel deep inside a model (``use_form``, which benchmarks and tests use to
+trace a whole model in one form). Adding a form (a GPU kernel, say) is one entry in ``FORMS``,
+one row above and one branch in ``pick_form``.
+"""
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+from typing import NamedTuple
+
 import torch
 
+__all__ = ["Form", "FORMS", "FORM_NAMES", "check_form", "device_form", "pick_form", "reads_back", "scoped_form",
+           "use_form"]
 
-# The form of ``causal_linear_attention``: "parallel" (the state across chunks as a log-depth
-# scan, exponential-feature chunks exact by construction: no host sync, launches ~ log n),
-# "sequential" (a loop over chunks, lost chunks recomputed after reading their count back: the
-# faster form on the CPU), "blocked" (sequential's chunks, the state across them as
-# ``blocked_linear_scan``: what torch.compile traces on the CPU, here run eagerly), or "auto":
-# parallel except on the CPU. All equal the same naive forms. Under torch.compile the state
-# across chunks is always the blocked scan: the loop would unroll (a graph ~ n, a recompile for
-# every chunk count under dynamic shapes) and the log-depth scan branches on the chunk count.
-CHUNK_FORM = "auto"
+PER_FEATURE_CHUNK = 16
 
 
-def _parallel_form(device):
-    if CHUNK_FORM == "auto":
-        return device.type != "cpu"
-    if CHUNK_FORM not in ("parallel", "sequential", "blocked"):
-        raise ValueError(f"CHUNK_FORM must be 'auto', 'parallel', 'sequential' or 'blocked', got {CHUNK_FORM!r}")
-    return CHUNK_FORM == "parallel"
+class Form(NamedTuple):
+    """How ``causal_linear_attention`` computes (see the module docstring)."""
+
+    scan: str  # "loop", "log_depth" or "blocked"
+    exact_chunks: bool
+    chunk: int = 0  # the chunk length (0 in ``FORMS``: set by ``pick_form``)
 
 
-def _blocked_form():
-    return CHUNK_FORM == "blocked" or torch.compiler.is_compiling()
+FORMS = {
+    "sequential": Form("loop", False),
+    "parallel": Form("log_depth", True),
+    "blocked": Form("blocked", False),
+}
+FORM_NAMES = ("auto", *FORMS)
+
+_SCOPED = contextvars.ContextVar("causal_linear_attention_form", default="auto")
+
+
+def check_form(form):
+    """``form`` if it names a form, else a ValueError naming the choices."""
+    if form not in FORM_NAMES:
+        raise ValueError(f"form must be one of {', '.join(map(repr, FORM_NAMES))}, got {form!r}")
+    return form
+
+
+@contextlib.contextmanager
+def use_form(form):
+    """Inside the ``with`` block, ``causal_linear_attention`` calls that name no form run in
+    ``form`` (one of ``FORM_NAMES``); the previous scope is restored on exit. Scoped to the
+    thread / task (a ``contextvars`` variable). Under torch.compile it is read when the graph
+    is traced: a graph keeps the form of the scope it was traced in."""
+    token = _SCOPED.set(check_form(form))
+    try:
+        yield form
+    finally:
+        _SCOPED.reset(token)
+
+
+@torch.compiler.assume_constant_result  # (dynamo cannot trace ContextVar.get)
+def scoped_form():
+    """The form that ``use_form`` set around this call ('auto' outside any)."""
+    return _SCOPED.get()
+
+
+def device_form(device) -> str:
+    """The form that 'auto' names on ``device`` (the table's first two rows)."""
+    return "sequential" if device.type == "cpu" else "parallel"
+
+
+def pick_form(device, compiling=False, form="auto", exp_features=False, blindspot_size=1,
+              per_feature_decay=False, chunk_size=64) -> Form:
+    """The ``Form`` that runs: the module docstring's table.
+
+    Args:
+        device: the inputs' device. compiling: inside torch.compile's trace.
+        form: the request, one of ``FORM_NAMES`` ('auto': by the device).
+        exp_features, blindspot_size, per_feature_decay, chunk_size: the call's options.
+    """
+    form = check_form(form)
+    if form == "auto":
+        form = device_form(device)
+    chosen = FORMS[form]
+    if compiling:
+        chosen = chosen._replace(scan="blocked")
+    exact = chosen.exact_chunks and exp_features and blindspot_size == 1
+    if blindspot_size > 1:
+        chunk = blindspot_size
+    elif (per_feature_decay and not exp_features) or exact:
+        chunk = min(chunk_size, PER_FEATURE_CHUNK)
+    else:
+        chunk = chunk_size
+    return chosen._replace(exact_chunks=exact, chunk=chunk)
+
+
+def reads_back(form: Form) -> bool:
+    """Whether ``form`` may wait on the host (its loop over chunks does, eagerly): a rare case
+    can then be ruled out by one value read back (``non_finite.quarantine``) instead of
+    always paying for it. The other forms never branch on the data."""
+    return form.scan == "loop"

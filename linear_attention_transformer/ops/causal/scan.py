@@ -18,7 +18,8 @@ Applying span 1 and then span 2 is the span
                                    with r = max(r1 + g2, r2)
 
 (given features: no r, S = S1 exp(g2) + S2). It is associative, every factor is <= 1, and
-the identity is (0, 0, -inf). ``combine`` is that operator; ``sequential_scan`` folds it
+the identity is (0, 0, -inf). ``summarize`` makes a span's summary from its keys (the
+chunked kernel's chunks, a context-parallel rank's slice). ``combine`` is that operator; ``sequential_scan`` folds it
 over the spans one at a time (the naive judge), ``scan`` computes the same in a number of
 tensor operations that grows as log c (c spans), not c:
 
@@ -55,7 +56,9 @@ from typing import NamedTuple, Optional
 
 import torch
 
-__all__ = ["Summary", "combine", "scan", "sequential_scan", "references", "linear_terms", "linear_scan",
+from ..common import _exp_ratio, _log_ratio
+
+__all__ = ["Summary", "summarize", "key_factors", "combine", "scan", "sequential_scan", "references", "linear_terms", "linear_scan",
            "sequential_linear_scan", "blocked_linear_scan"]
 
 NEG_INF = float("-inf")
@@ -70,11 +73,32 @@ class Summary(NamedTuple):
     ref: Optional[torch.Tensor] = None
 
 
-def _exp_ratio(a, b):
-    """exp(a - b) for log references a <= b (up to rounding) that may be -inf: 0 when a is
-    -inf or b is -inf, with a zero gradient (never 0 * NaN)."""
-    reached = torch.isfinite(b)
-    return torch.where(reached, (a - torch.where(reached, b, torch.zeros_like(b))).exp(), torch.zeros_like(b))
+def summarize(k, v, to_end=None, total=None, exp_features=False):
+    """The ``Summary`` of spans of keys from a zero start: the state they add, their keys
+    decayed to the span's end (for exponential features relative to their maximum there).
+
+    Args:
+        k: (…, l, d) key features, or logits with ``exp_features``; a key that must not enter
+            is 0 (-inf for logits). v: (…, l, E) values (with the normaliser column).
+        to_end: optional (…, l, 1 or d), the log decay from each key to its span's end.
+        total: optional (…, 1 or d), the spans' log decay: the summary's ``log_decay``.
+    Returns:
+        (Summary(kv (…, d, E), total, ref (…, d) or None), the keys' factors (…, l, d) that
+        make kv: k decayed to the end, for exponential features exp(k + to_end - ref)).
+    """
+    factors, ref = key_factors(k, to_end, exp_features)
+    return Summary(torch.einsum("...ld,...le->...de", factors, v), total, ref), factors
+
+
+def key_factors(k, to_end=None, exp_features=False):
+    """``summarize``'s keys decayed to their span's end: (factors (…, l, d), ref (…, d), their
+    per-feature maximum without gradient, -inf where no key; None for given features)."""
+    if not exp_features:
+        return (k if to_end is None else k * to_end.exp()), None
+    k_end = k if to_end is None else k + to_end
+    with torch.no_grad():
+        ref = k_end.detach().amax(dim=-2)
+    return _exp_ratio(k_end, ref.unsqueeze(-2)), ref
 
 
 def combine(earlier: Summary, later: Summary) -> Summary:
@@ -189,12 +213,7 @@ def linear_terms(log_decay, m, r_prev, r, log=False):
     if m is None:
         return (None if log_decay is None else log_decay if log else log_decay.exp()), None
     before = r_prev if log_decay is None else r_prev + log_decay
-    if log:
-        reached = torch.isfinite(r)
-        a = torch.where(reached, before - torch.where(reached, r, torch.zeros_like(r)), NEG_INF)
-    else:
-        a = _exp_ratio(before, r)
-    return a, _exp_ratio(m, r)
+    return (_log_ratio if log else _exp_ratio)(before, r), _exp_ratio(m, r)
 
 
 def references(m, log_decay, start, dim, drops=True, blocked=False):
