@@ -873,9 +873,9 @@ def main(argv=None):
     argv = sys.argv[1:] if argv is None else list(argv)
     args = build_parser().parse_args(argv)
     if args.seq_len < 2 or args.steps < 1 or args.batch_size < 1 or args.eval_every < 1 or args.grad_accum < 1 \
-            or args.context_parallel < 1:
-        raise SystemExit("--seq-len must be >= 2 and --steps, --batch-size, --grad-accum, --eval-every, "
-                         "--context-parallel >= 1")
+            or args.context_parallel < 1 or args.threads < 0:
+        raise SystemExit("--seq-len must be >= 2, --steps, --batch-size, --grad-accum, --eval-every, "
+                         "--context-parallel >= 1 and --threads >= 0 (0: chosen)")
     if args.resume:  # the run's options and outputs from the checkpoint, unless given again
         if not Path(args.resume).is_file():
             raise SystemExit(f"--resume {args.resume}: no such checkpoint")

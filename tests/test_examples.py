@@ -111,6 +111,8 @@ def test_context_parallel_needs_torchrun(text):
         train_enwik8.main(["--data", str(text), *TINY, "--steps", "1", "--context-parallel", "2"])
     with pytest.raises(SystemExit, match="--context-parallel"):
         train_enwik8.main(["--data", str(text), *TINY, "--steps", "1", "--context-parallel", "0"])
+    with pytest.raises(SystemExit, match="--threads >= 0"):
+        train_enwik8.main(["--data", str(text), *TINY, "--steps", "1", "--threads", "-1"])
 
 
 def test_resume_refuses_a_different_model(text, tmp_path):
