@@ -1,7 +1,7 @@
 """Compare baseline, conv_only and full_improved, and two design choices of gate and convolution, on one budget.
 
-    python examples/make_local_corpus.py --out /tmp/corpus.txt
-    python examples/compare_improvements.py --data /tmp/corpus.txt --seeds 0 1 --out /tmp/compare
+    python examples/compare_improvements.py --seeds 0 1 --out /tmp/compare        # the built-in corpus
+    python examples/compare_improvements.py --data /path/to/enwik8 --seeds 0 1 --out /tmp/compare
 
 Every run uses the same data, the same seed(s) (initialisation and batch order), the same model
 size and the same number of steps; only the variant changes. The runs:
@@ -37,10 +37,12 @@ import time
 from datetime import datetime, timezone
 from pathlib import Path
 
-import torch
-
+# train_enwik8 first: it sets OpenMP's waiting, which only acts before torch is imported
 from train_enwik8 import build_parser as train_parser
-from train_enwik8 import build_model, load_bytes, sample_batch, split_data, train
+from train_enwik8 import (HelpFormatter, build_model, builtin_corpus, default_corpus_cache, load_bytes, sample_batch,
+                          split_data, train)
+
+import torch  # noqa: E402
 
 # name -> (library variant, options overridden on top of the shared settings)
 RUNS = {
@@ -140,16 +142,17 @@ def format_table(rows, seeds):
 
 def build_parser():
     """Options of this script; model and optimiser options default to train_enwik8.py's."""
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--data", required=True, help="enwik8 or any file, read as bytes")
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=HelpFormatter)
+    p.add_argument("--data", default=None, help="enwik8 or any file, read as bytes (default: the built-in corpus)")
+    p.add_argument("--corpus-cache", default=None,
+                   help=f"where the built-in corpus is kept (default: {default_corpus_cache()})")
     p.add_argument("--variants", nargs="+", choices=sorted(RUNS), default=DEFAULT_RUNS, help="runs to compare")
     p.add_argument("--seeds", nargs="+", type=int, default=[0], help="every run is repeated for each seed")
     p.add_argument("--steps", type=int, default=0, help="steps per run (0: chosen from --budget-minutes)")
     p.add_argument("--budget-minutes", type=float, default=18.0, help="target wall time of all runs")
-    p.add_argument("--min-steps", type=int, default=150)
-    p.add_argument("--max-steps", type=int, default=400)
-    p.add_argument("--out", default=None, help="folder for the JSON logs and results.md")
+    p.add_argument("--min-steps", type=int, default=150, help="fewest steps per run that --budget-minutes may choose")
+    p.add_argument("--max-steps", type=int, default=400, help="most steps per run that --budget-minutes may choose")
+    p.add_argument("--out", default=None, help="folder for the JSON logs and results.md (without it: only printed)")
     p.add_argument("--set", nargs="*", default=[], metavar="OPTION=VALUE",
                    help="training options passed on to train_enwik8.py, e.g. --set dim=256 eval_batches=32")
     return p
@@ -166,7 +169,8 @@ def shared_options(args):
         extra.append(f"--{key.replace('_', '-')}")
         if value.lower() not in ("true", ""):  # bare flags (store_true) take no value
             extra.append(value)
-    base = parser.parse_args(["--data", args.data, *extra])
+    data = args.data or str(builtin_corpus(args.corpus_cache or default_corpus_cache()))
+    base = parser.parse_args(["--data", data, *extra])
     base.log, base.generate = None, 0
     return base
 

@@ -39,7 +39,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from train_enwik8 import build_parser as train_parser
-from train_enwik8 import gate_granularity_supported, options_from_pairs, train
+from train_enwik8 import HelpFormatter, default_corpus_cache, gate_granularity_supported, options_from_pairs, train
 
 # name -> options of train_enwik8.py that make the variant
 VARIANTS = {
@@ -133,7 +133,7 @@ def plot_comparison(results, names, seeds, path, title):
             ax.fill_between(steps, [min(v) for v in values], [max(v) for v in values],
                             color=line.get_color(), alpha=0.2, linewidth=0)
     ax.set_xlabel("step")
-    ax.set_ylabel("validation bits per byte")
+    ax.set_ylabel("validation bpc (bits per character, i.e. byte)")
     ax.set_title(title, fontsize=10)
     ax.grid(alpha=0.3)
     ax.legend()
@@ -155,11 +155,12 @@ def shared_options(args):
 
 
 def build_parser():
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=HelpFormatter)
     p.add_argument("--data", default=None, help="enwik8 or any file, read as bytes (default: the built-in corpus)")
-    p.add_argument("--corpus-cache", default=None, help="where the built-in corpus is kept (see train_enwik8.py)")
-    p.add_argument("--variants", nargs="+", choices=sorted(VARIANTS), default=SEED_VARIANTS)
+    p.add_argument("--corpus-cache", default=None,
+                   help=f"where the built-in corpus is kept (default: {default_corpus_cache()})")
+    p.add_argument("--variants", nargs="+", choices=sorted(VARIANTS), default=SEED_VARIANTS,
+                   help="the variants to train (the library's three, ablations and design probes; see the docstring)")
     p.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2], help="every variant is run once per seed")
     p.add_argument("--steps", type=int, default=600, help="steps per run")
     p.add_argument("--max-minutes", type=float, default=0.0, help="also stop every run after this much training time")

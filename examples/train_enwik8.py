@@ -66,13 +66,25 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 
-import torch
-import torch.nn.functional as F
-from tqdm import tqdm
+# Read once, when torch loads its OpenMP runtime, so set before the import: a thread that
+# finishes its share of a parallel region early sleeps instead of spinning (GNU OpenMP spins
+# by default). Where another process keeps a core busy, a spinning thread is charged the CPU
+# time it spins, so the scheduler lets it run only in turn with that process, and each of a
+# step's thousands of small parallel ops waits for its turn; a thread that sleeps between ops
+# is run at once when it wakes (benchmarks/bench_threads.py). The environment's own setting
+# wins. Imported after torch (tests, notebooks) it could not act, so the environment (which
+# subprocesses inherit) is left alone.
+if "torch" not in sys.modules:
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+OPENMP_SLEEPS = os.environ.get("OMP_WAIT_POLICY", "").strip().upper() == "PASSIVE"
 
-from linear_attention_transformer import AutoregressiveWrapper, LinearAttentionTransformerLM, LinearSelfAttention
-from linear_attention_transformer.autoregressive import top_k
-from linear_attention_transformer.gating import LocalConv
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from tqdm import tqdm  # noqa: E402
+
+from linear_attention_transformer import AutoregressiveWrapper, LinearAttentionTransformerLM, LinearSelfAttention  # noqa: E402
+from linear_attention_transformer.autoregressive import top_k  # noqa: E402
+from linear_attention_transformer.gating import LocalConv  # noqa: E402
 
 ENWIK8_BYTES = 100_000_000
 ENWIK8_SPLIT = (90_000_000, 5_000_000, 5_000_000)
@@ -333,6 +345,60 @@ def resolve_device(name):
     return torch.device(name)
 
 
+def usable_cores():
+    """The CPU cores this process may run on (its affinity mask; all of them where the
+    platform has no such mask)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def busy_cores(samples=10, interval=0.03, source="/proc/loadavg"):
+    """How many cores other work keeps busy now: the mean number of runnable threads besides
+    this one, from ``source``'s 'running/total' field (/proc/loadavg) sampled ``samples`` times. Off Linux,
+    the 1-minute load average. Not the load average on Linux: it lags a minute behind, and
+    right after a run of this script it still counts that run's own threads."""
+    counts = []
+    for i in range(samples):
+        try:
+            with open(source) as f:
+                counts.append(int(f.read().split()[3].split("/")[0]) - 1)  # minus the reading thread
+        except (OSError, IndexError, ValueError):
+            break
+        if i + 1 < samples:
+            time.sleep(interval)
+    if counts:
+        return sum(counts) / len(counts)
+    try:
+        return os.getloadavg()[0]
+    except (AttributeError, OSError):
+        return 0.0
+
+
+def choose_threads(requested, openmp_sleeps=None):
+    """(threads, why): ``--threads`` when given; torch's own count when OMP_NUM_THREADS is set
+    (torchrun sets it for every process it starts); else the usable cores (at most torch's
+    count, which leaves out hyper-threads' twins). Only where OpenMP's idle threads spin
+    (``openmp_sleeps`` False; default: whether OMP_WAIT_POLICY=PASSIVE was in force when torch
+    loaded) are the cores that other work keeps busy left out, at least 1 thread kept: a
+    spinning thread that shares its core makes every small op of the step wait (see the top
+    of this file), while a sleeping one does not, and gets a share of the busy core too."""
+    if requested:
+        return requested, "--threads"
+    if os.environ.get("OMP_NUM_THREADS"):
+        return torch.get_num_threads(), f"OMP_NUM_THREADS={os.environ['OMP_NUM_THREADS']}"
+    cores = usable_cores()
+    most = min(cores, torch.get_num_threads())
+    if OPENMP_SLEEPS if openmp_sleeps is None else openmp_sleeps:
+        return most, f"{cores} usable cores, idle threads sleep (OMP_WAIT_POLICY=PASSIVE); --threads N overrides"
+    busy = busy_cores()
+    machine_cores = os.cpu_count() or cores
+    free = cores - busy * cores / machine_cores  # other work spread over the machine's cores
+    return max(1, min(most, int(free + 0.5))), (f"{cores} usable cores, {busy:.1f} busy with other work, idle "
+                                                 f"threads spin; --threads N overrides")
+
+
 def generate_sample(model, prime, length, device, temperature=1.0):
     """``length`` bytes sampled after ``prime`` (top 10% of bytes, then temperature),
     decoded as UTF-8 with replacement characters for invalid sequences."""
@@ -429,7 +495,7 @@ def plot_history(history, path, title):
     ax.plot(steps, [h["train_bpc"] for h in history], marker=".", label="training (mean since the last validation)")
     ax.plot(steps, [h["val_bpc"] for h in history], marker="o", label="validation")
     ax.set_xlabel("step")
-    ax.set_ylabel("bits per byte")
+    ax.set_ylabel("bpc (bits per character, i.e. byte)")
     ax.set_title(title)
     ax.grid(alpha=0.3)
     ax.legend()
@@ -439,11 +505,38 @@ def plot_history(history, path, title):
     plt.close(fig)
 
 
+OUTPUTS = (("save", "checkpoint"), ("log", "JSON log"), ("plot", "plot"))
+
+
+def prepare_outputs(args):
+    """Before the first step: every output file's folder exists (made when missing) and is
+    writable, no output names a folder, and ``--plot``'s matplotlib imports; else SystemExit
+    naming the option, rather than an error after training that loses the run's results."""
+    for key, what in OUTPUTS:
+        path = getattr(args, key)
+        if not path:
+            continue
+        path = Path(path)
+        if path.is_dir():
+            raise SystemExit(f"--{key} {path}: a folder; name the {what} file to write")
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise SystemExit(f"--{key} {path}: cannot make its folder ({e})") from None
+        if not os.access(path.parent, os.W_OK) or path.exists() and not os.access(path, os.W_OK):
+            raise SystemExit(f"--{key} {path}: not writable")
+    if args.plot:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            raise SystemExit(f"--plot {args.plot} needs matplotlib: pip install -e \".[examples]\"") from None
+
+
 def train(args, quiet=False):
     """Train one model as ``args`` describes (see ``build_parser``); returns the run's log as a
     dict (also written to ``args.log`` when set). ``quiet`` hides the progress bar and messages."""
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    threads, threads_reason = choose_threads(args.threads)
+    torch.set_num_threads(threads)
     rank, world, device = setup_distributed(resolve_device(args.device))
     main_process = rank == 0
     split, data_rank, data_world = None, rank, world
@@ -459,6 +552,8 @@ def train(args, quiet=False):
     evaluates = main_process if split is None else data_rank == 0
     say = tqdm.write if main_process and not quiet else (lambda *a, **k: None)
 
+    if main_process:
+        prepare_outputs(args)
     data_path = args.data or builtin_corpus(args.corpus_cache or default_corpus_cache(), say=say)
     data = load_bytes(data_path)
     train_split, valid_split, test_split = split_data(data)
@@ -484,6 +579,12 @@ def train(args, quiet=False):
         data_rng.set_state(ckpt["data_rng"])
         set_random_state(ckpt["random"], device)
         progress = ckpt["progress"]
+        if progress["step"] >= args.steps:
+            raise SystemExit(f"--resume {args.resume}: the run is at step {progress['step']} already; "
+                             f"pass a larger --steps to train on")
+        outputs = ", ".join(f"{what} {getattr(args, key)}" for key, what in OUTPUTS if getattr(args, key))
+        say(f"resuming from step {progress['step']} of {args.resume}, training to step {args.steps}; "
+            f"writing {outputs or 'no files (no --save, --log or --plot)'}")
     train_model = model
     if split is not None:  # the same start everywhere (as DDP makes it): rank 0's parameters
         import torch.distributed as dist
@@ -496,11 +597,13 @@ def train(args, quiet=False):
     autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.bf16)
 
     def save(path):
+        partial = Path(f"{path}.{os.getpid()}.part")  # replaced at once: a crash never leaves half a file
         torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(),
                     "scheduler": scheduler.state_dict(), "data_rng": data_rng.get_state(),
                     "random": random_state(device), "progress": progress,
                     "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}},
-                   path)
+                   partial)
+        partial.replace(path)
 
     def show_sample(step):
         # its own seeded random state: sampling leaves the training's random state untouched
@@ -513,7 +616,7 @@ def train(args, quiet=False):
 
     say(f"data {data_path}: {data.numel():,} bytes -> train {train_split.numel():,} / "
         f"valid {valid_split.numel():,} / test {test_split.numel():,}")
-    say(f"variant {args.variant}, {n_params:,} parameters, device {device}, {torch.get_num_threads()} threads"
+    say(f"variant {args.variant}, {n_params:,} parameters, device {device}, {threads} threads ({threads_reason})"
         + (f", {world} processes" if world > 1 else "")
         + (f" ({data_world} data-parallel x {split.size} context-parallel)" if split is not None else "")
         + (", bf16 autocast" if args.bf16 else ""))
@@ -599,7 +702,8 @@ def train(args, quiet=False):
         "machine": {"platform": platform.platform(), "processor": platform.processor(),
                     "torch": torch.__version__, "device": str(device), "processes": world,
                     "context_parallel": 1 if split is None else split.size,
-                    "threads": torch.get_num_threads(), "cpu_count": os.cpu_count(),
+                    "threads": threads, "threads_reason": threads_reason, "cpu_count": os.cpu_count(),
+                    "usable_cores": usable_cores(), "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
                     "load_average_at_end": os.getloadavg()},
         "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
         "data": str(data_path),
@@ -638,18 +742,31 @@ def train(args, quiet=False):
 # ----------------------------------------------------------------------------- CLI
 
 
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows every option's default once: appended as '(default: ...)' unless the help text
+    gives it itself ('(default: ...)' in its words), the default is None (the help says what
+    happens without the option) or the option is a flag (off unless given)."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if "(default" in text or action.default is None or action.nargs == 0:
+            return text
+        return super()._get_help_string(action)
+
+
 def build_parser():
     """The command-line options (also used by compare_variants.py and compare_improvements.py)."""
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=HelpFormatter)
     d = p.add_argument_group("data")
     d.add_argument("--data", default=None,
                    help="enwik8 (raw, .gz or .zip) or any file, read as bytes (default: the built-in corpus)")
     d.add_argument("--corpus-cache", default=None,
-                   help=f"where the built-in corpus is built (default {default_corpus_cache()})")
+                   help=f"where the built-in corpus is built (default: {default_corpus_cache()})")
 
     t = p.add_argument_group("training")
-    t.add_argument("--variant", choices=sorted(VARIANTS), default="full_improved")
+    t.add_argument("--variant", choices=sorted(VARIANTS), default="full_improved",
+                   help="baseline: plain linear attention; conv_only: + local convolution on q, k, v; "
+                        "full_improved: + forget/output gates and the convolution; gate_only: the gates alone")
     t.add_argument("--steps", type=int, default=1000, help="optimizer steps")
     t.add_argument("--max-minutes", type=float, default=0.0, help="stop once training took this long (0: no limit)")
     t.add_argument("--batch-size", type=int, default=8, help="windows per micro-batch and process")
@@ -662,11 +779,16 @@ def build_parser():
     t.add_argument("--context-parallel", type=int, default=1, metavar="P",
                    help="split every window over P processes (under torchrun, N a multiple of P; 1: off)")
     t.add_argument("--device", default="auto", help="'auto' (cuda if available), 'cpu', 'cuda', ...")
-    t.add_argument("--threads", type=int, default=0, help="torch.set_num_threads (0: leave as is)")
+    t.add_argument("--threads", type=int, default=0,
+                   help="CPU threads (torch.set_num_threads). 0 chooses: the cores this process may use "
+                        "(its affinity); where OpenMP's idle threads spin (OMP_WAIT_POLICY other than PASSIVE, "
+                        "which this script sets) less those other processes keep busy, at least 1; under "
+                        "OMP_NUM_THREADS (torchrun sets it) torch's count. The choice and why are printed")
     t.add_argument("--save", default=None, help="checkpoint file, written every --save-every steps and at the end")
-    t.add_argument("--save-every", type=int, default=500, help="(0: only at the end)")
+    t.add_argument("--save-every", type=int, default=500, help="checkpoint interval in steps (0: only at the end)")
     t.add_argument("--resume", default=None,
-                   help="continue the run of this checkpoint (its options are used; --steps may grow)")
+                   help="continue the run of this checkpoint: its options and outputs (--save, --log, --plot, "
+                        "the reporting) unless given again; --steps must grow")
 
     r = p.add_argument_group("reporting")
     r.add_argument("--eval-every", type=int, default=100, help="validate every N steps (and at the end)")
@@ -682,13 +804,14 @@ def build_parser():
     r.add_argument("--plot", default=None, help="write training/validation BPC against steps here (PNG)")
 
     m = p.add_argument_group("model")
-    m.add_argument("--dim", type=int, default=128)
-    m.add_argument("--depth", type=int, default=2)
-    m.add_argument("--heads", type=int, default=4)
-    m.add_argument("--dim-head", type=int, default=None, help="head width (default dim / heads)")
+    m.add_argument("--dim", type=int, default=128, help="model width")
+    m.add_argument("--depth", type=int, default=2, help="transformer layers")
+    m.add_argument("--heads", type=int, default=4, help="attention heads per layer (linear and local)")
+    m.add_argument("--dim-head", type=int, default=None, help="head width (default: dim / heads)")
     m.add_argument("--seq-len", type=int, default=256, help="training context (also max_seq_len)")
     m.add_argument("--n-local-attn-heads", type=int, default=2, help="softmax heads in a sliding window; the rest are linear")
-    m.add_argument("--local-attn-window-size", type=int, default=64)
+    m.add_argument("--local-attn-window-size", type=int, default=64,
+                   help="window of the local softmax heads (and the axial positions' row length)")
     m.add_argument("--blindspot-size", type=int, default=1, help="1: the linear heads see every earlier token")
     m.add_argument("--pos-emb", choices=("absolute", "axial", "rotary"), default="rotary",
                    help="position information: learned absolute embedding, axial, or rotary")
@@ -698,7 +821,8 @@ def build_parser():
     m.add_argument("--gate-temperature", type=float, default=16.0, help="tau of the forget gate (gated variants)")
     m.add_argument("--gate-rank", type=int, default=16, help="rank of the forget gate's projection")
     m.add_argument("--gate-granularity", choices=("default", "feature", "head"), default="default",
-                   help="forget gate per key feature or per head (where the installed package has the option)")
+                   help="forget gate per key feature or per head (default: the library's own; the option only "
+                        "where the installed package has it)")
     m.add_argument("--gate-parts", choices=("both", "forget", "output"), default="both",
                    help="ablation: keep only the forget gate or only the output gate")
     m.add_argument("--local-conv-kernel", type=int, default=3, help="taps of the local convolution")
@@ -723,6 +847,11 @@ def options_from_pairs(pairs):
     return argv
 
 
+# the options that describe this invocation and the machine, not the run: a resumed run takes
+# these as given now (or their defaults), every other one from its checkpoint
+INVOCATION_KEYS = ("steps", "max_minutes", "resume", "device", "threads", "context_parallel", "corpus_cache")
+
+
 def trajectory_keys():
     """The options a resumed run must share with the checkpoint's: everything that decides
     the model, the data, the batches and the updates (not --steps, not the reporting)."""
@@ -744,17 +873,17 @@ def main(argv=None):
     argv = sys.argv[1:] if argv is None else list(argv)
     args = build_parser().parse_args(argv)
     if args.seq_len < 2 or args.steps < 1 or args.batch_size < 1 or args.eval_every < 1 or args.grad_accum < 1 \
-            or args.context_parallel < 1:
-        raise SystemExit("--seq-len must be >= 2 and --steps, --batch-size, --grad-accum, --eval-every, "
-                         "--context-parallel >= 1")
-    if args.resume:  # the checkpoint's options, unless given again (then they must agree)
+            or args.context_parallel < 1 or args.threads < 0:
+        raise SystemExit("--seq-len must be >= 2, --steps, --batch-size, --grad-accum, --eval-every, "
+                         "--context-parallel >= 1 and --threads >= 0 (0: chosen)")
+    if args.resume:  # the run's options and outputs from the checkpoint, unless given again
         if not Path(args.resume).is_file():
             raise SystemExit(f"--resume {args.resume}: no such checkpoint")
         saved = torch.load(args.resume, map_location="cpu", weights_only=False)["config"]
         given = explicit_options(argv)
-        for key in trajectory_keys():
-            if key not in given:
-                setattr(args, key, saved.get(key))
+        for key in vars(args):
+            if key not in given and key not in INVOCATION_KEYS and key in saved:
+                setattr(args, key, saved[key])  # a trajectory option given again must agree (train checks)
     train(args)
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         import torch.distributed as dist

@@ -60,3 +60,20 @@ def test_bench_context_parallel_counts_the_bytes_a_layer_sends(tmp_path):
         assert sent.integers == 2 * 8
     finally:
         dist.destroy_process_group()
+
+
+def test_bench_threads_reads_its_configs():
+    """bench_threads' configs: 'auto' (the default command) or a thread count, either with
+    '+spin' (torch imported before the script sets OpenMP's waiting); anything else refused."""
+    import pytest
+
+    from bench_threads import SPIN_LAUNCHER, parse_config
+
+    assert parse_config("auto") == (None, False)
+    assert parse_config("2+spin") == (2, True)
+    assert parse_config("1") == (1, False)
+    for bad in ("0", "two", "2+sleep", "auto+"):
+        with pytest.raises(SystemExit, match="--configs"):
+            parse_config(bad)
+    # the launcher imports torch before it runs the script, so the script cannot set the policy
+    assert SPIN_LAUNCHER.index("torch") < SPIN_LAUNCHER.index("run_path")

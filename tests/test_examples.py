@@ -14,14 +14,16 @@ ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples"
 sys.path.insert(0, str(EXAMPLES))
 
+import compare_improvements  # noqa: E402
 import compare_variants  # noqa: E402
 import image_attention  # noqa: E402
 import train_enwik8  # noqa: E402
 
 # a model and a budget small enough to train in about a second
+# (one thread: the default choice follows the machine's load, and tests compare runs exactly)
 TINY = ["--dim", "32", "--depth", "1", "--heads", "2", "--n-local-attn-heads", "1",
         "--local-attn-window-size", "16", "--seq-len", "32", "--batch-size", "4",
-        "--eval-batches", "2", "--generate", "0"]
+        "--eval-batches", "2", "--generate", "0", "--threads", "1"]
 
 
 @pytest.fixture(scope="module")
@@ -60,6 +62,8 @@ def test_train_script_learns_and_writes_log_plot_sample(text, tmp_path):
     assert "sample after step 20" in done.stdout and "sample after step 40" in done.stdout
     assert len(result["sample"]["generated"]) > 0
     assert png_size(plot) == (600, 400)  # figsize 6 x 4 inches at 100 dpi
+    # run as a script, it set OpenMP's waiting before torch loaded (the environment did not)
+    assert result["machine"]["omp_wait_policy"] == os.environ.get("OMP_WAIT_POLICY", "PASSIVE")
 
 
 def test_resume_continues_with_identical_losses(text, tmp_path):
@@ -107,6 +111,8 @@ def test_context_parallel_needs_torchrun(text):
         train_enwik8.main(["--data", str(text), *TINY, "--steps", "1", "--context-parallel", "2"])
     with pytest.raises(SystemExit, match="--context-parallel"):
         train_enwik8.main(["--data", str(text), *TINY, "--steps", "1", "--context-parallel", "0"])
+    with pytest.raises(SystemExit, match="--threads >= 0"):
+        train_enwik8.main(["--data", str(text), *TINY, "--steps", "1", "--threads", "-1"])
 
 
 def test_resume_refuses_a_different_model(text, tmp_path):
@@ -206,3 +212,108 @@ def test_manpage_text_keeps_the_words_and_drops_the_markup():
     troff = ('.\\" Copyright line\n.TH glob 7 2023-02-05 "Linux man-pages 6.03"\n.SH NAME\nglob \\- globbing\n'
              '.PP\nSee\n.BR glob (3)\nfor \\fBmore\\fP, \\[aq]?\\[aq] matches.\n.nr X 2\n')
     assert make_local_corpus.manpage_text(troff) == "NAME\nglob - globbing\nSee\nglob (3)\nfor more, '?' matches."
+
+
+def test_resume_keeps_the_runs_outputs_and_says_where_it_resumes(text, tmp_path, capsys):
+    """--resume without --save / --log / --plot writes the original run's files (issue 29: a
+    resumed run used to save nothing), and says from which step it resumes."""
+    import torch
+
+    ckpt, log, plot = tmp_path / "ckpt.pt", tmp_path / "run.json", tmp_path / "curve.png"
+    train_enwik8.main(["--data", str(text), *TINY, "--steps", "2", "--eval-every", "1", "--test-batches", "0",
+                       "--save", str(ckpt), "--log", str(log), "--plot", str(plot)])
+    plot.unlink()
+    capsys.readouterr()
+    train_enwik8.main(["--resume", str(ckpt), "--steps", "4"])
+    out = capsys.readouterr().out
+    assert f"resuming from step 2 of {ckpt}" in out
+    assert torch.load(ckpt, weights_only=False)["progress"]["step"] == 4
+    resumed = json.loads(log.read_text())
+    assert resumed["steps_done"] == 4 and [h["step"] for h in resumed["history"]] == [1, 2, 3, 4]
+    assert resumed["config"]["eval_every"] == 1  # the reporting too, not the default 100
+    assert png_size(plot) == (600, 400)
+    other = tmp_path / "other.json"  # an output given again replaces the stored one
+    train_enwik8.main(["--resume", str(ckpt), "--steps", "5", "--log", str(other)])
+    assert json.loads(other.read_text())["steps_done"] == 5
+    assert json.loads(log.read_text())["steps_done"] == 4
+    with pytest.raises(SystemExit, match="step 5 already"):
+        train_enwik8.main(["--resume", str(ckpt), "--steps", "5"])
+
+
+def test_outputs_are_prepared_before_the_first_step(text, tmp_path):
+    """Missing folders of --save, --log and --plot are made before training; an output that
+    cannot be written stops the run before its first step (no checkpoint was saved)."""
+    ckpt, log, plot = tmp_path / "a" / "ckpt.pt", tmp_path / "b" / "c" / "run.json", tmp_path / "d" / "curve.png"
+    train_enwik8.main(["--data", str(text), *TINY, "--steps", "1", "--test-batches", "0",
+                       "--save", str(ckpt), "--log", str(log), "--plot", str(plot)])
+    assert ckpt.is_file() and log.is_file() and png_size(plot) == (600, 400)
+    blocker = tmp_path / "file.txt"
+    blocker.write_text("a file, not a folder")
+    late = tmp_path / "late.pt"
+    for option, path in (("--log", blocker / "run.json"), ("--plot", tmp_path), ("--save", blocker / "x" / "c.pt")):
+        with pytest.raises(SystemExit, match=option):
+            train_enwik8.main(["--data", str(text), *TINY, "--steps", "1", "--test-batches", "0",
+                               "--save-every", "1", *(["--save", str(late)] if option != "--save" else []),
+                               option, str(path)])
+        assert not late.exists()  # stopped before the first step, which would have saved
+
+
+def test_default_threads_are_the_usable_cores_less_the_busy_ones_where_threads_spin(monkeypatch):
+    import torch
+
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr(train_enwik8, "usable_cores", lambda: 4)
+    monkeypatch.setattr(train_enwik8.os, "cpu_count", lambda: 4)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 4)
+    for busy, want in ((0.0, 4), (0.4, 4), (1.0, 3), (2.6, 1), (7.0, 1)):
+        monkeypatch.setattr(train_enwik8, "busy_cores", lambda: busy)
+        threads, why = train_enwik8.choose_threads(0, openmp_sleeps=False)
+        assert threads == want, (busy, threads)
+        assert "4 usable cores" in why and f"{busy:.1f} busy" in why
+        # idle threads that sleep: every usable core, whatever the load
+        assert train_enwik8.choose_threads(0, openmp_sleeps=True)[0] == 4
+    monkeypatch.setattr(train_enwik8.os, "cpu_count", lambda: 8)  # affinity: 4 of 8 cores, load spread over 8
+    monkeypatch.setattr(train_enwik8, "busy_cores", lambda: 4.0)
+    assert train_enwik8.choose_threads(0, openmp_sleeps=False)[0] == 2
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 3)  # never above torch's own count
+    monkeypatch.setattr(train_enwik8, "busy_cores", lambda: 0.0)
+    assert train_enwik8.choose_threads(0, openmp_sleeps=False)[0] == 3
+    assert train_enwik8.choose_threads(0, openmp_sleeps=True)[0] == 3
+    assert train_enwik8.choose_threads(5) == (5, "--threads")
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")  # torchrun's setting for each process it starts
+    assert train_enwik8.choose_threads(0) == (3, "OMP_NUM_THREADS=1")
+
+
+def test_busy_cores_counts_the_other_runnable_threads(tmp_path):
+    loadavg = tmp_path / "loadavg"
+    loadavg.write_text("0.52 0.58 0.59 3/467 12345\n")  # 3 running, one of them the reader
+    assert train_enwik8.busy_cores(samples=3, interval=0, source=loadavg) == 2.0
+    assert train_enwik8.busy_cores(samples=1, source=tmp_path / "missing") >= 0  # the load average instead
+
+
+def option_help(parser):
+    """{option: its help text as --help prints it} for every option but -h."""
+    formatter = parser._get_formatter()
+    return {a.option_strings[-1]: formatter._expand_help(a) for a in parser._actions
+            if a.option_strings and a.dest != "help"}
+
+
+@pytest.mark.parametrize("script", ["train_enwik8", "compare_variants", "compare_improvements", "image_attention"])
+def test_help_describes_every_option_and_shows_each_default_once(script):
+    parser = sys.modules[script].build_parser()
+    text = parser.format_help()
+    assert "(default: None)" not in text
+    for option, help_text in option_help(parser).items():
+        action = next(a for a in parser._actions if option in a.option_strings)
+        assert help_text.strip(), f"{script} {option}: no help"
+        assert help_text.count("(default") <= 1, f"{script} {option}: {help_text}"
+        if action.default not in (None, False) and action.nargs != 0:
+            assert "(default" in help_text, f"{script} {option}: the default {action.default!r} is not shown"
+
+
+def test_compare_scripts_default_to_the_built_in_corpus(tmp_path):
+    cache = tmp_path / "corpus.txt"
+    cache.write_text("a cached corpus " * 100)  # builtin_corpus reads a cache that exists
+    args = compare_improvements.build_parser().parse_args(["--corpus-cache", str(cache)])
+    assert args.data is None and compare_improvements.shared_options(args).data == str(cache)
+    assert compare_variants.build_parser().parse_args([]).data is None
