@@ -1,10 +1,18 @@
+import re
+from pathlib import Path
+
 from setuptools import find_packages, setup
+
+# the version is written once, as the package's __version__
+VERSION = re.search(r'^__version__ = "([^"]+)"$',
+                    (Path(__file__).parent / "linear_attention_transformer" / "__init__.py").read_text(encoding="utf-8"),
+                    re.M).group(1)
 
 EXAMPLES_EXTRA = ["tqdm>=4.60", "matplotlib>=3.5"]
 
 setup(
     name="linear-attention-transformer",
-    version="0.2.0",
+    version=VERSION,
     description="Linear attention transformers: exact causal linear attention, local heads, gating, cached decoding",
     long_description=open("README.md", encoding="utf-8").read(),
     long_description_content_type="text/markdown",

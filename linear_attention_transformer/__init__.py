@@ -10,10 +10,14 @@ Where things live:
     reversible.py    reversible residual composition (activations recomputed in backward)
     transformer.py   the layer stack;  lm.py  the token model
     context_parallel.py  one sequence split over processes (what the slices exchange)
-    autoregressive.py  training loss and sampling
+    autoregressive.py  training loss and sampling (autoregressive_wrapper.py: upstream's
+                     import path for the same names)
     compat.py        names the upstream packages use (Linformer, LinformerLM, LinearImageAttention);
-                     seed_names.py is its former name, kept as an alias
+                     seed_names.py is its former name, deprecated (importing it warns)
 """
+
+# the one place the version is written: setup.py reads it from here
+__version__ = "0.2.0"
 
 from .attention import Attention, LinearSelfAttention
 from .autopadder import Autopadder

@@ -1,6 +1,11 @@
-"""compat.py: the upstream packages' names, and seed_names, its former module name, still importing."""
+"""compat.py: the upstream packages' names; seed_names, its former module name, still importing
+(with a DeprecationWarning); upstream's autoregressive_wrapper import path; __version__."""
 
 import importlib
+import re
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -10,18 +15,37 @@ import linear_attention_transformer
 from linear_attention_transformer import compat
 
 
+def _import_seed_names():
+    """A fresh import of the deprecated module (the warning fires when the module first runs)."""
+    sys.modules.pop("linear_attention_transformer.seed_names", None)
+    with pytest.warns(DeprecationWarning, match=r"linear_attention_transformer\.compat") as record:
+        module = importlib.import_module("linear_attention_transformer.seed_names")
+    return module, record
+
+
+def test_importing_seed_names_warns_naming_compat():
+    sys.modules.pop("linear_attention_transformer.seed_names", None)
+    with pytest.warns(DeprecationWarning, match=r"linear_attention_transformer\.compat") as record:
+        from linear_attention_transformer.seed_names import Linformer  # noqa: F401
+    (warning,) = [w for w in record if issubclass(w.category, DeprecationWarning)]
+    assert "seed_names is deprecated" in str(warning.message)
+    assert warning.filename == __file__  # points at the import statement, not inside the package
+
+
 def test_old_module_gives_the_same_objects():
-    old = importlib.import_module("linear_attention_transformer.seed_names")
+    old, _ = _import_seed_names()
     for name in ("Linformer", "LinformerLM", "LinearImageAttention"):
         assert getattr(old, name) is getattr(compat, name)
         assert getattr(linear_attention_transformer, name) is getattr(compat, name)
-    from linear_attention_transformer.seed_names import Linformer, LinformerLM  # the import users wrote
+    sys.modules.pop("linear_attention_transformer.seed_names", None)
+    with pytest.warns(DeprecationWarning):
+        from linear_attention_transformer.seed_names import Linformer, LinformerLM  # the import users wrote
 
     assert Linformer is compat.Linformer and LinformerLM is compat.LinformerLM
 
 
 def test_old_module_lists_the_same_public_names():
-    old = importlib.import_module("linear_attention_transformer.seed_names")
+    old, _ = _import_seed_names()
     assert sorted(old.__all__) == sorted(compat.__all__)
 
 
@@ -63,3 +87,19 @@ def test_dropout_sets_both_rates_and_refuses_a_second_rate():
         compat.Linformer(32, 64, 1, k=16, heads=4, dropout=0.1, attn_dropout=0.2)
     with pytest.raises(ValueError, match="dropout"):
         compat.Linformer(32, 64, 1, k=16, heads=4, dropout=1.5)
+
+
+def test_upstream_autoregressive_wrapper_import_path_gives_the_same_objects():
+    from linear_attention_transformer import autoregressive
+    from linear_attention_transformer.autoregressive_wrapper import AutoregressiveWrapper, top_k, top_p
+
+    assert AutoregressiveWrapper is autoregressive.AutoregressiveWrapper is linear_attention_transformer.AutoregressiveWrapper
+    assert top_k is autoregressive.top_k and top_p is autoregressive.top_p
+
+
+def test_version_agrees_with_setup_py():
+    root = Path(linear_attention_transformer.__file__).parent.parent
+    assert re.fullmatch(r"\d+\.\d+\.\d+", linear_attention_transformer.__version__)
+    result = subprocess.run([sys.executable, "setup.py", "--version"], cwd=root, capture_output=True, text=True,
+                            check=True)
+    assert result.stdout.strip().splitlines()[-1] == linear_attention_transformer.__version__
