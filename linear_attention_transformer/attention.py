@@ -30,9 +30,14 @@ from .ops import (
     linear_attention_readout,
     linear_attention_summary,
 )
+from .ops.causal.forms import CHUNK_SIZE
 from .ops.segments import aligned_layout, check_segment_ids, from_layout, segment_runs, to_layout
 from .ops.windowed_attention import Window, windowed_attention, windowed_attention_by_position, windowed_attention_last
 from .positional import apply_rotary
+
+# the default width of a local head's window; the model also strides attend_axially by it and
+# shapes its axial position table with it
+LOCAL_WINDOW_SIZE = 128
 
 
 def resolve_heads(dim, heads, dim_head=None, kv_heads=None, one_kv_head=False):
@@ -81,8 +86,8 @@ class Attention(nn.Module):
         heads: number of query heads. dim_head: size of each (default dim // heads).
         causal: each position attends only to itself and the past.
         n_local_attn_heads: how many of the heads are local windowed softmax heads.
-        local_attn_window_size: w (default 128); a local head sees its window of w tokens and the
-            one before. Refused without local heads.
+        local_attn_window_size: w (default 128, ``LOCAL_WINDOW_SIZE``); a local head sees its
+            window of w tokens and the one before. Refused without local heads.
         local_attn_look_backward: windows before its own a local head sees (default 1).
         local_attn_look_forward: windows after its own (default 1, or 0 when causal; > 0 is
             refused when causal).
@@ -98,7 +103,8 @@ class Attention(nn.Module):
         dropout: dropout on the layer output.
         receives_context: keys and values come from ``context`` (cross-attention); all
             heads are then global and non-causal with respect to the context.
-        chunk_size: chunk length of the causal linear attention kernel (default 64); causal only.
+        chunk_size: chunk length of the causal linear attention kernel (default 64,
+            ``ops.causal.forms.CHUNK_SIZE``); causal only.
         use_gate: the sigmoid gating (``gating.py``): a forget gate per global head
             (rank ``gate_rank`` = 16, exponent 1 / ``gate_temperature``, 16) decays the causal
             state, or gates each key without a causal order; and a sigmoid output gate on
@@ -146,7 +152,7 @@ class Attention(nn.Module):
             raise ValueError("a layer with receives_context=True has no local heads (n_local_attn_heads must be 0)")
         if local_attn_window_size is not None and not n_local_attn_heads:
             raise ValueError("local_attn_window_size is a setting of local heads, and n_local_attn_heads is 0")
-        local_attn_window_size = 128 if local_attn_window_size is None else local_attn_window_size
+        local_attn_window_size = LOCAL_WINDOW_SIZE if local_attn_window_size is None else local_attn_window_size
         if n_local_attn_heads and (isinstance(local_attn_window_size, bool) or not isinstance(local_attn_window_size, int)
                                    or local_attn_window_size < 1):
             raise ValueError(f"local_attn_window_size must be a positive int, got {local_attn_window_size!r}")
@@ -155,7 +161,7 @@ class Attention(nn.Module):
             if value is not None and not (causal and not receives_context):
                 raise ValueError(f"{name} applies to causal self-attention; this layer is not causal")
         blindspot_size = 1 if blindspot_size is None else blindspot_size
-        chunk_size = 64 if chunk_size is None else chunk_size
+        chunk_size = CHUNK_SIZE if chunk_size is None else chunk_size
         if not isinstance(blindspot_size, int) or blindspot_size < 1:
             raise ValueError(f"blindspot_size must be a positive int, got {blindspot_size!r}")
 
@@ -179,28 +185,29 @@ class Attention(nn.Module):
         n_global = heads - n_local_attn_heads
         if not isinstance(use_gate, bool) or not isinstance(use_local_conv, bool):
             raise ValueError("use_gate and use_local_conv must be True or False")
+        # the settings given, under the names of the modules that default and check them
+        gate_settings = _given(rank=gate_rank, temperature=gate_temperature, granularity=gate_granularity)
+        conv_settings = _given(kernel_size=local_conv_kernel)
         # a setting without its switch would be silently ignored: refuse it instead
-        if not use_gate and (gate_rank is not None or gate_temperature is not None or gate_granularity is not None):
+        if not use_gate and gate_settings:
             raise ValueError("gate_rank / gate_temperature / gate_granularity are settings of use_gate=True")
-        if not use_local_conv and local_conv_kernel is not None:
+        if not use_local_conv and conv_settings:
             raise ValueError("local_conv_kernel is a setting of use_local_conv=True")
-        gate_rank = 16 if gate_rank is None else gate_rank
-        gate_temperature = 16.0 if gate_temperature is None else gate_temperature
-        gate_granularity = "head" if gate_granularity is None else gate_granularity
-        local_conv_kernel = 3 if local_conv_kernel is None else local_conv_kernel
         self.forget_gate = self.output_gate = self.local_conv = None
         if use_gate:
             if n_global:
-                self.forget_gate = ForgetGate(dim, n_global, dim_head, gate_rank, gate_temperature, gate_granularity)
+                self.forget_gate = ForgetGate(dim, n_global, dim_head, **gate_settings)
+            else:  # still check the settings: they must not be accepted silently
+                ForgetGate(1, 1, 1, **gate_settings)
             self.output_gate = OutputGate(dim, heads * dim_head)
         if use_local_conv and receives_context:
             raise ValueError("use_local_conv applies to self-attention; a cross-attention layer has no sequence to convolve along")
         if use_local_conv and n_global:
             self.local_conv = nn.ModuleList(
-                [LocalConv(n_global * dim_head, local_conv_kernel, self.causal) for _ in ("q", "k", "v")]
+                [LocalConv(n_global * dim_head, causal=self.causal, **conv_settings) for _ in ("q", "k", "v")]
             )
         elif use_local_conv:  # still check the argument: it must not be accepted silently
-            LocalConv(1, local_conv_kernel, self.causal)
+            LocalConv(1, causal=self.causal, **conv_settings)
 
     # ------------------------------------------------------------------ pieces
 
@@ -351,9 +358,15 @@ class Attention(nn.Module):
         output is this rank's slice of the whole sequence's output (``input_mask`` and
         ``rotary`` are the slice's too). Local heads need slice lengths a multiple of the
         window (and at least the windows they look at), blindspot a multiple of
-        ``blindspot_size``; segment_ids, a cache and cross-attention raise ValueError. None: off."""
-        if x.ndim != 3 or x.shape[-1] != self.dim:
-            raise ValueError(f"x must have shape (batch, seq_len, {self.dim}), got {tuple(x.shape)}")
+        ``blindspot_size``; segment_ids, a cache and cross-attention raise ValueError. None: off.
+
+        A self-attention layer refuses ``context`` / ``context_mask``; a cross-attention layer
+        refuses ``input_mask`` (it marks which of x's tokens are keys, and its keys come from
+        the context: mask them with ``context_mask``) and ``rotary`` (queries and context keys
+        share no positions)."""
+        if x.ndim != 3 or x.shape[-1] != self.dim or x.shape[1] < 1:
+            raise ValueError(f"x must have shape (batch, seq_len >= 1, {self.dim}), got {tuple(x.shape)}")
+        self._check_routes(input_mask, context, context_mask, rotary)
         check_mask(input_mask, x, "input_mask")
         if context_parallel is not None:
             self.check_context_parallel(x.shape[1], segment_ids, cache, return_cache)
@@ -372,6 +385,18 @@ class Attention(nn.Module):
         if self.receives_context:
             return self._cross_attention(x, context, context_mask, cache, return_cache)
         return self._self_attention(x, input_mask, rotary, cache, return_cache)
+
+    def _check_routes(self, input_mask, context, context_mask, rotary):
+        """Refuse the forward arguments this kind of layer would not read (never ignore one)."""
+        if self.receives_context:
+            for name, value in (("input_mask", input_mask), ("rotary", rotary)):
+                if value is not None:
+                    raise ValueError(f"{name} is not read by a cross-attention layer (receives_context=True): its keys "
+                                     "come from the context (mask them with context_mask), with no positions shared "
+                                     "with the queries")
+        elif context is not None or context_mask is not None:
+            raise ValueError("context / context_mask given to a self-attention layer: build it with "
+                             "receives_context=True to attend to a context")
 
     def _packed(self, x, mask, rotary, runs):
         """Self-attention over packed segments (run index ``runs``). Blindspot blocks must
@@ -511,6 +536,11 @@ def _local_window(size, look_backward, look_forward, exact, causal):
         raise ValueError("local_attn_exact_windowsize needs local_attn_look_backward >= 1 (it sees look_backward * w keys)")
     look_forward = (0 if causal else 1) if look_forward is None else look_forward
     return Window(size, look_backward, look_forward, causal, exact)
+
+
+def _given(**settings):
+    """The settings that are not None: the others keep the defaults of the module they go to."""
+    return {name: value for name, value in settings.items() if value is not None}
 
 
 def _mask_or_ones(mask, t):

@@ -49,11 +49,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from .context_parallel import ContextParallel
+from .lm import check_token_ids
 from .ops.segments import check_segment_ids
 
 __all__ = ["top_k", "top_p", "linear_cross_entropy", "AutoregressiveWrapper"]
 
 _INTEGER_DTYPES = (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64)
+# the filters' default threshold, and generate's
+FILTER_THRES = 0.9
 
 
 # ------------------------------------------------------------------------ validation
@@ -106,7 +109,7 @@ def _check_mask(mask, shape, name="input_mask"):
 # --------------------------------------------------------------------------- filters
 
 
-def top_k(logits, thres=0.9):
+def top_k(logits, thres=FILTER_THRES):
     """Keep the k largest logits, set the others to -inf.
 
     k = ceil((1 - thres) * num_tokens), at least 1: ``thres=0.9`` keeps the top 10 %.
@@ -123,15 +126,54 @@ def top_k(logits, thres=0.9):
     """
     _check_logits(logits)
     _check_thres(thres)
-    num_tokens = logits.shape[-1]
-    k = math.ceil(round((1.0 - thres) * num_tokens, 9))
-    k = min(max(k, 1), num_tokens)
+    return _keep_largest(logits, math.ceil(round((1.0 - thres) * logits.shape[-1], 9)))
+
+
+def _keep_largest(logits, k):
+    """The k (clamped to [1, num_tokens]) largest logits kept, the others set to -inf."""
+    k = min(max(k, 1), logits.shape[-1])
     values, indices = logits.topk(k, dim=-1)
     out = torch.full_like(logits, float("-inf"))
     return out.scatter(-1, indices, values)
 
 
-def top_p(logits, thres=0.9):
+def _sampling_filter(filter_logits_fn, filter_thres, k, p):
+    """The filter ``generate`` applies to the logits before sampling: f(logits) -> logits, or None.
+
+    ``k`` and ``p`` are generate's ``top_k`` (a count of tokens) and ``top_p`` (a probability
+    mass), the keywords other libraries take; given, they replace ``filter_logits_fn`` /
+    ``filter_thres``, which must then keep their defaults (a filter given both ways is refused).
+    Both given: the k most likely tokens, then the nucleus of p among them."""
+    if k is None and p is None:
+        if filter_logits_fn is not None and not callable(filter_logits_fn):
+            raise TypeError(f"filter_logits_fn must be callable or None, got {filter_logits_fn!r}")
+        _check_thres(filter_thres, "filter_thres")
+        if filter_logits_fn is None:
+            return None
+        return lambda logits: filter_logits_fn(logits, thres=filter_thres)
+    if filter_logits_fn is not top_k or filter_thres != FILTER_THRES:
+        raise ValueError("top_k / top_p and filter_logits_fn / filter_thres are two ways to give the sampling "
+                         "filter: give one of them")
+    if k is not None and (isinstance(k, bool) or not isinstance(k, Integral)):
+        raise TypeError(f"top_k must be an int (how many of the most likely tokens to keep), got {k!r}")
+    if k is not None and k < 1:
+        raise ValueError(f"top_k must be >= 1 (None keeps every token), got {k}")
+    if p is not None and (isinstance(p, bool) or not isinstance(p, Real)):
+        raise TypeError(f"top_p must be a real number in (0, 1], got {p!r}")
+    if p is not None and not 0.0 < p <= 1.0:
+        raise ValueError(f"top_p must lie in (0, 1] (1 keeps every token), got {p}")
+
+    def keep_top_k_top_p(logits):
+        if k is not None:
+            logits = _keep_largest(logits, int(k))
+        if p is not None and p < 1.0:
+            logits = top_p(logits, thres=p)
+        return logits
+
+    return keep_top_k_top_p
+
+
+def top_p(logits, thres=FILTER_THRES):
     """Nucleus filter: keep the smallest set of most likely tokens whose probability
     mass reaches ``thres``, set the others to -inf.
 
@@ -275,6 +317,17 @@ class _LinearCrossEntropy(torch.autograd.Function):
         scale = grad_loss / count
         grads = [None if g is None else g * scale.to(g.dtype) for g in (grad_h, grad_w, grad_b)]
         return (*grads, None, None, None, None, None)
+
+
+def _lengths(tokens, eos_token):
+    """Each row's length in ``generate``'s output (..., steps): its tokens up to and including
+    its first ``eos_token`` (the later ones are padding), all of them if it has none."""
+    steps = tokens.shape[-1]
+    if eos_token is None:
+        return torch.full(tokens.shape[:-1], steps, dtype=torch.long, device=tokens.device)
+    is_eos = tokens == eos_token
+    first = is_eos.long().argmax(dim=-1)  # the first maximum: the first eos, when there is one
+    return torch.where(is_eos.any(dim=-1), first + 1, torch.full_like(first, steps))
 
 
 # --------------------------------------------------------------------------- wrapper
@@ -488,7 +541,8 @@ class AutoregressiveWrapper(nn.Module):
         return callable(getattr(self.net, "start_decoding", None))
 
     def generate(self, start_tokens, seq_len, eos_token=None, temperature=1.0,
-                 filter_logits_fn=top_k, filter_thres=0.9, use_cache=None, compile_step=False, **kwargs):
+                 filter_logits_fn=top_k, filter_thres=FILTER_THRES, use_cache=None, compile_step=False,
+                 top_k=None, top_p=None, return_lengths=False, **kwargs):
         """Sample ``seq_len`` tokens that continue ``start_tokens``.
 
         Each step feeds the net the last ``net.max_seq_len`` tokens of the running
@@ -510,6 +564,16 @@ class AutoregressiveWrapper(nn.Module):
                 filtered logits, e.g. ``top_k`` or ``top_p``; None samples from the full
                 distribution.
             filter_thres: float in [0, 1), passed to ``filter_logits_fn``.
+            top_k, top_p: the filter as other libraries take it, instead of
+                ``filter_logits_fn`` / ``filter_thres`` (which must then keep their defaults:
+                a filter given both ways raises ValueError). ``top_k``: an int >= 1, sample
+                among the k most likely tokens; ``top_p``: a float in (0, 1], sample from the
+                smallest set of most likely tokens holding that probability (1: no filter).
+                Both: the nucleus among the k most likely.
+            return_lengths: also return each row's length: the number of its generated
+                tokens up to and including its first ``eos_token`` (all of them if it has
+                none), so that ``pad_value`` after it, itself a valid token id, can be told
+                from a sampled token.
             use_cache: None uses the net's incremental cache when the net declares
                 ``supports_cache = True`` and recomputes every step otherwise; True
                 requires the cache (ValueError if the net lacks it); False always
@@ -541,7 +605,8 @@ class AutoregressiveWrapper(nn.Module):
         Returns:
             (b, steps) generated tokens only, in the dtype of ``start_tokens``, or
             (steps,) for a 1-D prompt. steps == seq_len unless every row reached
-            ``eos_token`` earlier.
+            ``eos_token`` earlier. With ``return_lengths``: (tokens, lengths), lengths (b,)
+            int64 (a 0-d tensor for a 1-D prompt); ``tokens[i, :lengths[i]]`` is row i's text.
 
         The net is put in eval mode while generating; the training flag of every one
         of its modules is restored afterwards, also when an error is raised. Generation runs
@@ -552,17 +617,25 @@ class AutoregressiveWrapper(nn.Module):
         # inference mode: ~20 % less overhead per decoding step than no_grad (measured); the
         # result is cloned outside it so that callers may feed it to a model they train
         with torch.inference_mode():
-            out = self._generate(start_tokens, seq_len, eos_token, temperature, filter_logits_fn, filter_thres,
-                                 use_cache, compile_step, **kwargs)
+            sample_filter = _sampling_filter(filter_logits_fn, filter_thres, top_k, top_p)
+            if not isinstance(return_lengths, bool):
+                raise TypeError(f"return_lengths must be True or False, got {return_lengths!r}")
+            out = self._generate(start_tokens, seq_len, eos_token, temperature, sample_filter, use_cache,
+                                 compile_step, **kwargs)
+            if return_lengths:
+                return out.clone(), _lengths(out, eos_token)
         return out.clone()
 
-    def _generate(self, start_tokens, seq_len, eos_token=None, temperature=1.0,
-                  filter_logits_fn=top_k, filter_thres=0.9, use_cache=None, compile_step=False, **kwargs):
-        """``generate`` without the inference-mode wrapper."""
+    def _generate(self, start_tokens, seq_len, eos_token, temperature, sample_filter, use_cache, compile_step,
+                  **kwargs):
+        """``generate`` without the inference-mode wrapper; ``sample_filter`` from ``_sampling_filter``."""
         _check_tokens(start_tokens, "start_tokens")
         if start_tokens.ndim not in (1, 2) or start_tokens.shape[-1] < 1:
             raise ValueError(f"start_tokens must have shape (n,) or (batch, n) with n >= 1, "
                              f"got {tuple(start_tokens.shape)}")
+        num_tokens = getattr(self.net, "num_tokens", None)
+        if isinstance(num_tokens, Integral):
+            check_token_ids(start_tokens, num_tokens, "start_tokens")
         if isinstance(seq_len, bool) or not isinstance(seq_len, Integral):
             raise TypeError(f"seq_len must be an int, got {seq_len!r}")
         if seq_len < 1:
@@ -571,9 +644,6 @@ class AutoregressiveWrapper(nn.Module):
             raise TypeError(f"temperature must be a real number, got {temperature!r}")
         if not temperature >= 0:  # also rejects NaN
             raise ValueError(f"temperature must be >= 0 (0 for greedy), got {temperature}")
-        if filter_logits_fn is not None and not callable(filter_logits_fn):
-            raise TypeError(f"filter_logits_fn must be callable or None, got {filter_logits_fn!r}")
-        _check_thres(filter_thres, "filter_thres")
         if eos_token is not None and (isinstance(eos_token, bool) or not isinstance(eos_token, Integral)):
             raise TypeError(f"eos_token must be an int or None, got {eos_token!r}")
         if use_cache is not None and not isinstance(use_cache, bool):
@@ -630,8 +700,8 @@ class AutoregressiveWrapper(nn.Module):
                 if temperature == 0:
                     token = logits.argmax(dim=-1)
                 else:
-                    if filter_logits_fn is not None:
-                        logits = filter_logits_fn(logits, thres=filter_thres)
+                    if sample_filter is not None:
+                        logits = sample_filter(logits)
                     probs = F.softmax(logits / temperature, dim=-1)
                     token = torch.multinomial(probs, 1).squeeze(-1)
                 token = token.to(dtype)

@@ -12,7 +12,7 @@ from __future__ import annotations
 from .images import ImageLinearAttention
 from .linformer import LinformerSettings
 from .lm import LinearAttentionTransformerLM
-from .transformer import LinearAttentionTransformer
+from .transformer import LinearAttentionTransformer, refuse_unknown_keywords
 
 __all__ = ["LinearImageAttention", "Linformer", "LinformerLM"]
 
@@ -43,6 +43,7 @@ def Linformer(dim, seq_len, depth, k=256, heads=8, dim_head=None, one_kv_head=Fa
     ``LinearAttentionTransformer`` keyword.
     Shapes: x (b, n, dim), n <= seq_len -> (b, n, dim).
     """
+    refuse_unknown_keywords("Linformer", options, LinearAttentionTransformer.option_names())
     settings, options = _linformer_options(k, one_kv_head, share_kv, dropout, options)
     return LinearAttentionTransformer(
         dim, depth, seq_len, heads=heads, dim_head=dim_head, reversible=reversible,
@@ -60,6 +61,7 @@ def LinformerLM(num_tokens, dim, seq_len, depth, k=256, heads=8, dim_head=None, 
     ``LinearAttentionTransformerLM`` keyword.
     Shapes: tokens (b, n), n <= seq_len -> logits (b, n, num_tokens).
     """
+    refuse_unknown_keywords("LinformerLM", options, LinearAttentionTransformerLM.option_names())
     settings, options = _linformer_options(k, one_kv_head, share_kv, dropout, options)
     options.setdefault("use_axial_pos_emb", False)
     return LinearAttentionTransformerLM(

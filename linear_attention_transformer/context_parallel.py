@@ -55,6 +55,7 @@ import torch
 import torch.nn.functional as F
 
 from .ops import CausalState, causal_linear_attention, linear_attention_readout
+from .ops.causal.forms import CHUNK_SIZE
 from .ops.causal.scan import Summary, scan, summarize
 from .ops.common import _append_ones, _apply_key_mask, _compute_dtype
 
@@ -310,7 +311,7 @@ def state_before(summaries: Summary, rank: int, start: int = 0, blindspot_size: 
 
 
 def context_parallel_causal_linear_attention(q, k, v, place: ContextParallel, log_decay=None, mask=None,
-                                             chunk_size=64, exp_features=False, blindspot_size=1):
+                                             chunk_size=CHUNK_SIZE, exp_features=False, blindspot_size=1):
     """``causal_linear_attention`` on this rank's slice of a sequence split over
     ``place.group``: equal to the whole sequence's output at the slice's positions.
 

@@ -49,7 +49,7 @@ class FeedForward(nn.Module):
             h = self.activation(h)
         return self.proj_out(self.dropout(h))
 
-    def forward(self, x, **kwargs):
+    def forward(self, x):
         if self.chunks == 1 or x.shape[1] <= 1:
             return self._forward(x)
         return torch.cat([self._forward(part) for part in x.chunk(self.chunks, dim=1)], dim=1)

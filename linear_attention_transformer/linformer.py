@@ -272,6 +272,9 @@ class LinformerSelfAttention(nn.Module):
             kv_input, kv_mask = x, input_mask
         else:
             _check_features("context", context, self.dim)
+            if input_mask is not None:  # it would mark which of x's tokens are keys: here none are
+                raise ValueError("input_mask is not read with a context: the keys come from the context "
+                                 "(mask them with context_mask)")
             if context.shape[0] != b:
                 raise ValueError(f"context has batch size {context.shape[0]}, x has {b}")
             if context.shape[1] > self.seq_len:

@@ -5,11 +5,20 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .attention import check_mask
+from .attention import LOCAL_WINDOW_SIZE, check_mask
 from .decoding import start_decoding
 from .ops.segments import check_segment_ids, positions_in_segment, segment_runs
 from .positional import AbsolutePositionalEmbedding, AxialPositionalEmbedding
-from .transformer import LinearAttentionTransformer
+from .transformer import LinearAttentionTransformer, _parameters, refuse_unknown_keywords
+
+
+def check_token_ids(tokens, num_tokens, name):
+    """ValueError naming ``name`` unless every id lies in [0, num_tokens): one min/max reduction
+    and one host sync, instead of the embedding's IndexError about its own index."""
+    low, high = (int(t) for t in torch.aminmax(tokens))
+    if low < 0 or high >= num_tokens:
+        raise ValueError(f"{name} holds token ids from {low} to {high}; valid ids are 0 to {num_tokens - 1} "
+                         f"(num_tokens={num_tokens})")
 
 
 class LinearAttentionTransformerLM(nn.Module):
@@ -58,6 +67,7 @@ class LinearAttentionTransformerLM(nn.Module):
         **kwargs,
     ):
         super().__init__()
+        refuse_unknown_keywords(type(self).__name__, kwargs, self.option_names())
         if not isinstance(num_tokens, int) or num_tokens < 1:
             raise ValueError(f"num_tokens must be a positive int, got {num_tokens!r}")
         emb_dim = dim if emb_dim is None else emb_dim
@@ -87,7 +97,7 @@ class LinearAttentionTransformerLM(nn.Module):
         if use_rotary_emb:
             self.pos_emb = None
         elif axial:
-            self.pos_emb = AxialPositionalEmbedding(emb_dim, max_seq_len, 128 if window is None else window)
+            self.pos_emb = AxialPositionalEmbedding(emb_dim, max_seq_len, LOCAL_WINDOW_SIZE if window is None else window)
         else:
             self.pos_emb = AbsolutePositionalEmbedding(emb_dim, max_seq_len)
         self.project_in = nn.Linear(emb_dim, dim) if emb_dim != dim else nn.Identity()
@@ -102,6 +112,11 @@ class LinearAttentionTransformerLM(nn.Module):
             self.to_logits = nn.Linear(emb_dim, num_tokens)
             if tie_embedding:  # one Parameter in two modules: state_dict round trips keep it shared
                 self.to_logits.weight = self.token_emb.weight
+
+    @classmethod
+    def option_names(cls):
+        """Every keyword the constructor accepts: its own and ``LinearAttentionTransformer``'s."""
+        return _parameters(cls) | LinearAttentionTransformer.option_names()
 
     @property
     def supports_cache(self):
@@ -153,16 +168,16 @@ class LinearAttentionTransformerLM(nn.Module):
               context_parallel=None):
         if not torch.is_tensor(x) or x.dtype.is_floating_point or x.dtype.is_complex or x.dtype == torch.bool:
             raise TypeError(f"x must be a tensor of integer token ids, got {getattr(x, 'dtype', type(x))}")
-        if x.ndim != 2:
-            raise ValueError(f"x must have shape (batch, seq_len), got {tuple(x.shape)}")
+        if x.ndim != 2 or x.shape[1] < 1:
+            raise ValueError(f"x must have shape (batch, seq_len) with at least one token, got {tuple(x.shape)}")
         if context_parallel is not None:
             check_mask(input_mask, x[..., None], "input_mask")
             place = self.transformer.context_parallel_place(context_parallel, x, segment_ids, cache, return_cache)
             positions = torch.arange(place.start, place.start + x.shape[1], device=x.device)
-            h = self.token_emb(x)
+            h = self._embed(x)
             if self.pos_emb is not None:
                 h = h + self.pos_emb(positions).to(h.dtype)
-            return self.transformer(self.project_in(h), input_mask=input_mask, positions=positions,
+            return self.transformer(self.project_in(h), input_mask=input_mask, positions=self._rotary(positions),
                                     context_parallel=place)
         start = 0 if cache is None else cache.position
         n = x.shape[1]
@@ -173,14 +188,28 @@ class LinearAttentionTransformerLM(nn.Module):
             check_segment_ids(segment_ids, x.shape)
             segment_ids = segment_runs(segment_ids)
             positions = positions_in_segment(segment_ids)
-        h = self.token_emb(x)
+        h = self._embed(x)
         if self.pos_emb is not None:
             h = h + self.pos_emb(positions).to(h.dtype)
         h = self.project_in(h)
         return self.transformer(
-            h, input_mask=input_mask, context=context, context_mask=context_mask, positions=positions,
+            h, input_mask=input_mask, context=context, context_mask=context_mask, positions=self._rotary(positions),
             cache=cache, return_cache=return_cache, segment_ids=segment_ids,
         )
+
+    def _embed(self, x):
+        """The token embedding. Ids outside the vocabulary raise ValueError naming x and the
+        valid range; they are looked for only once the embedding has failed, so valid ids cost
+        no reduction and no host sync (on a GPU the embedding's device-side assert fires first)."""
+        try:
+            return self.token_emb(x)
+        except IndexError:
+            check_token_ids(x, self.num_tokens, "x")
+            raise
+
+    def _rotary(self, positions):
+        """The positions the transformer takes: those of its rotary embedding, if it has one."""
+        return None if self.transformer.rotary is None else positions
 
     def _output(self, out):
         out = self.norm(out)

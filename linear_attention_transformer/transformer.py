@@ -8,6 +8,7 @@ its input first and may shift tokens (``token_shift.py``).
 
 from __future__ import annotations
 
+import difflib
 import inspect
 from typing import Optional
 
@@ -16,7 +17,7 @@ from einops import rearrange
 from product_key_memory import PKM
 from torch import nn
 
-from .attention import Attention, _pad_to_multiple, check_mask, resolve_heads
+from .attention import LOCAL_WINDOW_SIZE, Attention, _pad_to_multiple, check_mask, resolve_heads
 from .cache import AxialCache, BranchCache, DecodingCache, map_tensors, zip_tensors
 from .context_parallel import ContextParallel, exchange_boundaries
 from .feedforward import FeedForward
@@ -92,9 +93,11 @@ class FoldAxially(nn.Module):
 
     def __init__(self, width, attn):
         super().__init__()
+        if isinstance(width, bool) or not isinstance(width, int) or width < 1:
+            raise ValueError(f"local_attn_window_size (the stride of attend_axially) must be a positive int, got {width!r}")
         self.width, self.attn = width, attn
 
-    def forward(self, x, input_mask=None, cache=None, return_cache=False, **kwargs):
+    def forward(self, x, input_mask=None, cache=None, return_cache=False):
         if return_cache:
             return self._forward_cached(x, input_mask, cache)
         b, n, _ = x.shape
@@ -156,7 +159,7 @@ class ProductKeyMemory(nn.Module):
             raise ValueError(f"pkm_num_keys must be a positive int, got {num_keys!r}")
         self.pkm = PKM(dim, num_keys=num_keys, topk=min(32, num_keys))
 
-    def forward(self, x, **kwargs):
+    def forward(self, x):
         return self.pkm(x)
 
 
@@ -184,6 +187,21 @@ _SEQUENCE_OPTIONS = _LOCAL_OPTIONS | {"chunk_size", "use_local_conv", "local_con
 _SET_BY_MODEL = frozenset({"dim", "heads", "dim_head", "causal", "receives_context", "local_attn_window_size", "dropout"})
 
 
+def refuse_unknown_keywords(owner, given, known):
+    """TypeError naming the class the user called and each keyword of ``given`` not in ``known``,
+    with the closest valid name as a suggestion."""
+    unknown = [name for name in given if name not in known]
+    if not unknown:
+        return
+
+    def described(name):
+        close = difflib.get_close_matches(name, sorted(known), n=1)
+        return repr(name) + (f" (did you mean {close[0]!r}?)" if close else "")
+
+    what = "an unexpected keyword argument" if len(unknown) == 1 else "unexpected keyword arguments:"
+    raise TypeError(f"{owner} got {what} {', '.join(map(described, unknown))}")
+
+
 class _AttentionOptions:
     """The attention keywords a model was given. Each layer kind takes those it honours (its
     constructor's own keywords, so no list is written twice); what no layer took is refused."""
@@ -198,12 +216,13 @@ class _AttentionOptions:
         self.kinds.append(kind)
         return taken
 
+    @staticmethod
+    def names():
+        """Every attention option some layer kind takes."""
+        return (_parameters(Attention) | _parameters(linformer_layers)) - _SET_BY_MODEL
+
     def check_all_taken(self):
         left = [name for name in self.given if name not in self.taken]
-        known = (_parameters(Attention) | _parameters(linformer_layers)) - _SET_BY_MODEL
-        unknown = [name for name in left if name not in known]
-        if unknown:
-            raise TypeError(f"LinearAttentionTransformer got unexpected keyword arguments: {', '.join(unknown)}")
         if left:
             raise ValueError(
                 f"{', '.join(left)}: no layer of this model can honour these options; its attention layers are "
@@ -220,7 +239,7 @@ class LinearAttentionTransformer(nn.Module):
         heads, dim_head: heads of every attention layer and their size (default dim // heads).
         causal: each position sees only itself and the past.
         local_attn_window_size: w of the local heads, and the stride of ``attend_axially``
-            (default 128); refused when the model has neither.
+            (default ``attention.LOCAL_WINDOW_SIZE``, 128); refused when the model has neither.
         attn_layer_dropout: dropout on each attention layer's output.
         reversible: reversible residual pairs (activations recomputed in backward).
         checkpoint: gradient checkpointing: each layer keeps only its input and is run again
@@ -300,10 +319,8 @@ class LinearAttentionTransformer(nn.Module):
         self.linformer = linformer_settings is not None
         self.receives_context, self.attend_axially = receives_context, attend_axially
         shifts = token_shifts(causal) if shift_tokens else None
+        refuse_unknown_keywords(type(self).__name__, options, self.option_names())
         ff_options = {name[3:]: options.pop(name) for name in list(options) if name.startswith("ff_")}
-        unknown_ff = ["ff_" + name for name in ff_options if name not in _parameters(FeedForward) - {"dim"}]
-        if unknown_ff:
-            raise TypeError(f"LinearAttentionTransformer got unexpected keyword arguments: {', '.join(unknown_ff)}")
         options = _AttentionOptions(options)
         shared = dict(heads=heads, dim_head=dim_head)
 
@@ -355,7 +372,7 @@ class LinearAttentionTransformer(nn.Module):
 
             if attend_axially:
                 axial = Attention(dim, causal=causal, **shared, **axial_options)
-                fold = FoldAxially(128 if local_attn_window_size is None else local_attn_window_size, axial)
+                fold = FoldAxially(LOCAL_WINDOW_SIZE if local_attn_window_size is None else local_attn_window_size, axial)
                 blocks.append((attention_branch(fold, "input_mask"), branch(feedforward(layer))))
 
             if receives_context:
@@ -368,6 +385,13 @@ class LinearAttentionTransformer(nn.Module):
 
         self.layers = ReversibleSequence(blocks) if reversible else SequentialSequence(blocks, checkpoint=checkpoint)
         self.rotary = RotaryEmbedding(resolve_heads(dim, heads, dim_head)[0]) if use_rotary_emb else None
+
+    @classmethod
+    def option_names(cls):
+        """Every keyword the constructor accepts: its own, the feed-forward's (``ff_`` and a
+        ``FeedForward`` keyword) and the attention layers' options."""
+        feedforward = {"ff_" + name for name in _parameters(FeedForward) - {"dim"}}
+        return _parameters(cls) | feedforward | _AttentionOptions.names()
 
     @staticmethod
     def uses_local_window(n_local_attn_heads=0, attend_axially=False):
@@ -393,10 +417,18 @@ class LinearAttentionTransformer(nn.Module):
         rank's slice of the output. Rotary positions start at rank * n_local (``positions``,
         if given, are the slice's). Each attention layer checks what it supports
         (``Attention.check_context_parallel``) before any communication; Linformer,
-        attend_axially, cross-attention, segment_ids and a cache are refused. None: off."""
-        if x.ndim != 3 or x.shape[-1] != self.dim:
-            raise ValueError(f"x must have shape (batch, seq_len, {self.dim}), got {tuple(x.shape)}")
+        attend_axially, cross-attention, segment_ids and a cache are refused. None: off.
+
+        ``context`` / ``context_mask`` need ``receives_context=True``, and ``positions`` (the
+        rotary embedding's) ``use_rotary_emb=True``: without them they raise ValueError."""
+        if x.ndim != 3 or x.shape[-1] != self.dim or x.shape[1] < 1:
+            raise ValueError(f"x must have shape (batch, seq_len >= 1, {self.dim}), got {tuple(x.shape)}")
         check_mask(input_mask, x, "input_mask")
+        if not self.receives_context and (context is not None or context_mask is not None):
+            raise ValueError("context / context_mask given, but this model was built without receives_context=True: "
+                             "build it with receives_context=True to attend to a context")
+        if positions is not None and self.rotary is None:
+            raise ValueError("positions are the rotary embedding's, and this model was built without use_rotary_emb=True")
         if context_parallel is not None:
             place = self.context_parallel_place(context_parallel, x, segment_ids, cache, return_cache)
             kwargs = dict(input_mask=input_mask, context_parallel=place)

@@ -96,7 +96,7 @@ from einops import rearrange
 from ..common import NEG_INF, _append_ones, _apply_key_mask, _check_mask, _compute_dtype, _divide
 from ..non_finite import poisoned, quarantine, seen
 from ..segments import positions_in_segment, segment_runs
-from .forms import check_form, pick_form, reads_back, scoped_form
+from .forms import CHUNK_SIZE, check_form, pick_form, reads_back, scoped_form
 from .recurrent import CausalState, recurrent_causal_linear_attention
 from .scan import (blocked_linear_scan, key_factors, linear_scan, linear_terms, references, sequential_linear_scan,
                    summarize)
@@ -355,7 +355,7 @@ def _non_finite_state(bad, state):
 
 
 def causal_linear_attention(
-    q, k, v, log_decay=None, mask=None, blindspot_size=1, chunk_size=64, exp_features=False,
+    q, k, v, log_decay=None, mask=None, blindspot_size=1, chunk_size=CHUNK_SIZE, exp_features=False,
     state=None, return_state=False, segments=None, form=None,
 ):
     """Causal linear attention, chunk by chunk, in O(n) memory.

@@ -54,6 +54,7 @@ import torch
 __all__ = ["Form", "FORMS", "FORM_NAMES", "check_form", "device_form", "pick_form", "reads_back", "scoped_form",
            "use_form"]
 
+CHUNK_SIZE = 64  # the default chunk length (a layer's chunk_size), written here once
 PER_FEATURE_CHUNK = 16
 
 
@@ -107,7 +108,7 @@ def device_form(device) -> str:
 
 
 def pick_form(device, compiling=False, form="auto", exp_features=False, blindspot_size=1,
-              per_feature_decay=False, chunk_size=64) -> Form:
+              per_feature_decay=False, chunk_size=CHUNK_SIZE) -> Form:
     """The ``Form`` that runs: the module docstring's table.
 
     Args:
