@@ -224,7 +224,7 @@ def test_inputs_are_not_modified():
     cmask[:, -1] = False
     copies = [t.clone() for t in (x, context, mask, cmask)]
     attn(x, input_mask=mask)
-    attn(x, context=context, input_mask=mask, context_mask=cmask)
+    attn(x, context=context, context_mask=cmask)  # (input_mask with a context is refused)
     for t, c in zip((x, context, mask, cmask), copies):
         assert torch.equal(t, c)
 

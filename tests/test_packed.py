@@ -202,8 +202,9 @@ def test_refused_with_a_cache():
 def test_refused_model_kinds(options, what):
     model = LinearAttentionTransformer(dim=16, depth=1, heads=4, max_seq_len=8, **options)
     x = torch.zeros(1, 8, 16)
+    context = torch.zeros(1, 3, 16) if options.get("receives_context") else None  # refused without it
     with pytest.raises(ValueError, match=what):
-        model(x, context=torch.zeros(1, 3, 16), segment_ids=torch.zeros(1, 8, dtype=torch.long))
+        model(x, context=context, segment_ids=torch.zeros(1, 8, dtype=torch.long))
 
 
 def test_generate_with_segment_ids_refused():
