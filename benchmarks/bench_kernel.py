@@ -1,15 +1,15 @@
 #!/usr/bin/env python
 """The chunked causal kernel alone, against its matmul floor and, optionally, an earlier kernel.
 
-    causal_linear_attention(q, k, v, chunk_size=64, exp_features=...)   (ops/linear_attention.py)
+    causal_linear_attention(q, k, v, chunk_size=64, exp_features=...)   (ops/causal/chunk.py)
 
 forward + backward (q, k, v require grad; the output's sum is the loss), fp32, for each
 ``--shapes`` (b, h, n, d), with exponential features from logits (the default 'softmax' map:
 ``exp_features=True``, logits ~ N(0, 0.25): ordinary logits, nothing underflows) or with elu
 features (``--map elu``).
 
-``--against FILE`` loads another version of ``ops/linear_attention.py`` (for instance
-``git show REV:linear_attention_transformer/ops/linear_attention.py > /tmp/kernel_rev.py``;
+``--against FILE`` loads another version of ``ops/causal/chunk.py`` (for instance
+``git show REV:linear_attention_transformer/ops/causal/chunk.py > /tmp/kernel_rev.py``;
 its relative imports resolve in the installed package) and times both in the same process, alternating
 rounds (each round in the other order) so that a drifting machine hits both alike; the ratio
 this / against of the best times, and the median over rounds of each round's own ratio (robust
@@ -53,9 +53,9 @@ CHUNK = 64
 
 
 def load_kernel(path):
-    """The module in ``path`` (a file like ops/linear_attention.py)."""
-    # named inside the package, so that its relative imports (.segments) resolve there
-    spec = importlib.util.spec_from_file_location("linear_attention_transformer.ops._kernel_against", path)
+    """The module in ``path`` (a file like ops/causal/chunk.py)."""
+    # named inside the package, so that its relative imports (.scan, ..common) resolve there
+    spec = importlib.util.spec_from_file_location("linear_attention_transformer.ops.causal._kernel_against", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     if not callable(getattr(module, "causal_linear_attention", None)):
@@ -89,7 +89,7 @@ def main(argv=None):
     p.add_argument("--device", default=default_device())
     p.add_argument("--shapes", nargs="+", default=["4,4,256,64", "1,8,4096,64"], help="b,h,n,d each")
     p.add_argument("--map", choices=["softmax", "elu"], default="softmax")
-    p.add_argument("--against", default=None, help="another ops/linear_attention.py to time beside this one")
+    p.add_argument("--against", default=None, help="another ops/causal/chunk.py to time beside this one")
     p.add_argument("--form", choices=["auto", "sequential", "parallel"], default="auto",
                    help="this kernel's CHUNK_FORM (auto: the device's own; default: %(default)s)")
     p.add_argument("--rounds", type=int, default=3, help="alternating rounds (default: %(default)s)")
@@ -105,9 +105,8 @@ def main(argv=None):
         p.error("--shapes: each must be four positive integers b,h,n,d")
     size = args.matmul_size or default_matmul_size(args.device)
     set_threads(args.threads)
-    # (by its full name: the package's ops/__init__ exports a function called linear_attention)
-    this = importlib.import_module("linear_attention_transformer.ops.linear_attention")
-    this.CHUNK_FORM = args.form
+    this = importlib.import_module("linear_attention_transformer.ops.causal.chunk")
+    importlib.import_module("linear_attention_transformer.ops.causal.forms").CHUNK_FORM = args.form
     kernels = {"this": this.causal_linear_attention}
     if args.against:
         kernels["against"] = load_kernel(args.against).causal_linear_attention

@@ -197,7 +197,7 @@ def _leaf(t):
 
 def kernel_rows(args, n, fla):
     """The attention-alone cases at one length."""
-    from linear_attention_transformer.ops.linear_attention import causal_linear_attention
+    from linear_attention_transformer.ops import causal_linear_attention
 
     dev, dt, b, h, d = args.device, args.dtype_t, args.batch, args.heads, args.dim_head
     g = torch.Generator(device="cpu").manual_seed(n)

@@ -63,7 +63,7 @@ bf16 autocast (the CPU's autocast op lists stand in for CUDA's; the kernel compu
 inside, so its matmuls are float32: at the FP32 peak unless ``--tf32``), loss from
 ``AutoregressiveWrapper`` (chunked ``linear_cross_entropy``), at n = 4096, 16384, 65536. The
 causal kernel is traced in the form it takes on a GPU (``CHUNK_FORM``: the device-chosen form,
-see ops/linear_attention.py), whatever device the trace runs on. Issue 21's target: the
+see ops/causal/forms.py), whatever device the trace runs on. Issue 21's target: the
 estimate <= 1.5 x the floor.
 
 Usage:  python benchmarks/estimate_gpu.py [--lengths 4096 16384 65536] [--dim 1024]
@@ -402,7 +402,7 @@ def kernel_form(form):
     """The causal kernel's ``CHUNK_FORM`` for the trace: 'gpu' picks what its 'auto' picks on a
     CUDA device; 'parallel' / 'sequential' force one. Yields a note saying what was done."""
     try:
-        kernel = importlib.import_module("linear_attention_transformer.ops.linear_attention")
+        kernel = importlib.import_module("linear_attention_transformer.ops.causal.forms")
     except ImportError:
         kernel = None
     if kernel is None or not hasattr(kernel, "CHUNK_FORM"):

@@ -30,7 +30,7 @@ from .ops import (
     linear_attention_readout,
     linear_attention_summary,
 )
-from .ops.recurrent_step import RecurrentState
+from .ops.causal.recurrent import RecurrentState
 from .ops.segments import aligned_layout, check_segment_ids, from_layout, segment_runs, to_layout
 from .ops.windowed_attention import Window, windowed_attention, windowed_attention_by_position
 from .positional import apply_rotary

@@ -3,7 +3,7 @@
 ``Attention``'s cached path runs this for a single real token (no mask, no gradient), and
 ``Decoder`` (``decoding.py``) runs it at every step. Each piece's math lives with the piece:
 the window's rule and the ring's readout in ``ops/windowed_attention.py``, the recurrence in
-``ops/recurrent_step.py``, the convolution's and the gate's step in ``gating.py``. What is
+``ops/causal/recurrent.py``, the convolution's and the gate's step in ``gating.py``. What is
 here is the layer's composition for one token, made fast:
 
 * one matmul projects the token to every head's q, k and v at once, and to the gates' inputs

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from .ops.recurrent_step import RecurrentState
+from .ops.causal.recurrent import RecurrentState
 
 # the position of a ring slot that holds no key (before the prompt, or its padding): below
 # the first key of every window

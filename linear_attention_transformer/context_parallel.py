@@ -8,7 +8,7 @@ sequence: parameter gradients summed over the ranks equal the one-process gradie
 What a layer's global heads exchange, independent of n (LASP-2):
 
 * causal heads: each rank summarises its slice, ``Summary(kv, log_decay, ref)`` of
-  ``ops/scan.py`` (the state the slice adds from a zero start, its total log decay, and for
+  ``ops/causal/scan.py`` (the state the slice adds from a zero start, its total log decay, and for
   exponential features the per-feature reference of kv), in O(n d e) without running the
   kernel; one autograd-aware all-gather of the packed summaries (done as an all-reduce of
   a (P, …) tensor holding each rank's summary in its slot, see ``gather_summaries``); an
@@ -54,8 +54,8 @@ import warnings
 import torch
 import torch.nn.functional as F
 
-from .ops.linear_attention import CausalState, causal_linear_attention, linear_attention_readout
-from .ops.scan import Summary, scan
+from .ops import CausalState, causal_linear_attention, linear_attention_readout
+from .ops.causal.scan import Summary, scan
 
 __all__ = [
     "ContextParallel",
@@ -227,7 +227,7 @@ def causal_summary(k, v, log_decay=None, mask=None, exp_features=False) -> Summa
         log_decay: optional (b, h, n) or (b, h, n, d): log a_t <= 0 (a masked token's is
             ignored: padding does not decay the state).
         mask: optional (b, n) bool, True for real tokens.
-        exp_features: the features are exp(k) (see ``ops/linear_attention.py``).
+        exp_features: the features are exp(k) (see ``ops/causal/chunk.py``).
     Returns:
         Summary(kv (b, h, d, e + 1) with the normaliser column last, log_decay (b, h, 1 or d)
         or None, ref (b, h, d) without gradient or None): what ``CausalState`` holds after
@@ -307,7 +307,7 @@ def gather_summaries(summary: Summary, group) -> Summary:
 
 def state_before(summaries: Summary, rank: int, start: int = 0, blindspot_size: int = 1) -> CausalState:
     """The ``CausalState`` before rank ``rank``'s slice: the exclusive scan of the gathered
-    summaries (``ops/scan.py``'s ``scan``, over the rank axis 0), this rank's entry.
+    summaries (``ops/causal/scan.py``'s ``scan``, over the rank axis 0), this rank's entry.
 
     The scan runs over all P ranks (P small) and this rank's entry is selected, so that the
     gather is part of every rank's backward, rank 0's included.

@@ -33,7 +33,7 @@ def test_matmul_recorder_keeps_each_operand_layout():
 def test_matmul_replay_counts_batched_matmuls_as_the_kernel_formula_does():
     # the recorded FLOPs of the causal kernel (no state, no mask) must match the formula, which
     # is derived by hand from the kernel's block shapes
-    from linear_attention_transformer.ops.linear_attention import causal_linear_attention
+    from linear_attention_transformer.ops import causal_linear_attention
 
     q, k, v = (torch.rand(1, 2, 64, 8) for _ in range(3))
     _, flops, _ = matmul_replay(lambda: causal_linear_attention(q, k, v, chunk_size=16), "cpu", reps=1)

@@ -111,7 +111,7 @@ def test_compiled_kernel_recomputes_lost_chunks(magnitude, monkeypatch):
     the chunk (8) and at one that is, on one graph."""
     from linear_attention_transformer.ops import causal_linear_attention, naive_causal_linear_attention
 
-    kernel_module = importlib.import_module("linear_attention_transformer.ops.linear_attention")
+    kernel_module = importlib.import_module("linear_attention_transformer.ops.causal.chunk")
     g = torch.Generator().manual_seed(0)
     compiled = torch.compile(causal_linear_attention, backend="aot_eager", fullgraph=True, dynamic=True)
     for n in (20, 32):

@@ -1,5 +1,5 @@
 """The one-token decoder (decoding.py) equals the full forward, and the in-place recurrence
-step (ops/recurrent_step.py) equals the reference step of ops/linear_attention.py."""
+step (``RecurrentState``, ops/causal/recurrent.py) equals the reference step beside it."""
 
 import pytest
 import torch
@@ -11,8 +11,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from linear_attention_transformer import AutoregressiveWrapper, LinearAttentionTransformerLM
 from linear_attention_transformer.decoding import CacheDecoder, Decoder
 from linear_attention_transformer.ops import CausalState
-from linear_attention_transformer.ops.linear_attention import causal_linear_attention_step
-from linear_attention_transformer.ops.recurrent_step import RecurrentState, join_flags
+from linear_attention_transformer.ops import causal_linear_attention_step
+from linear_attention_transformer.ops.causal.recurrent import RecurrentState, join_flags
 
 D = torch.float64
 

@@ -168,7 +168,7 @@ def test_fake_trace_costs_what_a_real_one_does(loss):
 
 
 def test_kernel_form_is_restored():
-    kernel = pytest.importorskip("linear_attention_transformer.ops.linear_attention")
+    kernel = pytest.importorskip("linear_attention_transformer.ops.causal.forms")
     if not hasattr(kernel, "CHUNK_FORM"):
         pytest.skip("the kernel has no CHUNK_FORM")
     before = kernel.CHUNK_FORM

@@ -23,7 +23,7 @@ CONFIGS = {
     "noncausal": dict(causal=False, chunk_size=None),  # a chunk size belongs to causal models
 }
 # Query/key projections scaled by these factors: x100 gives causal softmax-feature logits of
-# standard deviation ~60, which the kernel's safe chunks keep exact (ops/linear_attention.py).
+# standard deviation ~60, which the kernel's safe chunks keep exact (ops/causal/chunk.py).
 SCALES = (10.0, 30.0, 100.0)
 
 

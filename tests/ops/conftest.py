@@ -158,7 +158,7 @@ def helpers():
     )
 
 
-KERNEL_MODULE = "linear_attention_transformer.ops.linear_attention"
+FORMS_MODULE = "linear_attention_transformer.ops.causal.forms"
 
 
 @pytest.fixture(params=["sequential", "parallel", "blocked"])
@@ -169,5 +169,5 @@ def kernel_form(request, monkeypatch):
     forms."""
     import importlib
 
-    monkeypatch.setattr(importlib.import_module(KERNEL_MODULE), "CHUNK_FORM", request.param)
+    monkeypatch.setattr(importlib.import_module(FORMS_MODULE), "CHUNK_FORM", request.param)
     return request.param

@@ -18,7 +18,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from linear_attention_transformer import LinearAttentionTransformerLM
 from linear_attention_transformer.ops import causal_linear_attention, naive_causal_linear_attention
 
-KERNEL = importlib.import_module("linear_attention_transformer.ops.linear_attention")
+KERNEL = importlib.import_module("linear_attention_transformer.ops.causal.chunk")
+FORMS = importlib.import_module("linear_attention_transformer.ops.causal.forms")
 
 # ops that read a value back to the host, or size their output by one (the same wait)
 SYNC_OPS = {"aten::_local_scalar_dense", "aten::item", "aten::nonzero", "aten::is_nonzero", "aten::equal",
@@ -84,7 +85,7 @@ def lm_step_count(cfg, n, fake=True):
 
 @pytest.fixture
 def parallel(monkeypatch):
-    monkeypatch.setattr(KERNEL, "CHUNK_FORM", "parallel")
+    monkeypatch.setattr(FORMS, "CHUNK_FORM", "parallel")
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
@@ -106,7 +107,7 @@ def test_fake_and_real_tensors_dispatch_the_same_ops(parallel):
 def test_the_counter_sees_the_sequential_forms_sync_and_growth(monkeypatch):
     """Not vacuous: the CPU's form (a loop over chunks, the lost-chunk check read back) shows
     one sync per layer and ops growing with n past the bound above at only 8x the length."""
-    monkeypatch.setattr(KERNEL, "CHUNK_FORM", "sequential")
+    monkeypatch.setattr(FORMS, "CHUNK_FORM", "sequential")
     short, long = (lm_step_count({}, n, fake=False) for n in (256, 2048))
     assert short.syncs == ["aten::nonzero"]
     assert long.total > 1.25 * short.total
@@ -228,7 +229,7 @@ def test_segments_make_no_sync_and_stay_exact(exp_features, decay, blindspot, pa
     for g, g_ref in zip(grads, ref_grads):
         torch.testing.assert_close(g, g_ref, rtol=1e-7, atol=1e-9)
     if exp_features and blindspot == 1:  # not vacuous: these inputs defeat the fast form
-        monkeypatch.setattr(KERNEL, "CHUNK_FORM", "sequential")
+        monkeypatch.setattr(FORMS, "CHUNK_FORM", "sequential")
         monkeypatch.setattr(KERNEL, "_lost_to_underflow", lambda den, *args: torch.zeros_like(den[..., 0], dtype=bool))
         monkeypatch.setattr(KERNEL, "_recompute_chunks", lambda out, *args: out)
         fast = causal_linear_attention(q, k, v, log_decay, mask=mask, exp_features=True, segments=segments,
@@ -237,10 +238,10 @@ def test_segments_make_no_sync_and_stay_exact(exp_features, decay, blindspot, pa
 
 
 def test_chunk_form_auto_is_parallel_off_the_cpu(monkeypatch):
-    monkeypatch.setattr(KERNEL, "CHUNK_FORM", "auto")
-    assert not KERNEL._parallel_form(torch.device("cpu"))
-    assert KERNEL._parallel_form(torch.device("cuda"))
-    assert KERNEL._parallel_form(torch.device("meta"))
-    monkeypatch.setattr(KERNEL, "CHUNK_FORM", "fast")
+    monkeypatch.setattr(FORMS, "CHUNK_FORM", "auto")
+    assert not FORMS._parallel_form(torch.device("cpu"))
+    assert FORMS._parallel_form(torch.device("cuda"))
+    assert FORMS._parallel_form(torch.device("meta"))
+    monkeypatch.setattr(FORMS, "CHUNK_FORM", "fast")
     with pytest.raises(ValueError, match="CHUNK_FORM"):
         causal_linear_attention(*(torch.rand(1, 1, 4, 2) for _ in range(3)))

@@ -1,4 +1,4 @@
-"""The chunk summaries' scan (ops/scan.py) against its naive judge, the loop over spans:
+"""The chunk summaries' scan (ops/causal/scan.py) against its naive judge, the loop over spans:
 float64, random inputs, span counts that are and are not powers of 2 (1 included), decays
 per head and per feature, drops (segment starts: log decay -inf), references of -inf (spans
 without a key), initial states; gradients by gradcheck; the backward's memory."""
@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch.autograd import gradcheck
 
-from linear_attention_transformer.ops.scan import (
+from linear_attention_transformer.ops.causal.scan import (
     SCAN_BLOCK,
     Summary,
     blocked_linear_scan,

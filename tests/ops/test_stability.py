@@ -33,7 +33,7 @@ from linear_attention_transformer.ops import (
 pytestmark = pytest.mark.usefixtures("kernel_form")
 
 KINDS = ["softmax", "elu", "relu", "callable"]
-KERNEL_MODULE = "linear_attention_transformer.ops.linear_attention"  # (ops re-exports a function of that name)
+KERNEL_MODULE = "linear_attention_transformer.ops.causal.chunk"
 
 
 def make_map(kind, helpers):

@@ -1,0 +1,60 @@
+"""The causal kernels' judge: the explicit (n x n) decayed weight matrix."""
+
+from __future__ import annotations
+
+import torch
+from einops import rearrange
+
+from ..common import NEG_INF, _same_segment
+
+__all__ = ["naive_causal_linear_attention"]
+
+
+def _visibility(n, blindspot_size, device):
+    pos = torch.arange(n, device=device)
+    if blindspot_size > 1:
+        return (pos[None, :] // blindspot_size) < (pos[:, None] // blindspot_size)
+    return pos[None, :] <= pos[:, None]
+
+
+def naive_causal_linear_attention(q, k, v, log_decay=None, mask=None, blindspot_size=1, exp_features=False,
+                                  segments=None):
+    """Reference for the causal kernels: the explicit (n x n) decayed weight matrix.
+
+    w_ij = sum_d q_id k_jd exp(G_id - G_jd) for visible j, with G = cumsum(log_decay);
+    with ``exp_features`` the product q_id k_jd is exp(q_id + k_jd), and the weights are
+    formed in log space (logsumexp over d, softmax over j), which is stable by itself.
+    Key j is visible to query i when j <= i, or, with ``blindspot_size`` B > 1, when j lies
+    in an earlier block of B tokens than i (j // B < i // B). With ``segments`` (b, n) it
+    must also lie in i's segment (blocks stay counted from position 0; the decays between
+    the two are then the segment's own).
+    """
+    b, h, n, d = q.shape
+    visible = _visibility(n, blindspot_size, q.device)
+    if mask is not None:
+        visible = visible & rearrange(mask, "b j -> b 1 1 j")
+    if segments is not None:
+        visible = visible & _same_segment(segments)
+    pair = q[:, :, :, None, :], k[:, :, None, :, :]  # (b, h, i, j, d) by broadcasting
+    if log_decay is not None:
+        if log_decay.ndim == 3:
+            log_decay = log_decay[..., None].expand(b, h, n, d)
+        if mask is not None:
+            log_decay = log_decay.masked_fill(~rearrange(mask, "b n -> b 1 n 1"), 0.0)
+        G = log_decay.cumsum(dim=2)
+        decay = (G[:, :, :, None, :] - G[:, :, None, :, :]).masked_fill(~visible[..., None], NEG_INF)
+    else:
+        decay = torch.zeros(1, dtype=q.dtype, device=q.device).masked_fill(~visible[..., None], NEG_INF)
+    if exp_features:
+        # invisible pairs and rows that see nothing get finite stand-ins, masked again after:
+        # a logsumexp or softmax over only -inf has a NaN gradient (0 * NaN), even unused
+        logits = pair[0] + pair[1] + decay.masked_fill(~visible[..., None], 0.0)
+        log_w = torch.logsumexp(logits, dim=-1).masked_fill(~visible, NEG_INF)
+        seen = visible.any(dim=-1, keepdim=True)
+        w = log_w.masked_fill(~seen, 0.0).softmax(dim=-1).masked_fill(~seen, 0.0)  # sees nothing: 0
+        return w @ v
+    w = (pair[0] * pair[1] * decay.exp()).sum(-1)
+    out = w @ v
+    den = w.sum(-1, keepdim=True)
+    return torch.where(den > 0, out / torch.where(den > 0, den, 1), 0)
+
