@@ -150,7 +150,8 @@ def ops_per_step(model, prompt, steps=200):
 @torch.inference_mode()
 def general_step_seconds(model, prompt, device, reps=50):
     """Median seconds of one step of the general cached form (model(..., cache=...)) after
-    the prompt, for comparison with the decoder's step."""
+    the prompt, for comparison with the decoder's step (each call advances the cache in
+    place: the steps run at positions after the prompt)."""
     _, cache = model(prompt, return_cache=True)
     token = prompt[:, -1:]
     model(token, cache=cache, return_cache=True)  # warm

@@ -14,7 +14,8 @@ import torch.nn.functional as F
 from einops import rearrange, repeat
 from torch import nn
 
-from .cache import AttentionCache, GlobalCache, LocalCache
+from .attention_step import AttentionStep
+from .cache import NO_KEY, AttentionCache, GlobalCache, LocalCache
 from .context_parallel import (
     ContextParallel,
     context_parallel_causal_linear_attention,
@@ -23,7 +24,6 @@ from .context_parallel import (
 )
 from .gating import ForgetGate, LocalConv, OutputGate
 from .ops import (
-    CausalState,
     FeatureMap,
     causal_linear_attention,
     linear_attention,
@@ -31,8 +31,9 @@ from .ops import (
     linear_attention_summary,
 )
 from .ops.causal.forms import CHUNK_SIZE
+from .ops.causal.recurrent import RecurrentState
 from .ops.segments import aligned_layout, check_segment_ids, from_layout, segment_runs, to_layout
-from .ops.windowed_attention import Window, windowed_attention, windowed_attention_by_position, windowed_attention_last
+from .ops.windowed_attention import Window, windowed_attention, windowed_attention_by_position
 from .positional import apply_rotary
 
 # the default width of a local head's window; the model also strides attend_axially by it and
@@ -234,34 +235,36 @@ class Attention(nn.Module):
             k, normalize = k * log_gate.exp().to(k.dtype), True
         return k, normalize
 
-    def global_heads(self, q, k, v, mask, x, cache=None, return_cache=False, segments=None, place=None):
-        """Linear attention over the global heads. With ``return_cache`` also returns the
-        state a decoder continues from: (causal state, last inputs of the convolution).
+    def global_heads(self, q, k, v, mask, x, cache=None, position=0, segments=None, place=None):
+        """Linear attention over the global heads. ``cache``: a ``GlobalCache`` after
+        ``position`` tokens, continued from (unless position is 0) and updated in place.
         ``place``: a ``ContextParallel`` when the sequence is split over processes."""
         if place is not None:
             return self._global_heads_context_parallel(q, k, v, mask, x, place)
-        conv_cache = None
+        fresh = cache is None or position == 0
         if self.local_conv is not None:
-            previous = (None,) * 3 if cache is None else cache.conv
-            masks, raw = (mask, mask, mask), (q, k, v)
-            q, k, v = (conv(t, m, p, segments) for conv, t, m, p in zip(self.local_conv, raw, masks, previous))
-            if return_cache:
-                conv_cache = tuple(
-                    _last_inputs(t, m, p, conv.kernel_size - 1) for conv, t, m, p in zip(self.local_conv, raw, masks, previous)
-                )
+            previous = (None,) * 3 if fresh else cache.conv.unbind(1)
+            raw = (q, k, v)
+            q, k, v = (conv(t, mask, p, segments) for conv, t, p in zip(self.local_conv, raw, previous))
+            if cache is not None:
+                with torch.no_grad():  # (a cache carries no gradient)
+                    for i, (t, p) in enumerate(zip(raw, previous)):
+                        cache.conv[:, i].copy_(_last_inputs(t, mask, p, cache.conv.shape[3]))
         fm = self.feature_map
         if self.causal:
             log_gate = None if self.forget_gate is None else self.forget_gate(x)
             q, k, exp_features = fm.causal_features(q, k)
             out = causal_linear_attention(
                 q, k, v, log_gate, mask, blindspot_size=self.blindspot_size, chunk_size=self.chunk_size,
-                exp_features=exp_features, state=None if cache is None else cache.state, return_state=return_cache,
-                segments=segments,
+                exp_features=exp_features, state=None if fresh else cache.state.as_causal_state(position),
+                return_state=cache is not None, segments=segments,
             )
-            if not return_cache:
+            if cache is None:
                 return out
             out, state = out
-            return out, GlobalCache(state, conv_cache)
+            with torch.no_grad():
+                cache.state.load(state)
+            return out
         k, normalize = self.noncausal_keys(k, mask, x, segments)
         return linear_attention(fm.queries(q), k, v, mask, normalize=normalize, segments=segments)
 
@@ -345,7 +348,7 @@ class Attention(nn.Module):
         """x (b, n, dim) -> (b, n, dim); with ``return_cache`` -> (out, AttentionCache).
 
         ``cache``: the ``AttentionCache`` returned for the tokens before x (causal layers
-        only): x then holds just the new tokens.
+        only): x then holds just the new tokens; the cache is updated in place (``cache.py``).
         ``segment_ids``: (b, n) integer, packed sequences (``ops/segments.py``: a segment is
         a maximal run of equal consecutive ids): every head attends within the token's
         segment only, windows, blindspot blocks and convolution taps counted from the
@@ -382,9 +385,16 @@ class Attention(nn.Module):
             return self._packed(x, input_mask, rotary, segment_runs(segment_ids))
         if cache is not None or return_cache:
             self.check_cacheable()
+            # updated in place and returned; read without return_cache, it is left as it was
+            cache = self.empty_cache(x.shape[0], x.device, x.dtype) if cache is None else cache if return_cache else cache.clone()
         if self.receives_context:
-            return self._cross_attention(x, context, context_mask, cache, return_cache)
-        return self._self_attention(x, input_mask, rotary, cache, return_cache)
+            out = self._cross_attention(x, context, context_mask, cache)
+        else:
+            out = self._self_attention(x, input_mask, rotary, cache)
+        if cache is None:
+            return out
+        cache.position += x.shape[1]
+        return (out, cache) if return_cache else out
 
     def _check_routes(self, input_mask, context, context_mask, rotary):
         """Refuse the forward arguments this kind of layer would not read (never ignore one)."""
@@ -415,12 +425,18 @@ class Attention(nn.Module):
                                    segments=moved_runs)
         return from_layout(out, slots)
 
-    def _self_attention(self, x, input_mask, rotary, cache=None, return_cache=False, segments=None, place=None):
+    def _self_attention(self, x, input_mask, rotary, cache=None, segments=None, place=None):
+        """The output; ``cache``: an ``AttentionCache`` to continue from, updated in place
+        (but for its position, which ``forward`` counts)."""
+        if cache is not None and x.shape[1] == 1 and input_mask is None and not torch.is_grad_enabled():
+            # one real token: the decoder's step, on the cache's buffers
+            step = AttentionStep(self, cache, x.shape[0])
+            return step(x[:, 0], step.context(cache.position, rotary, x.device))[:, None]
         q, k, v = self.project(x, x)
         if rotary is not None:
             q, k = apply_rotary(q, rotary), apply_rotary(k, rotary)
         position = 0 if cache is None else cache.position
-        outs, local_cache, global_cache = [], None, None
+        outs = []
         if 0 < self.n_local < self.heads:
             # one split per tensor: its backward is one cat, where two slices would each fill a
             # full-size zero gradient and copy into it
@@ -430,25 +446,16 @@ class Attention(nn.Module):
         if self.n_local:
             if place is not None:
                 outs.append(self._local_heads_context_parallel(ql, kl, vl, input_mask, place))
-            elif cache is None:
+            elif cache is None or position == 0:
                 outs.append(self.local_heads(ql, kl, vl, input_mask, segments))
-                if return_cache:
-                    local_cache = LocalCache(kl, vl, _mask_or_ones(input_mask, kl), 0)
             else:
-                out, local_cache = self._local_heads_cached(ql, kl, vl, input_mask, cache.local, position)
-                outs.append(out)
-            if return_cache:
-                local_cache = local_cache.keep_from(self.local_window.first_key(position + x.shape[1]))
+                outs.append(self._local_heads_cached(ql, kl, vl, input_mask, cache.local, position))
+            if cache is not None:
+                cache.local.write(kl, vl, position, input_mask)
         if self.n_local < self.heads:
-            out = self.global_heads(qg, kg, vg, input_mask, x, None if cache is None else cache.global_, return_cache,
-                                    segments, place)
-            if return_cache:
-                out, global_cache = out
-            outs.append(out)
-        out = self._combine(outs, x)
-        if not return_cache:
-            return out
-        return out, AttentionCache(position + x.shape[1], local_cache, global_cache, None)
+            outs.append(self.global_heads(qg, kg, vg, input_mask, x, None if cache is None else cache.global_, position,
+                                          segments, place))
+        return self._combine(outs, x)
 
     def _combine(self, outs, x):
         out = torch.cat(outs, dim=1) if len(outs) > 1 else outs[0]
@@ -459,21 +466,19 @@ class Attention(nn.Module):
         return self.dropout(self.to_out(out))
 
     def _local_heads_cached(self, q, k, v, mask, cache, position):
+        """The new queries over the ring's keys and their own (before they are written)."""
         n = q.shape[2]
-        keys, values = torch.cat((cache.keys, k), dim=2), torch.cat((cache.values, v), dim=2)
-        key_mask = torch.cat((cache.mask, _mask_or_ones(mask, k)), dim=1)
-        if n == 1 and cache.start == self.local_window.first_key(position):
-            # the cache keeps exactly the window of the next query: nothing else to mask
-            out = windowed_attention_last(q, keys, values, key_mask)
-        else:
-            q_pos = torch.arange(position, position + n, device=q.device)
-            k_pos = torch.arange(cache.start, position + n, device=q.device)
-            out = windowed_attention_by_position(q, keys, values, q_pos, k_pos, self.local_window, key_mask)
-        return out, LocalCache(keys, values, key_mask, cache.start)
+        keys, values = (torch.cat((stored, new.to(stored.dtype)), dim=2) for stored, new in zip(cache.kv.unbind(1), (k, v)))
+        new_positions = torch.arange(position, position + n, device=q.device).expand(q.shape[0], n)
+        if mask is not None:
+            new_positions = torch.where(mask, new_positions, NO_KEY)
+        k_positions = torch.cat((cache.positions, new_positions), dim=1)  # NO_KEY: before every window
+        q_positions = torch.arange(position, position + n, device=q.device)
+        return windowed_attention_by_position(q, keys, values, q_positions, k_positions, self.local_window)
 
-    def _cross_attention(self, x, context, context_mask, cache, return_cache):
+    def _cross_attention(self, x, context, context_mask, cache):
         """Cross-attention: the context is reduced to kᵀv once (on the first call), then read."""
-        if cache is None:
+        if cache is None or cache.context is None:
             if context is None:
                 raise ValueError("this layer has receives_context=True: pass context=(batch, ctx_len, dim)")
             if context.ndim != 3 or context.shape[-1] != self.dim or context.shape[0] != x.shape[0]:
@@ -484,34 +489,34 @@ class Attention(nn.Module):
             _, k, v = self.project(x[:, :0], context)
             k, normalize = self.noncausal_keys(k, context_mask, context)
             summary = linear_attention_summary(k, v, context_mask, normalize)
+            if cache is not None:
+                cache.context = summary
         else:
             summary = cache.context
+        return self.read_context(x, summary)
+
+    def read_context(self, x, summary):
+        """Queries from x (b, n, dim) read the context's kᵀv ``summary`` -> (b, n, dim)."""
         q = rearrange(self.to_q(x), "b n (h d) -> b h n d", h=self.heads)
-        out = self._combine([linear_attention_readout(self.feature_map.queries(q), summary)], x)
-        if not return_cache:
-            return out
-        position = x.shape[1] + (0 if cache is None else cache.position)
-        return out, AttentionCache(position, None, None, summary)
+        return self._combine([linear_attention_readout(self.feature_map.queries(q), summary)], x)
 
     def empty_cache(self, batch_size, device=None, dtype=torch.float32):
-        """The cache before any token: zero state, no keys, zero convolution inputs."""
+        """The cache before any token: zero state, no keys, zero convolution inputs (a
+        cross-attention layer's context is reduced on the first call)."""
         self.check_cacheable()
         n_global, dh = self.heads - self.n_local, self.dim_head
         local = global_ = None
         if self.n_local:
-            keys = torch.zeros(batch_size, self.n_local, 0, dh, device=device, dtype=dtype)
-            local = LocalCache(keys, keys, torch.zeros(batch_size, 0, dtype=torch.bool, device=device), 0)
+            local = LocalCache.zeros(batch_size, self.n_local, self.local_window.most_keys, dh, device, dtype)
         if n_global and not self.receives_context:
-            exp_features = self.feature_map.is_softmax
-            state = CausalState.zeros(batch_size, n_global, dh, dh, self.blindspot_size, exp_features, device,
-                                      torch.promote_types(dtype, torch.float32))
+            state = RecurrentState.zeros(batch_size, n_global, dh, dh, self.blindspot_size, self.feature_map.is_softmax,
+                                         device, torch.promote_types(dtype, torch.float32),
+                                         waiting=self.forget_gate is None)
             conv = None
             if self.local_conv is not None:
-                conv = tuple(torch.zeros(batch_size, n_global, c.kernel_size - 1, dh, device=device, dtype=dtype)
-                             for c in self.local_conv)
+                conv = torch.zeros(batch_size, 3, n_global, self.local_conv[0].kernel_size - 1, dh, device=device,
+                                   dtype=dtype)
             global_ = GlobalCache(state, conv)
-        if self.receives_context:
-            raise ValueError("a cross-attention cache is made from the context on the first call")
         return AttentionCache(0, local, global_, None)
 
     def check_cacheable(self):

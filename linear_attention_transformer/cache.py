@@ -1,55 +1,47 @@
-"""What cached decoding keeps between calls, layer by layer.
+"""What cached decoding keeps between calls, layer by layer: fixed-shape buffers, updated in place.
 
 Causal linear attention is a recurrence, so a decoder needs only a fixed-size state per
-layer to continue a sequence: the running KᵀV of the global heads, the last keys of the local
-heads' window, the last inputs of the local convolution, the previous token for token
-shifting. ``LinearAttentionTransformerLM.forward(x, cache=..., return_cache=True)`` returns a
-``DecodingCache``; give it back with the next tokens.
+layer to continue a sequence: the running KᵀV of the global heads, a ring of the last keys
+of the local heads' window, the last inputs of the local convolution, the previous token for
+token shifting. ``LinearAttentionTransformerLM.forward(x, return_cache=True)`` returns a
+``DecodingCache``; give it back with the next tokens (``cache=``).
 
-Caches are never modified in place: every call returns a new one, so a caller can keep an old
-cache and branch from it (beam search, several samples from one prompt). ``cache.to(device)``
-moves one. All classes here hold tensors whose first dimension is the batch.
+One design serves every way of decoding: the buffers keep their shapes whatever the length,
+and each call (``model(x, cache=cache, return_cache=True)``, ``Decoder.step``) writes the new
+state into them **in place** and returns the same cache. To branch from a cache (beam search,
+several samples from one prompt), ``clone()`` it first; a call with a cache but without
+``return_cache`` reads it and leaves it as it was. ``cache.to(device)`` returns a moved copy.
+All classes here hold tensors whose first dimension is the batch.
 """
 
 from __future__ import annotations
 
 import torch
 
-from .ops import CausalState
+from .ops.causal.recurrent import RecurrentState
 
-
-def map_tensors(obj, fn):
-    """Rebuild a cache with ``fn`` applied to every tensor in it."""
-    if torch.is_tensor(obj):
-        return fn(obj)
-    if isinstance(obj, (tuple, list)):
-        return type(obj)(map_tensors(o, fn) for o in obj)
-    if isinstance(obj, (CausalState, LocalCache, GlobalCache, AttentionCache, BranchCache, DecodingCache, AxialCache)):
-        return type(obj)(*(map_tensors(getattr(obj, name), fn) for name in obj.__slots__))
-    return obj
-
-
-def zip_tensors(a, b, fn):
-    """Rebuild cache ``a`` with fn(tensor of a, matching tensor of b) (same structure)."""
-    if torch.is_tensor(a):
-        return fn(a, b)
-    if isinstance(a, (tuple, list)):
-        return type(a)(zip_tensors(x, y, fn) for x, y in zip(a, b))
-    if isinstance(a, (CausalState, LocalCache, GlobalCache, AttentionCache, BranchCache, DecodingCache, AxialCache)):
-        return type(a)(*(zip_tensors(getattr(a, n), getattr(b, n), fn) for n in a.__slots__))
-    return b
+# the position of a ring slot that holds no key (before the prompt, or its padding): below
+# the first key of every window
+NO_KEY = -(2 ** 62)
 
 
 class _Cache:
     __slots__ = ()
 
+    def _map(self, fn):
+        return type(self)(*(map_tensors(getattr(self, name), fn) for name in self.__slots__))
+
+    def clone(self):
+        """A copy with buffers of its own: stepping one leaves the other as it was."""
+        return map_tensors(self, torch.clone)
+
     def to(self, *args, **kwargs):
-        """Like ``nn.Module.to``: a device moves every tensor, a dtype converts the floating ones
-        (masks stay bool)."""
+        """Like ``nn.Module.to``, but a copy (buffers of its own, as ``clone``): a device moves
+        every tensor, a dtype converts the floating ones (positions keep theirs)."""
         device, dtype, non_blocking, _ = torch._C._nn._parse_to(*args, **kwargs)
 
         def move(t):
-            return t.to(device, dtype if t.is_floating_point() else None, non_blocking=non_blocking)
+            return t.to(device, dtype if t.is_floating_point() else None, non_blocking=non_blocking, copy=True)
 
         return map_tensors(self, move)
 
@@ -58,24 +50,84 @@ class _Cache:
         return f"{self.__class__.__name__}({fields})"
 
 
+def map_tensors(obj, fn):
+    """A cache rebuilt with ``fn`` applied to every tensor in it."""
+    if torch.is_tensor(obj):
+        return fn(obj)
+    if isinstance(obj, (tuple, list)):
+        return type(obj)(map_tensors(o, fn) for o in obj)
+    if isinstance(obj, (_Cache, RecurrentState)):
+        return obj._map(fn)
+    return obj
+
+
+def copy_rows(into, rows, part):
+    """Write cache ``part`` (the batch rows ``rows`` of ``into``, same structure) back into
+    ``into`` in place."""
+    if torch.is_tensor(into):
+        into.index_copy_(0, rows, part.to(into.dtype))
+    elif isinstance(into, (tuple, list)):
+        for a, b in zip(into, part):
+            copy_rows(a, rows, b)
+    elif isinstance(into, (_Cache, RecurrentState)):
+        for name in getattr(into, "fields", into.__slots__):
+            field = getattr(into, name)
+            if isinstance(field, int):  # (a position: the part's count is the one after the call)
+                setattr(into, name, getattr(part, name))
+            else:
+                copy_rows(field, rows, getattr(part, name))
+
+
 class LocalCache(_Cache):
-    """Local heads: keys/values (b, h, m, d) at absolute positions start .. start + m - 1 with
-    their padding mask (b, m); only the keys a later query's window can still reach."""
+    """Local heads: a ring of ``slots`` keys and values, kv (b, 2, h, slots, d) (the key at
+    position t in slot t mod slots), and each slot's key position per row, positions
+    (b, slots) (``NO_KEY`` where the slot holds no real key). ``slots`` is the most keys a
+    query of the window sees (``Window.most_keys``), so the ring holds every key a later
+    query can reach."""
 
-    __slots__ = ("keys", "values", "mask", "start")
+    __slots__ = ("kv", "positions")
 
-    def __init__(self, keys, values, mask, start):
-        self.keys, self.values, self.mask, self.start = keys, values, mask, start
+    def __init__(self, kv, positions):
+        self.kv, self.positions = kv, positions
 
-    def keep_from(self, position):
-        """Drop keys before ``position``: no later query can see them."""
-        cut = max(0, position - self.start)
-        return LocalCache(self.keys[:, :, cut:], self.values[:, :, cut:], self.mask[:, cut:], self.start + cut)
+    @classmethod
+    def zeros(cls, batch, heads, slots, dim_head, device=None, dtype=torch.float32):
+        kv = torch.zeros(batch, 2, heads, slots, dim_head, device=device, dtype=dtype)
+        return cls(kv, torch.full((batch, slots), NO_KEY, dtype=torch.long, device=device))
+
+    @property
+    def slots(self):
+        return self.positions.shape[1]
+
+    @property
+    def keys(self):
+        """(b, h, slots, d), a view of ``kv``."""
+        return self.kv[:, 0]
+
+    @property
+    def values(self):
+        return self.kv[:, 1]
+
+    @torch.no_grad()
+    def write(self, k, v, start, mask=None):
+        """Keys and values k, v (b, h, n, d) at positions start .. start + n - 1 (``mask``
+        (b, n): False where a token is padding) go to their slots; only the last ``slots``."""
+        n, slots = k.shape[2], self.slots
+        keep = min(n, slots)
+        at = torch.arange(start + n - keep, start + n, device=k.device)
+        where = at % slots
+        self.kv[:, 0].index_copy_(2, where, k[:, :, n - keep:].to(self.kv.dtype))
+        self.kv[:, 1].index_copy_(2, where, v[:, :, n - keep:].to(self.kv.dtype))
+        positions = at.expand(k.shape[0], keep)
+        if mask is not None:
+            positions = torch.where(mask[:, n - keep:], positions, NO_KEY)
+        self.positions.index_copy_(1, where, positions)
 
 
 class GlobalCache(_Cache):
-    """Global heads: their ``CausalState`` (running KᵀV, normaliser, references, blindspot block)
-    and the local convolution's last inputs (q, k, v), each (b, h, kernel - 1, d), or None."""
+    """Global heads: their ``RecurrentState`` (running KᵀV, normaliser, references, blindspot
+    block) and the local convolution's last inputs of q, k and v, conv (b, 3, h, kernel - 1,
+    d), or None."""
 
     __slots__ = ("state", "conv")
 
@@ -84,8 +136,8 @@ class GlobalCache(_Cache):
 
 
 class AttentionCache(_Cache):
-    """One attention layer: tokens consumed (``position``), ``local`` (LocalCache or None),
-    ``global_`` (GlobalCache or None), and for a cross-attention layer ``context``: the
+    """One attention layer: tokens consumed (``position``, an int), ``local`` (LocalCache or
+    None), ``global_`` (GlobalCache or None), and for a cross-attention layer ``context``: the
     encoder's keys and values reduced once to kᵀv."""
 
     __slots__ = ("position", "local", "global_", "context")
@@ -122,3 +174,12 @@ class DecodingCache(_Cache):
 
     def __init__(self, position, layers):
         self.position, self.layers = position, layers
+
+    def set_position(self, position):
+        """Tokens consumed, written into every layer's cache too (``Decoder`` counts them on
+        the device and writes them back here when its cache is read)."""
+        self.position = position
+        for pair in self.layers:
+            for branch in pair:
+                if branch is not None and branch.fn is not None:
+                    branch.fn.position = position

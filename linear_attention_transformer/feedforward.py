@@ -40,16 +40,44 @@ class FeedForward(nn.Module):
         self.dropout = nn.Dropout(dropout)
         self.proj_out = nn.Linear(hidden, dim)
 
+    def hidden(self, x):
+        """The activations before the output projection (and its dropout)."""
+        return _hidden(x, self.proj_in.weight, self.proj_in.bias, self.glu, self.activation)
+
     def _forward(self, x):
-        h = self.proj_in(x)
-        if self.glu:
-            h, gate = h.chunk(2, dim=-1)
-            h = h * self.activation(gate)
-        else:
-            h = self.activation(h)
-        return self.proj_out(self.dropout(h))
+        return self.proj_out(self.dropout(self.hidden(x)))
 
     def forward(self, x):
         if self.chunks == 1 or x.shape[1] <= 1:
             return self._forward(x)
         return torch.cat([self._forward(part) for part in x.chunk(self.chunks, dim=1)], dim=1)
+
+
+def _hidden(x, weight, bias, glu, activation):
+    h = F.linear(x, weight, bias)
+    if glu:
+        h, gate = h.chunk(2, dim=-1)
+        return h * activation(gate)
+    return activation(h)
+
+
+class FeedForwardStep:
+    """A ``FeedForward`` on one position h (b, dim) (cached decoding, eval mode), its weights
+    read once. Called with ``into`` (b, dim), the output is added to it in place (no new
+    tensor of the output)."""
+
+    __slots__ = ("in_args", "out_weight", "out_weight_t", "out_bias")
+
+    def __init__(self, ff):
+        self.in_args = (ff.proj_in.weight, ff.proj_in.bias, ff.glu, ff.activation)
+        self.out_weight, self.out_bias = ff.proj_out.weight, ff.proj_out.bias
+        self.out_weight_t = self.out_weight.t()
+
+    def buffers(self):
+        return []
+
+    def __call__(self, h, ctx=None, into=None):
+        h = _hidden(h, *self.in_args)
+        if into is None:
+            return F.linear(h, self.out_weight, self.out_bias)
+        return into.addmm_(h, self.out_weight_t).add_(self.out_bias)

@@ -63,12 +63,18 @@ class ForgetGate(nn.Module):
             self.gate_up.bias.copy_(spread)
 
     def forward(self, x):
-        logits = self.gate_up(self.gate_down(x))
-        # logsigmoid, never log(sigmoid): stays finite and exact for pre-activations of +-50 and beyond
-        log_a = F.logsigmoid(logits.to(torch.promote_types(logits.dtype, torch.float32))) / self.temperature
+        log_a = self.log_gates(self.gate_down(x))
         if self.granularity == "head":
             return rearrange(log_a, "b n h -> b h n")
-        return rearrange(log_a, "b n (h d) -> b h n d", h=self.heads)
+        return rearrange(log_a, "b n h d -> b h n d")
+
+    def log_gates(self, down):
+        """The gates from the low-rank projection ``down`` (…, rank) (also what a decoder's
+        fused projection gives): (…, heads), or (…, heads, dim_head) per feature."""
+        logits = F.linear(down, self.gate_up.weight, self.gate_up.bias)
+        # logsigmoid, never log(sigmoid): stays finite and exact for pre-activations of +-50 and beyond
+        log_a = F.logsigmoid(logits.to(torch.promote_types(logits.dtype, torch.float32))) / self.temperature
+        return log_a if self.granularity == "head" else log_a.unflatten(-1, (self.heads, -1))
 
 
 class OutputGate(nn.Module):
@@ -106,6 +112,11 @@ class LocalConv(nn.Module):
         with torch.no_grad():
             self.conv_weight[:, 0, kernel_size - 1 if causal else kernel_size // 2] = 1.0
 
+    def taps(self, heads):
+        """The filter as (heads, kernel_size, d): tap j weighs the input kernel_size - 1 - j
+        positions back (causal)."""
+        return rearrange(self.conv_weight, "(h d) 1 k -> h k d", h=heads)
+
     @property
     def left_context(self):
         """How many earlier positions each output sees (what a decoder must remember)."""
@@ -126,7 +137,7 @@ class LocalConv(nn.Module):
             x = F.pad(x, (0, 0, left, self.kernel_size - 1 - left))
         # a few taps: a sum of shifted, scaled copies is faster than a depthwise conv1d on
         # the CPU and needs no transpose of the (b, h, n, d) layout
-        weight = rearrange(self.conv_weight.to(x.dtype), "(h d) 1 k -> k h 1 d", h=h)
+        weight = rearrange(self.taps(h).to(x.dtype), "h k d -> k h 1 d")
         if segments is not None:  # a tap sees zero where it would cross into another segment
             left = self.left_context
             runs = F.pad(segments, (left, self.kernel_size - 1 - left), value=-1)
@@ -138,3 +149,12 @@ class LocalConv(nn.Module):
         for tap in range(1, self.kernel_size):
             out = out + taps[tap] * weight[tap]
         return out
+
+
+def local_conv_step(x, previous, taps):
+    """One position of a causal ``LocalConv``, in place: x (…, d) the new input, ``previous``
+    (…, kernel_size - 1, d) the inputs before it (then shifted by one: it ends with x), taps
+    (…, kernel_size, d) (``LocalConv.taps``, broadcast) -> (…, d)."""
+    window = torch.cat((previous, x.unsqueeze(-2)), dim=-2)
+    previous.copy_(window[..., 1:, :])
+    return (window * taps).sum(dim=-2)

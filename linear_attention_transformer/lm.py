@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from .attention import LOCAL_WINDOW_SIZE, check_mask
+from .attention_step import StepContext
 from .decoding import start_decoding
 from .ops.segments import check_segment_ids, positions_in_segment, segment_runs
 from .positional import AbsolutePositionalEmbedding, AxialPositionalEmbedding
@@ -129,7 +131,9 @@ class LinearAttentionTransformerLM(nn.Module):
         (logits, cache): a ``DecodingCache`` holding the state after the last token of x.
         Given ``cache``, x holds only the new tokens (one or more) that continue that
         sequence, and ``input_mask`` (if any) covers only them; a cross-attention layer reuses
-        the context it reduced on the first call. The cache is never modified in place.
+        the context it reduced on the first call. The cache is updated in place and returned
+        (``cache.clone()`` first to branch from it); without ``return_cache`` it is read and
+        left as it was.
 
         ``context_parallel``: a ``torch.distributed`` process group over which one sequence
         is split: x (b, n_local) is this rank's contiguous slice, in rank order, all slices
@@ -147,6 +151,11 @@ class LinearAttentionTransformerLM(nn.Module):
         logits after it. The fast form of ``forward(..., cache=...)`` for one token at a time
         (``decoding.py``); it runs without gradients and assumes eval mode."""
         return start_decoding(self, x, input_mask, context, context_mask)
+
+    def step_of(self, cache, batch, first_real=None):
+        """The one-token step (``LMStep``) on ``cache``'s buffers (a ``DecodingCache`` of
+        ``batch`` rows; ``first_real``: see ``AttentionStep``), which a ``Decoder`` loops."""
+        return LMStep(self, cache, batch, first_real)
 
     def output_features(self, x, input_mask=None, context=None, context_mask=None, segment_ids=None,
                         context_parallel=None):
@@ -212,7 +221,65 @@ class LinearAttentionTransformerLM(nn.Module):
         return None if self.transformer.rotary is None else positions
 
     def _output(self, out):
-        out = self.norm(out)
-        if self.return_embeddings:
-            return out
-        return self.to_logits(self.project_out(out))
+        return _logits(out, *self._output_args())
+
+    def _output_args(self):
+        """The norm's arguments and the (weight, bias) of project_out (None: Identity) and of
+        to_logits (None: return_embeddings), for ``_logits``."""
+        norm = self.norm
+        project_out = None if isinstance(self.project_out, (nn.Identity, type(None))) else self.project_out
+        return ((norm.normalized_shape, norm.weight, norm.bias, norm.eps),
+                None if project_out is None else (project_out.weight, project_out.bias),
+                None if self.return_embeddings else (self.to_logits.weight, self.to_logits.bias))
+
+
+def _logits(out, norm_args, project_out, to_logits):
+    out = torch.layer_norm(out, *norm_args)
+    if to_logits is None:  # return_embeddings
+        return out
+    if project_out is not None:
+        out = F.linear(out, *project_out)
+    return F.linear(out, *to_logits)
+
+
+# a decoder keeps the position embeddings of every position when they are at most this many numbers
+POSITION_TABLE_ELEMENTS = 2 ** 23
+
+
+class LMStep:
+    """One token per row through the model, on a ``DecodingCache``'s buffers (``Decoder``):
+    token and position embeddings in, the layers' steps (``Branch.step_of``), logits out.
+
+    The position embeddings of every position are computed once by the model's own module
+    when the table has at most ``POSITION_TABLE_ELEMENTS`` entries; past that, each step
+    calls the module on its position."""
+
+    def __init__(self, model, cache, batch, first_real=None):
+        transformer = model.transformer
+        self.transformer, self.rotary = transformer, transformer.rotary
+        self.branches = [(f.step_of(fc, batch, first_real), g.step_of(gc, batch, first_real))
+                         for (f, g), (fc, gc) in zip(transformer.layers.blocks, cache.layers)]
+        self.token, self.pos_emb, self.table = model.token_emb.weight, model.pos_emb, None
+        self.project_in = None if isinstance(model.project_in, nn.Identity) else (model.project_in.weight,
+                                                                                  model.project_in.bias)
+        self.output_args = model._output_args()
+        if self.pos_emb is not None and model.max_seq_len * self.token.shape[1] <= POSITION_TABLE_ELEMENTS:
+            self.table = self.pos_emb(torch.arange(model.max_seq_len, device=self.token.device)).to(self.token.dtype)
+            self.table_rows = self.table.unbind(0)  # (eager steps: a row without an indexing op)
+
+    def buffers(self):
+        return [t for pair in self.branches for branch in pair for t in branch.buffers()]
+
+    def __call__(self, tokens, p, host=None):
+        """tokens (b,) at position p (a long tensor of no dimension; ``host``: the same as an
+        int on eager steps, else None) -> logits (b, num_tokens)."""
+        ctx = StepContext(p, host, None if self.rotary is None else self.rotary(p[None]))
+        h = F.embedding(tokens, self.token)
+        if self.table is not None:
+            # (a tensor index is an embedding lookup: indexing with it would read it back)
+            h = h + (F.embedding(p, self.table) if host is None else self.table_rows[host])
+        elif self.pos_emb is not None:
+            h = h + self.pos_emb(p[None]).to(h.dtype)
+        if self.project_in is not None:
+            h = F.linear(h, *self.project_in)
+        return _logits(self.transformer.step(h, self.branches, ctx), *self.output_args)

@@ -37,9 +37,8 @@ def shift_tokens(x, shifts, mask=None, previous=None, segments=None):
         raise ValueError("shift_tokens: segments and previous (cached decoding) cannot be combined")
     if previous is not None:
         x = torch.cat((rearrange(previous, "b d -> b 1 d"), x), dim=1)
-    sizes = [x.shape[-1] // len(shifts)] * len(shifts)
-    sizes[-1] += x.shape[-1] - sum(sizes)
     parts = []
+    sizes = _slice_sizes(x.shape[-1], len(shifts))
     for part, s in zip(x.split(sizes, dim=-1), shifts):
         # padding by (s, -s) along the sequence moves the slice s places later
         shifted = F.pad(part, (0, 0, s, -s)) if s else part
@@ -48,3 +47,18 @@ def shift_tokens(x, shifts, mask=None, previous=None, segments=None):
         parts.append(shifted)
     out = torch.cat(parts, dim=-1)
     return out[:, 1:] if previous is not None else out
+
+
+def _slice_sizes(dim, count):
+    """The widths of the ``count`` feature slices (the last takes the remainder)."""
+    return [dim // count] * (count - 1) + [dim - dim // count * (count - 1)]
+
+
+def shift_step(h, previous):
+    """One token of causal shifting (shifts (1, 0)), in place: h (b, d) -> its first slice
+    replaced by ``previous`` (b, d), the token before; ``previous`` then holds h, for the next
+    token. Equal to ``shift_tokens(h[:, None], (1, 0), previous=previous)[:, 0]``."""
+    first = _slice_sizes(h.shape[-1], 2)[0]
+    out = torch.cat((previous[:, :first], h[:, first:]), dim=-1)
+    previous.copy_(h)
+    return out

@@ -18,14 +18,15 @@ from product_key_memory import PKM
 from torch import nn
 
 from .attention import LOCAL_WINDOW_SIZE, Attention, _pad_to_multiple, check_mask, resolve_heads
-from .cache import AxialCache, BranchCache, DecodingCache, map_tensors, zip_tensors
+from .attention_step import AttentionStep, CrossAttentionStep
+from .cache import AxialCache, BranchCache, DecodingCache, copy_rows, map_tensors
 from .context_parallel import ContextParallel, exchange_boundaries
-from .feedforward import FeedForward
+from .feedforward import FeedForward, FeedForwardStep
 from .linformer import LinformerContextSettings, LinformerSettings, linformer_layers
 from .ops.segments import check_segment_ids, positions_in_segment, segment_runs
 from .positional import RotaryEmbedding
 from .reversible import ReversibleSequence, SequentialSequence
-from .token_shift import shift_tokens, token_shifts
+from .token_shift import shift_step, shift_tokens, token_shifts
 
 
 class Branch(nn.Module):
@@ -52,26 +53,87 @@ class Branch(nn.Module):
         return isinstance(self.fn, (Attention, FoldAxially))
 
     def forward(self, x, cache=None, return_cache=False, **kwargs):
-        """With ``return_cache`` -> (out, BranchCache); ``cache`` continues a sequence."""
+        """With ``return_cache`` -> (out, BranchCache), ``cache`` (a ``BranchCache``, made when
+        None) continuing a sequence and updated in place."""
         h = self.norm(x)
-        shift = None
         place = kwargs.get("context_parallel")
+        if return_cache and cache is None:
+            shift = None if self.shifts is None else h.new_zeros(h.shape[0], h.shape[-1])
+            cache = BranchCache(shift, None)
         if self.shifts is not None and place is not None:
             h = _shift_tokens_context_parallel(h, self.shifts, kwargs.get("input_mask"), place)
         elif self.shifts is not None:
             mask = kwargs.get("input_mask")
-            if return_cache:  # the token the next call's first token shifts in
-                last = h[:, -1] if mask is None else h[:, -1].masked_fill(~mask[:, -1:], 0.0)
-                shift = last
-            h = shift_tokens(h, self.shifts, mask, previous=None if cache is None else cache.shift,
-                             segments=kwargs.get("segment_ids"))
+            shifted = shift_tokens(h, self.shifts, mask, previous=None if cache is None else cache.shift,
+                                   segments=kwargs.get("segment_ids"))
+            if return_cache:  # the token the next call's first token shifts in (no gradient)
+                with torch.no_grad():
+                    cache.shift.copy_(h[:, -1] if mask is None else h[:, -1].masked_fill(~mask[:, -1:], 0.0))
+            h = shifted
         routed = {name: kwargs.get(name) for name in self.routes}
         if not return_cache:
             return self.dropout(self.fn(h, **routed))
         if not self.stateful:  # a feed-forward: nothing to remember
-            return self.dropout(self.fn(h, **routed)), BranchCache(shift, None)
-        out, fn_cache = self.fn(h, cache=None if cache is None else cache.fn, return_cache=True, **routed)
-        return self.dropout(out), BranchCache(shift, fn_cache)
+            return self.dropout(self.fn(h, **routed)), cache
+        out, cache.fn = self.fn(h, cache=cache.fn, return_cache=True, **routed)
+        return self.dropout(out), cache
+
+    def step_of(self, cache, batch, first_real=None):
+        """This branch's one-token step (``BranchStep``) on its ``BranchCache``, or None when
+        its module has none (attend_axially)."""
+        fn = self.fn
+        if isinstance(fn, Attention) and fn.receives_context:
+            step = CrossAttentionStep(fn, cache.fn)
+        elif isinstance(fn, Attention):
+            step = AttentionStep(fn, cache.fn, batch, first_real, steady=True)
+        elif isinstance(fn, FeedForward):
+            step = FeedForwardStep(fn)
+        elif not self.stateful:  # (product-key memory): the module on the one token
+            step = _ModuleStep(fn)
+        else:
+            return None
+        return BranchStep(self, cache.shift, step)
+
+
+class BranchStep:
+    """One token through a ``Branch``: LayerNorm, token shift (``shift_step``, on the cache's
+    buffer of the previous token), then the module's step. Called with ``into`` (eager steps
+    of a model that is not reversible), the branch's output is added to ``into`` in place."""
+
+    __slots__ = ("norm_args", "previous", "step")
+
+    def __init__(self, branch, previous, step):
+        norm = branch.norm
+        self.norm_args = (norm.normalized_shape, norm.weight, norm.bias, norm.eps)
+        self.previous = None
+        if branch.shifts is not None:
+            if tuple(branch.shifts) != (1, 0):
+                raise ValueError(f"a causal decoder shifts by (1, 0), got {branch.shifts}")
+            self.previous = previous
+        self.step = step
+
+    def buffers(self):
+        return ([] if self.previous is None else [self.previous]) + self.step.buffers()
+
+    def __call__(self, x, ctx, into=None):
+        h = torch.layer_norm(x, *self.norm_args)
+        if self.previous is not None:
+            h = shift_step(h, self.previous)
+        return self.step(h, ctx, into)
+
+
+class _ModuleStep:
+    __slots__ = ("fn",)
+
+    def __init__(self, fn):
+        self.fn = fn
+
+    def buffers(self):
+        return []
+
+    def __call__(self, h, ctx, into=None):
+        out = self.fn(h[:, None])[:, 0]
+        return out if into is None else into.add_(out)
 
 
 def _shift_tokens_context_parallel(h, shifts, mask, place):
@@ -129,20 +191,23 @@ class FoldAxially(nn.Module):
             xs = rearrange(x[:, head : head + full], "b (i w) d -> (b w) i d", w=w)
             ms = _cut(input_mask, head, head + full)
             ms = None if ms is None else rearrange(ms, "b (i w) -> (b w) i", w=w)
-            out, inner = self.attn(xs, input_mask=ms, cache=inner, return_cache=True)
+            out, _ = self.attn(xs, input_mask=ms, cache=inner, return_cache=True)
             outs.append(rearrange(out, "(b w) i d -> b (i w) d", b=b))
         for t in range(head + full, n):
             out, inner = self._step(x[:, t : t + 1], _cut(input_mask, t, t + 1), inner, position + t)
             outs.append(out)
-        return torch.cat(outs, dim=1), AxialCache(inner, position + n)
+        cache.position = position + n
+        return torch.cat(outs, dim=1), cache
 
     def _step(self, x, mask, inner, position):
-        """One token at absolute ``position``: it continues the rows of residue position mod w."""
+        """One token at absolute ``position``: it continues the rows of residue position mod w
+        (their buffers updated in place)."""
         b = x.shape[0]
         rows = torch.arange(b, device=x.device) * self.width + position % self.width
         sub = map_tensors(inner, lambda t: t.index_select(0, rows))
         out, sub = self.attn(x, input_mask=mask, cache=sub, return_cache=True)
-        return out, zip_tensors(inner, sub, lambda full, part: full.index_copy(0, rows, part.to(full.dtype)))
+        copy_rows(inner, rows, sub)
+        return out, inner
 
 
 def _cut(mask, start, stop):
@@ -457,8 +522,9 @@ class LinearAttentionTransformer(nn.Module):
             kwargs["rotary"] = self.rotary(positions)
         if cache is None and not return_cache:
             return self.layers(x, **kwargs)
-        out, new_cache = self._forward_cached(x, cache, kwargs)
-        return (out, new_cache) if return_cache else out
+        # updated in place and returned; read without return_cache, it is left as it was
+        out, cache = self._forward_cached(x, cache if return_cache or cache is None else cache.clone(), kwargs)
+        return (out, cache) if return_cache else out
 
     def context_parallel_place(self, context_parallel, x, segment_ids=None, cache=None, return_cache=False):
         """Check that this model can run x (b, n_local, …) split over ``context_parallel``
@@ -496,23 +562,44 @@ class LinearAttentionTransformer(nn.Module):
         return segment_runs(segment_ids)
 
     def _forward_cached(self, x, cache, kwargs):
-        """The layers one branch at a time, each continuing from its cache. Reversible pairs
-        follow their composition rule: y1 = x1 + f(x2), y2 = x2 + g(y1), out = (y1 + y2) / 2."""
+        """The layers one branch at a time, each continuing from its cache (updated in place;
+        made when None). Reversible pairs follow their composition rule: y1 = x1 + f(x2),
+        y2 = x2 + g(y1), out = (y1 + y2) / 2."""
         self.check_cacheable()
         blocks = self.layers.blocks
-        caches = cache.layers if cache is not None else [(None, None)] * len(blocks)
+        if cache is None:
+            cache = DecodingCache(0, [[None, None] for _ in blocks])
         reversible = isinstance(self.layers, ReversibleSequence)
         x1 = x2 = x
-        new = []
-        for (f, g), (f_cache, g_cache) in zip(blocks, caches):
-            out, f_cache = f(x2 if reversible else x1, cache=f_cache, return_cache=True, **kwargs)
+        for (f, g), pair in zip(blocks, cache.layers):
+            out, pair[0] = f(x2 if reversible else x1, cache=pair[0], return_cache=True, **kwargs)
             y1 = x1 + out
-            out, g_cache = g(y1, cache=g_cache, return_cache=True, **kwargs)
+            out, pair[1] = g(y1, cache=pair[1], return_cache=True, **kwargs)
             x1, x2 = (y1, x2 + out) if reversible else (y1 + out, None)
-            new.append((f_cache, g_cache))
-        out = (x1 + x2) / 2 if reversible else x1
-        position = (0 if cache is None else cache.position) + x.shape[1]
-        return out, DecodingCache(position, tuple(new))
+        cache.position += x.shape[1]
+        return ((x1 + x2) / 2 if reversible else x1), cache
+
+    def step(self, x, branches, ctx):
+        """One token x (b, dim) through the layers (``Decoder``): ``branches`` holds each
+        block's pair of ``BranchStep`` (``Branch.step_of``), each stepping its cache's buffers
+        in place, composed by the rule of ``_forward_cached``. On eager steps of a model that
+        is not reversible each branch adds its output into x in place (x must be the step's
+        own tensor)."""
+        if isinstance(self.layers, ReversibleSequence):
+            x1 = x2 = x
+            for f, g in branches:
+                y1 = x1 + f(x2, ctx)
+                x2 = x2 + g(y1, ctx)
+                x1 = y1
+            return (x1 + x2) / 2
+        for f, g in branches:
+            if ctx.host_position is None:
+                x = x + f(x, ctx)
+                x = x + g(x, ctx)
+            else:
+                f(x, ctx, x)
+                g(x, ctx, x)
+        return x
 
     @property
     def supports_cache(self):

@@ -93,30 +93,40 @@ def test_cached_decoding_equals_full_forward_float32(name):
     torch.testing.assert_close(cached[mask], full[mask], rtol=1e-4, atol=1e-4)
 
 
-def test_cache_is_never_modified_and_can_branch():
+def test_cache_is_updated_in_place_and_branches_by_clone():
+    """A call with return_cache writes the new state into the cache's buffers (each keeps its
+    shape and memory) and returns the same cache; to branch, clone first: a clone is
+    independent of the cache it was made from, and a branch from it equals the same call
+    from an untouched clone."""
     cfg = CONFIGS["local+blindspot+shift+reversible"]
     model = make(cfg)
     x, mask, kw = inputs(cfg)
     _, cache = model(x[:, :10], input_mask=mask[:, :10], return_cache=True)
-    snapshot = map_tensors(cache, lambda t: t.clone())
-    a, _ = model(x[:, 10:11], cache=cache, return_cache=True)
-    b, _ = model(x[:, 11:12], cache=cache, return_cache=True)  # a different branch from the same cache
-    a2, _ = model(x[:, 10:11], cache=cache, return_cache=True)
+    layout = [(tuple(t.shape), t.data_ptr()) for t in tensors_of(cache)]
+    snapshot, branch = cache.clone(), cache.clone()
+    before = [t.clone() for t in tensors_of(cache)]
+    a, same = model(x[:, 10:11], cache=cache, return_cache=True)
+    assert same is cache and cache.position == 11
+    assert [(tuple(t.shape), t.data_ptr()) for t in tensors_of(cache)] == layout
+    assert not all(torch.equal(now, was) for now, was in zip(tensors_of(cache), before))
+    assert all(torch.equal(now, was) for now, was in zip(tensors_of(snapshot), before))
+    b, _ = model(x[:, 11:12], cache=branch, return_cache=True)  # a different branch from the same state
+    a2, _ = model(x[:, 10:11], cache=snapshot, return_cache=True)
     torch.testing.assert_close(a, a2, rtol=0, atol=0)
     assert not torch.equal(a, b)
-    now, before = tensors_of(cache), tensors_of(snapshot)
-    assert len(now) == len(before) > 0
-    assert all(torch.equal(a, b) for a, b in zip(now, before))
 
 
 def test_cache_without_return_cache_gives_the_output_alone():
     """A cache can be read without asking for the next one: the output alone comes back,
-    equal to the output of the same call with return_cache=True."""
+    equal to the output of the same call with return_cache=True, and the cache is left as it
+    was."""
     cfg = CONFIGS["local+blindspot+shift+reversible"]
     model = make(cfg)
     x, mask, kw = inputs(cfg)
     _, cache = model(x[:, :10], input_mask=mask[:, :10], return_cache=True)
+    before = [t.clone() for t in tensors_of(cache)]
     alone = model(x[:, 10:12], cache=cache)
+    assert all(torch.equal(now, was) for now, was in zip(tensors_of(cache), before))  # read, not updated
     paired, _ = model(x[:, 10:12], cache=cache, return_cache=True)
     assert torch.is_tensor(alone)
     torch.testing.assert_close(alone, paired, rtol=0, atol=0)

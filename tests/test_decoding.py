@@ -1,5 +1,5 @@
-"""The one-token decoder (decoding.py) equals the full forward, and its recurrence step
-equals the reference step of ops/causal/recurrent.py."""
+"""The one-token decoder (decoding.py) equals the full forward, and the in-place recurrence
+step (``RecurrentState``, ops/causal/recurrent.py) equals the reference step beside it."""
 
 import pytest
 import torch
@@ -9,9 +9,10 @@ from torch._dynamo.testing import CompileCounterWithBackend
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from linear_attention_transformer import AutoregressiveWrapper, LinearAttentionTransformerLM
-from linear_attention_transformer.decoding import NEG_INF, BlockHeads, CacheDecoder, Decoder, GlobalHeads, _join_flags
+from linear_attention_transformer.decoding import CacheDecoder, Decoder
 from linear_attention_transformer.ops import CausalState
 from linear_attention_transformer.ops import causal_linear_attention_step
+from linear_attention_transformer.ops.causal.recurrent import RecurrentState, join_flags
 
 D = torch.float64
 
@@ -151,15 +152,13 @@ def test_global_step_equals_reference_step_float64(exp_features, logit_scale, bl
         shape = (b, h, n) if gate == "head" else (b, h, n, d)
         log_decay = -torch.rand(*shape, generator=g, dtype=D) * 3
     reference = CausalState.zeros(b, h, d, e, blindspot, exp_features, dtype=D)
-    start = [t for t in (reference.kv, reference.ref, reference.pending, reference.pending_ref) if t is not None]
-    given = [t.clone() for t in start]
-    lean = GlobalHeads.from_state(reference, blindspot, exp_features)
+    lean = RecurrentState.zeros(b, h, d, e, blindspot, exp_features, dtype=D)
     zero = torch.zeros((), dtype=D)
     for t in range(n):
         ld = None if log_decay is None else log_decay[:, :, t]
         want, reference = causal_linear_attention_step(q[:, :, t], k[:, :, t], v[:, :, t], reference, ld, blindspot,
                                                        exp_features)
-        join = _join_flags(torch.tensor(t), blindspot, D, exp_features, zero, torch.full((), NEG_INF, dtype=D))
+        join = join_flags(torch.tensor(t), blindspot, exp_features, zero, torch.full((), float("-inf"), dtype=D))
         got = lean.step(q[:, :, t], k[:, :, t], v[:, :, t], ld, join if blindspot > 1 else None)
         assert torch.isfinite(got).all()
         torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
@@ -174,18 +173,17 @@ def test_global_step_equals_reference_step_float64(exp_features, logit_scale, bl
 
             torch.testing.assert_close(effective(lean.pending, lean.pending_ref),
                                        effective(reference.pending, reference.pending_ref), rtol=1e-12, atol=1e-12)
-    # the state it was built from is copied, not stepped in place
-    assert all(torch.equal(a, b) for a, b in zip(given, start))
 
 
 @pytest.mark.parametrize("exp_features, logit_scale", [(True, 1.0), (True, 300.0), (False, 1.0)])
 @pytest.mark.parametrize("traced", [False, True], ids=["eager", "traced"])
 @pytest.mark.parametrize("prompt", [0, 2, 4])  # 2, 4: the first block began in the prompt (pending)
-def test_block_heads_equal_reference_step_float64(exp_features, logit_scale, traced, prompt):
-    """BlockHeads (blindspot, no decay: the block's keys kept as they are, joined at once)
-    after a prompt of ``prompt`` tokens: every output and the state after every step equal
-    the reference step's, with the slot and the join given as ints (eager) or as tensors (the
-    form a compiled step traces: the join computed at every step and kept where it applies)."""
+def test_step_after_a_prompt_equals_reference_step_float64(exp_features, logit_scale, traced, prompt):
+    """The in-place step loaded with the state after a prompt of ``prompt`` tokens
+    (``RecurrentState.load``, as a cached call leaves it): every output and the state after
+    every step equal the reference step's, with the join given as the position an eager step
+    knows (an int: joined only at a block's end) or as tensor flags (the form a compiled step
+    traces: computed at every step, a no-op where the block is not complete)."""
     g = torch.Generator().manual_seed(prompt)
     b, h, d, e, n, blindspot = 2, 3, 4, 5, 14, 3
     q, k = (torch.randn(b, h, n, d, generator=g, dtype=D) * logit_scale for _ in range(2))
@@ -198,20 +196,22 @@ def test_block_heads_equal_reference_step_float64(exp_features, logit_scale, tra
                                                     exp_features)
     start = [t for t in (reference.kv, reference.ref, reference.pending, reference.pending_ref) if t is not None]
     given = [t.clone() for t in start]
-    lean = BlockHeads.from_state(reference, blindspot, exp_features)
+    lean = RecurrentState.zeros(b, h, d, e, blindspot, exp_features, dtype=D)
+    lean.load(reference)
+    zero, hidden = torch.zeros((), dtype=D), torch.full((), float("-inf"), dtype=D)
     for t in range(prompt, n):
         want, reference = causal_linear_attention_step(q[:, :, t], k[:, :, t], v[:, :, t], reference, None,
                                                        blindspot, exp_features)
-        slot, joining = t % blindspot, (t + 1) % blindspot == 0
-        if traced:
-            slot, joining = torch.tensor([slot]), torch.tensor(joining)
-        got = lean.step(q[:, :, t], k[:, :, t], v[:, :, t], slot, joining)
+        join = join_flags(torch.tensor(t) if traced else t, blindspot, exp_features, zero, hidden)
+        got = lean.step(q[:, :, t], k[:, :, t], v[:, :, t], None, join)
         assert torch.isfinite(got).all()
         torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
         torch.testing.assert_close(lean.kv, reference.kv, rtol=1e-12, atol=1e-12)
         if exp_features:
             torch.testing.assert_close(lean.ref, reference.ref, rtol=0, atol=0)
+    # loading copies: the reference's tensors were not stepped in place
     assert all(torch.equal(a, b) for a, b in zip(given, start))
+    torch.testing.assert_close(lean.as_causal_state(n).kv, reference.kv, rtol=1e-12, atol=1e-12)
 
 
 # ------------------------------------------- no sync, fixed buffers, one compiled graph
@@ -225,7 +225,6 @@ SYNC_OPS = {"aten::_local_scalar_dense", "aten::item", "aten::nonzero", "aten::i
 LONG_CONFIGS = {  # for hundreds of steps: max_seq_len 256 (the decoder's state does not grow with it)
     "local+blindspot+gate+shift": dict(n_local_attn_heads=2, local_attn_window_size=4, blindspot_size=3,
                                        use_gate=True, shift_tokens=True),
-    # without a gate the blindspot's keys wait as they are (BlockHeads)
     "local+blindspot+shift": dict(n_local_attn_heads=2, local_attn_window_size=4, blindspot_size=3,
                                   shift_tokens=True),
     "global gate per feature+conv+rotary+exact window+kv_heads": dict(
@@ -309,8 +308,7 @@ def graphs(counter):
 @pytest.mark.parametrize("name", ["local+blindspot+gate+shift", "local+blindspot+shift"])
 def test_compiled_step_one_graph_over_200_steps_float64(name):
     """``torch.compile(decoder.step, fullgraph=True)``: one graph, no recompile over 200 steps
-    (local heads with their ring, blindspot joins with the gate (GlobalHeads) or without it
-    (BlockHeads), token shift); every step's logits equal the full forward in float64; a
+    (local heads with their ring, blindspot joins with the gate or without it, token shift); every step's logits equal the full forward in float64; a
     second decoder of the same model reuses the graph."""
     model = make_long(LONG_CONFIGS[name])
     x, mask = padded_prompt()
@@ -444,3 +442,53 @@ def test_generate_compile_step_refusals():
     axial = AutoregressiveWrapper(make(CONFIGS["gate+conv+axial+rotary"], torch.float32))  # its decoder: CacheDecoder
     with pytest.raises(ValueError, match="compile_step"):
         axial.generate(prompt, 2, compile_step={"backend": "eager"})
+
+
+# ------------------------------------------------- each piece's step against its full form
+
+
+def test_piece_steps_equal_their_full_forms_float64():
+    """Token shift, the local convolution, the feed-forward and the local heads' ring readout:
+    each one-token step (in place on its buffer) equals its full form on the last position."""
+    from linear_attention_transformer.feedforward import FeedForward, FeedForwardStep
+    from linear_attention_transformer.gating import LocalConv, local_conv_step
+    from linear_attention_transformer.ops.windowed_attention import (Window, windowed_attention_by_position,
+                                                                     windowed_attention_step)
+    from linear_attention_transformer.token_shift import shift_step, shift_tokens
+
+    g = torch.Generator().manual_seed(7)
+    b, n, dim = 2, 6, 9
+    x = torch.randn(b, n, dim, generator=g, dtype=D)
+    previous = x[:, -2].clone()
+    want = shift_tokens(x, (1, 0))[:, -1]
+    torch.testing.assert_close(shift_step(x[:, -1], previous), want, rtol=0, atol=0)
+    assert torch.equal(previous, x[:, -1])  # the buffer now holds the token, for the next step
+
+    torch.manual_seed(0)
+    conv = LocalConv(3 * 4, kernel_size=4).to(D)
+    with torch.no_grad():
+        conv.conv_weight.normal_()
+    t = torch.randn(b, 3, n, 4, generator=g, dtype=D)
+    buffer = t[:, :, -4:-1].clone()
+    got = local_conv_step(t[:, :, -1], buffer, conv.taps(3).detach())
+    torch.testing.assert_close(got, conv(t)[:, :, -1].detach(), rtol=1e-12, atol=1e-12)
+    assert torch.equal(buffer, t[:, :, -3:])
+
+    for glu in (False, True):
+        ff = FeedForward(dim, mult=2, glu=glu).to(D).eval()
+        into = x[:, -1].clone()
+        with torch.no_grad():
+            FeedForwardStep(ff)(x[:, -1], None, into)
+            torch.testing.assert_close(into, x[:, -1] + ff(x)[:, -1], rtol=1e-12, atol=1e-12)
+
+    window = Window(3, look_backward=1)
+    q, k, v = (torch.randn(b, 2, n, 4, generator=g, dtype=D) for _ in range(3))
+    positions = torch.arange(n)
+    want = windowed_attention_by_position(q, k, v, positions, positions, window)[:, :, -1]
+    slots = window.most_keys  # a ring of the last keys, in slot order t mod slots
+    order = positions[-slots:] % slots
+    keys, values = (torch.zeros(b, 2, slots, 4, dtype=D).index_copy(2, order, t[:, :, -slots:]) for t in (k, v))
+    ring_positions = torch.zeros(slots, dtype=torch.long).index_copy(0, order, positions[-slots:])
+    bias = torch.where(window.visible(positions[-1], ring_positions), 0.0, float("-inf")).to(D)[None, None]
+    got = windowed_attention_step(q[:, :, -1:] * 4 ** -0.5, keys, values, bias)
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)

@@ -11,8 +11,10 @@ query i sees exactly the last L * w keys, itself included,
 
     i - L * w  <  j  <=  i.
 
-``Window.visible`` states the rule once. ``windowed_attention_by_position`` is its plain
-O(n m) masked softmax (it also serves cached decoding, whose keys start past position 0);
+``Window.visible`` states the rule once (its lower bound is ``Window.first_key``).
+``windowed_attention_by_position`` is its plain O(n m) masked softmax (it also serves cached
+decoding, whose keys sit in a ring at any positions); ``windowed_attention_step`` is one
+query of a decoder over that ring;
 ``windowed_attention`` is the blocked form used by the full forward, O(n (L + F + 1) w):
 each window of queries meets only the L + F + 1 windows of keys around it, and the same
 rule masks inside them. The tests hold the two equal.
@@ -48,17 +50,22 @@ class Window(NamedTuple):
 
     def visible(self, q_positions, k_positions):
         """Bool, broadcast of the two position tensors: key visible to query."""
-        w = self.size
-        if self.exact:
-            return (k_positions <= q_positions) & (k_positions > q_positions - self.look_backward * w)
-        qw, kw = q_positions // w, k_positions // w
-        visible = (kw >= qw - self.look_backward) & (kw <= qw + self.look_forward)
-        return visible & (k_positions <= q_positions) if self.causal else visible
+        seen = k_positions >= self.first_key(q_positions)
+        if self.causal:
+            return seen & (k_positions <= q_positions)
+        return seen & (k_positions // self.size <= q_positions // self.size + self.look_forward)
 
     def first_key(self, position):
-        """The first key position a (causal) query at ``position`` or later can still see."""
+        """The first key position a query at ``position`` (an int or a tensor) sees: the rule's
+        lower bound, i - L w + 1 (exact) or the start of the window L windows back. A causal
+        query at ``position`` or later sees no key before it."""
         w, L = self.size, self.look_backward
-        return max(0, position - L * w + 1) if self.exact else max(0, (position // w - L) * w)
+        return position - (L * w - 1) if self.exact else position - position % w - L * w
+
+    @property
+    def most_keys(self):
+        """The most keys a causal query sees (what a decoder's ring of keys holds)."""
+        return self.look_backward * self.size if self.exact else (self.look_backward + 1) * self.size
 
 
 def windowed_attention_by_position(q, k, v, q_positions, k_positions, window, key_mask=None, q_segments=None,
@@ -128,13 +135,15 @@ def windowed_attention(q, k, v, window, key_mask=None, segments=None):
     return rearrange(out, "b h u i d -> b h (u i) d")[:, :, :n]
 
 
-def windowed_attention_last(q, k, v, key_mask=None):
-    """One query whose window holds exactly the keys given (what a decoder's cache keeps):
-    only the padding mask is left to apply. q (b, h, 1, d) -> (b, h, 1, d)."""
-    q, k, v, bad = _quarantine(q, k, v)
-    sim = torch.einsum("bhid,bhjd->bhij", q, k) * q.shape[-1] ** -0.5
-    visible = None if key_mask is None else rearrange(key_mask, "b j -> b 1 1 j")
-    return _softmax_attend(sim, visible, v, bad)
+def windowed_attention_step(q, keys, values, bias, out=None):
+    """One query over a ring of stored keys (cached decoding): q (b, h, 1, d) already scaled by
+    d^-1/2, keys and values (b, h, slots, d), bias (b or 1, 1, slots) 0 where the key is
+    visible (``Window.visible`` of the slots' positions) and -inf elsewhere; the query's own
+    key is among them. -> (b, h, d), written into ``out`` when given. Products and sums, not
+    matmuls: a batched matmul of these tiny shapes runs on every thread, and on a busy
+    machine waiting for the other threads costs milliseconds."""
+    sim = (q * keys).sum(dim=-1) + bias
+    return torch.sum(sim.softmax(dim=-1)[..., None] * values, dim=-2, out=out)
 
 
 def _quarantine(q, k, v):
@@ -147,16 +156,12 @@ def _quarantine(q, k, v):
 
 
 def _softmax_attend(sim, visible, v, bad=None):
-    if visible is None:
-        out = sim.softmax(dim=-1) @ v
-    else:
-        # the most negative finite value keeps a row with no visible key finite; its weights
-        # are then zeroed, so such a query (a padded one in a causal model) gets 0 and reads
-        # no key: a uniform row would spread over the window's later keys, against causality
-        sim = sim.masked_fill(~visible, -torch.finfo(sim.dtype).max)
-        out = sim.softmax(dim=-1).masked_fill(~visible, 0.0) @ v
+    # the most negative finite value keeps a row with no visible key finite; its weights are
+    # then zeroed, so such a query (a padded one in a causal model) gets 0 and reads no key:
+    # a uniform row would spread over the window's later keys, against causality
+    sim = sim.masked_fill(~visible, -torch.finfo(sim.dtype).max)
+    out = sim.softmax(dim=-1).masked_fill(~visible, 0.0) @ v
     if bad is None:
         return out
     bad_query, bad_key = bad  # a query sees a bad key or value: NaN, as its plain sum is
-    seen = bad_key[..., None, :] if visible is None else visible & bad_key[..., None, :]
-    return poisoned(out, bad_query | seen.any(dim=-1))
+    return poisoned(out, bad_query | (visible & bad_key[..., None, :]).any(dim=-1))

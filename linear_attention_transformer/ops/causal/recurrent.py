@@ -1,5 +1,21 @@
 """The causal recurrence, one token at a time: S_t = a_t S_{t-1} + k_t v_tᵀ (see ``chunk.py``
-for the exponential features' references)."""
+for the exponential features' references).
+
+Two forms of one step:
+
+* ``causal_linear_attention_step``: the plain form, a new ``CausalState`` per token, written
+  for autograd and for reading; ``recurrent_causal_linear_attention`` (the step over a
+  sequence) is the judge the other forms are tested against.
+* ``RecurrentState.step``: the same numbers in buffers of fixed shape, updated in place, with
+  the same references (exponential features: every factor exp(x - reference) <= 1, so a step
+  stays exact at any logit size) and the same blindspot rule (the keys of the current block
+  gather in ``pending`` and join the state when the block is complete). Nothing in it
+  depends on a value read back from the device: the join is scaled by flags that are 1 (log
+  0) at the block's last position and 0 (log -inf) elsewhere, which leave every buffer bit
+  for bit as it was (``join_flags``), or skipped by a caller that knows the position on the
+  host. It is what a decoder (``Decoder.step``) and a cached call of one token run, on a
+  ``DecodingCache``'s buffers; the tests hold it equal to the plain step in float64.
+"""
 
 from __future__ import annotations
 
@@ -9,7 +25,7 @@ import torch.nn.functional as F
 from ..common import (NEG_INF, _append_ones, _apply_key_mask, _check_mask, _compute_dtype, _divide, _exp_ratio,
                       _finite_or_zero, _queries_relative_to)
 
-__all__ = ["CausalState", "causal_linear_attention_step", "recurrent_causal_linear_attention"]
+__all__ = ["CausalState", "RecurrentState", "causal_linear_attention_step", "recurrent_causal_linear_attention"]
 
 
 class CausalState:
@@ -156,3 +172,238 @@ def _emptied(state, rows):
     return CausalState(empty(state.kv, 0.0), empty(state.ref, NEG_INF), empty(state.pending, 0.0),
                        empty(state.pending_ref, NEG_INF), state.position)
 
+
+class RecurrentState:
+    """The recurrent state of one layer's global heads, in fixed-shape buffers.
+
+    kv (b, h, d, e + 1) with the normaliser as its last column, ref (b, h, d) its per-feature
+    log reference (exponential features; else None), and with a blindspot pending /
+    pending_ref: the same for the keys of the unfinished block (``CausalState``'s fields).
+    After a join, pending keeps its old sums under a reference of -inf (exponential features:
+    the next key's rescale, by exp(-inf) = 0, empties it).
+
+    ``waiting=True`` (a blindspot without decay) keeps the block's keys and values as they
+    are, keys (b, h, B, d) and values (b, h, B, e + 1) (the key at position t in slot t mod
+    B), to join all at once when the block is complete: a step then writes its key and value
+    and reads the state, where the other form updates the block's sum at every step (eight
+    more operations on the state's shape). ``pending`` then holds only what arrived before
+    the slots were filled (a prompt's part of the block). A slot without a key holds key -inf
+    (exponential features) or 0, and value 0: it adds nothing to a join."""
+
+    fields = ("kv", "ref", "pending", "pending_ref", "keys", "values")
+    __slots__ = fields + ("_slot_views",)
+
+    def __init__(self, kv, ref=None, pending=None, pending_ref=None, keys=None, values=None):
+        self.kv, self.ref, self.pending, self.pending_ref = kv, ref, pending, pending_ref
+        self.keys, self.values = keys, values
+        # eager steps write a slot through these views, made once: (b, h, d) and (b, h, e)
+        self._slot_views = None if keys is None else (keys.unbind(2), values[..., :-1].unbind(2))
+
+    @classmethod
+    def zeros(cls, b, h, d, e, blindspot_size=1, exp_features=False, device=None, dtype=torch.float32, waiting=False):
+        s = CausalState.zeros(b, h, d, e, blindspot_size, exp_features, device, dtype)
+        state = cls(s.kv, s.ref, s.pending, s.pending_ref)
+        if waiting and blindspot_size > 1:
+            keys, values = s.kv.new_empty(b, h, blindspot_size, d), s.kv.new_empty(b, h, blindspot_size, e + 1)
+            state = cls(s.kv, s.ref, s.pending, s.pending_ref, keys, values)
+            state._empty_slots()
+        return state
+
+    def _empty_slots(self):
+        self.keys.fill_(NEG_INF if self.ref is not None else 0.0)
+        self.values.zero_()
+        self.values[..., -1] = 1.0  # the normaliser's column of ones
+
+    def _map(self, fn):
+        return RecurrentState(*(None if t is None else fn(t) for t in self.buffers(all_fields=True)))
+
+    def buffers(self, all_fields=False):
+        fields = (self.kv, self.ref, self.pending, self.pending_ref, self.keys, self.values)
+        return fields if all_fields else [t for t in fields if t is not None]
+
+    def as_causal_state(self, position):
+        """The plain ``CausalState`` these buffers stand for after ``position`` tokens (new
+        tensors)."""
+        pending, pending_ref = self.pending, self.pending_ref
+        if pending_ref is not None:  # (sums under -inf stand for nothing)
+            pending = torch.where(torch.isfinite(pending_ref)[..., None], pending, 0.0)
+        if self.keys is not None:  # the slots of this block's keys so far join the block's sum
+            blindspot = self.keys.shape[2]
+            filled = (torch.arange(blindspot, device=self.keys.device) < position % blindspot)[:, None]
+            keys = self.keys.masked_fill(~filled, NEG_INF if pending_ref is not None else 0.0)
+            if pending_ref is None:
+                pending = pending + keys.transpose(-1, -2) @ self.values
+            else:
+                new_ref = torch.maximum(pending_ref, keys.amax(dim=2))
+                finite = torch.where(torch.isfinite(new_ref), new_ref, 0.0)
+                weights = (keys - finite[:, :, None]).exp()
+                pending = pending * _exp_ratio(pending_ref, new_ref)[..., None] + weights.transpose(-1, -2) @ self.values
+                pending_ref = new_ref
+        clone = (lambda t: None if t is None else t.clone())  # noqa: E731
+        return CausalState(self.kv.clone(), clone(self.ref), clone(pending), clone(pending_ref), position)
+
+    def load(self, state):
+        """Copy a ``CausalState`` into the buffers (the block's slots emptied: its keys so far
+        are in ``pending``)."""
+        for buffer, value in zip(self.buffers(all_fields=True), (state.kv, state.ref, state.pending, state.pending_ref)):
+            if buffer is not None:
+                buffer.copy_(value)
+        if self.keys is not None:
+            self._empty_slots()
+
+    def where(self, p, blindspot_size, zero, hidden):
+        """What a step at position p (an int on eager steps, else a long tensor of no
+        dimension) needs to know of its blindspot block (None without one): with waiting
+        slots, (slot, joining): p mod B and whether p completes its block (ints, or a long
+        tensor (1,) and a bool tensor); else ``join_flags``. ``zero``, ``hidden``: 0 and -inf
+        in the state's dtype."""
+        if blindspot_size == 1:
+            return None
+        if self.keys is None:
+            return join_flags(p, blindspot_size, self.ref is not None, zero, hidden)
+        if isinstance(p, int):
+            return p % blindspot_size, (p + 1) % blindspot_size == 0
+        return torch.remainder(p, blindspot_size)[None], torch.remainder(p + 1, blindspot_size) == 0
+
+    def step(self, q, k, v, log_decay=None, where=None, all_seen=False, out=None):
+        """One token: q, k (b, h, d) features (logits with exponential features), v (b, h, e),
+        in the state's dtype; log_decay None, (b, h) or (b, h, d). ``where``: this position's
+        ``where`` (None without a blindspot, or where the caller knows that the position
+        does not complete its block). ``all_seen``: the caller knows that every row's query
+        sees a key (see ``read_state``). Returns out (b, h, e), written into ``out`` when
+        given; the token is real (a padded one is not stepped)."""
+        if self.keys is not None:
+            return self._step_waiting(q, k, v, *where, all_seen, out)
+        kv, ref, pending, pending_ref = self.kv, self.ref, self.pending, self.pending_ref
+        exp_features, blindspot = ref is not None, pending is not None
+        v1 = F.pad(v, (0, 1), value=1.0)[:, :, None, :]  # the normaliser's column of ones
+        if log_decay is not None:
+            ld = log_decay[..., None] if log_decay.ndim == 2 else log_decay  # (b, h, 1 or d)
+            if exp_features:  # the decay moves the references, not the sums
+                ref.add_(ld)
+                if blindspot:
+                    pending_ref.add_(ld)
+            else:
+                a = ld.exp()[..., None]
+                kv.mul_(a)
+                if blindspot:
+                    pending.mul_(a)
+        acc, acc_ref = (pending, pending_ref) if blindspot else (kv, ref)
+        if exp_features:
+            # a key moves the reference to max(ref, k): factors exp(ref - new) <= 1 and
+            # exp(k - new) <= 1, so the largest term stays 1 (ref -inf: no key yet, factor 0)
+            new_ref = torch.maximum(acc_ref, k)
+            acc.mul_((acc_ref - new_ref).exp()[..., None]).addcmul_((k - new_ref).exp()[..., None], v1)
+            acc_ref.copy_(new_ref)
+        else:
+            acc.addcmul_(k[..., None], v1)
+        out = read_state(q, kv, ref, all_seen, out)
+        if blindspot and where is not None:
+            self._join(*where)
+        return out
+
+    def _join(self, a, b):
+        """The blindspot block's keys join the state when (a, b) = (1, 0) (log: (0, -inf)), and
+        (0, 1) ((-inf, 0)) leaves both exactly as they were."""
+        kv, ref, pending, pending_ref = self.kv, self.ref, self.pending, self.pending_ref
+        if ref is None:
+            kv.addcmul_(pending, a)
+            pending.mul_(b)
+            return
+        joining_ref = pending_ref + a  # -inf unless the block joins now
+        new_ref = torch.maximum(ref, joining_ref)
+        kv.mul_(_exp_ratio(ref, new_ref)[..., None]).addcmul_(pending, _exp_ratio(joining_ref, new_ref)[..., None])
+        ref.copy_(new_ref)
+        pending_ref.add_(b)
+
+    def _step_waiting(self, q, k, v, slot, joining, all_seen=False, out=None):
+        """The step with waiting slots: the key and value go to ``slot``, the query reads the
+        state (it does not see its own block), and the block joins where ``joining`` holds
+        (eager: ints and bools, the join run only then; traced: tensors, the join computed
+        at every step and kept where it applies)."""
+        if isinstance(slot, int):
+            key_slots, value_slots = self._slot_views
+            key_slots[slot].copy_(k)
+            value_slots[slot].copy_(v)
+        else:
+            self.keys.index_copy_(2, slot, k[:, :, None])
+            self.values[..., :-1].index_copy_(2, slot, v[:, :, None])
+        out = read_state(q, self.kv, self.ref, all_seen, out)
+        if joining is True:
+            self._join_waiting()
+        elif joining is not False:
+            self._join_waiting(joining)
+        return out
+
+    def _join_waiting(self, joining=None):
+        """The block's keys (and ``pending``) join the state: at once when ``joining`` is None,
+        else where the bool tensor ``joining`` holds (elsewhere every buffer keeps its values
+        bit for bit)."""
+        kv, ref, pending, pending_ref, keys = self.kv, self.ref, self.pending, self.pending_ref, self.keys
+        if ref is not None:
+            # the block's reference is the largest of its keys (the current one is finite)
+            new_ref = torch.maximum(ref, torch.maximum(pending_ref, keys.amax(dim=2)))
+            weights = (keys - new_ref[:, :, None]).exp()  # (b, h, slots, d); -inf keys give 0
+            earlier = kv * _exp_ratio(ref, new_ref)[..., None] + pending * _exp_ratio(pending_ref, new_ref)[..., None]
+        else:
+            weights, earlier = keys, kv + pending
+        joined = earlier + weights.transpose(-1, -2) @ self.values
+        if joining is None:
+            kv.copy_(joined)
+            if ref is not None:
+                ref.copy_(new_ref)
+                pending_ref.fill_(NEG_INF)  # (pending then adds nothing: its factor is 0)
+            else:
+                pending.zero_()
+            return
+        kv.copy_(torch.where(joining, joined, kv))
+        if ref is not None:
+            ref.copy_(torch.where(joining, new_ref, ref))
+            pending_ref.copy_(torch.where(joining, NEG_INF, pending_ref))
+        else:
+            pending.copy_(torch.where(joining, 0.0, pending))
+
+
+def join_flags(p, blindspot_size, exp_features, zero, hidden):
+    """Whether the token at position p (a long tensor) completes its blindspot block, as the
+    factors ``RecurrentState.step`` joins with: (flag, 1 - flag) with given features, (log
+    flag, log(1 - flag)) (0 or -inf) with exponential ones; ``zero`` and ``hidden`` are 0 and
+    -inf in the state's dtype. ``joining`` (the same at a position known to complete its
+    block) when p is an int."""
+    if isinstance(p, int):
+        return joining(exp_features, zero, hidden) if (p + 1) % blindspot_size == 0 else None
+    completes = torch.remainder(p + 1, blindspot_size) == 0
+    if exp_features:
+        return torch.where(completes, zero, hidden), torch.where(completes, hidden, zero)
+    flag = completes.to(zero.dtype)
+    return flag, 1 - flag
+
+
+def joining(exp_features, zero, hidden):
+    """The flags of ``join_flags`` at a position that completes its block."""
+    return (zero, hidden) if exp_features else (1 - zero, zero)
+
+
+def read_state(q, kv, ref, all_seen=False, out=None):
+    """A query reads a state: q (b, h, d), kv (b, h, d, e + 1) relative to ref (b, h, d) (or
+    None: given features) -> (b, h, e), written into ``out`` when given. With exponential
+    features the query's factors are exp(q + ref - M), M = max_d (q_d + ref_d) (as
+    ``_queries_relative_to``): the largest is 1, so the denominator is >= 1 once a key is
+    seen; before any key (ref all -inf) every factor is 0 and so is the output. With given
+    (non-negative) features a denominator of 0 means no key was seen, and the output is 0 (as
+    ``_divide``). ``all_seen``: the caller knows that every row has seen a key (exponential
+    features: the factors are then a softmax, whose sum cancels in the ratio, and the guards
+    against a row without a key are left out; they change nothing). Products and sums rather
+    than a batched matmul: see ``windowed_attention_step``."""
+    if ref is None:
+        num = (q[..., None] * kv).sum(dim=-2)
+        den = num[..., -1:]
+        return torch.div(num[..., :-1], torch.where(den > 0, den, 1.0), out=out)
+    if all_seen:
+        num = (torch.softmax(q + ref, dim=-1)[..., None] * kv).sum(dim=-2)
+        return torch.div(num[..., :-1], num[..., -1:], out=out)
+    logits = q + ref
+    # a row before any key: ref and top are -inf; a finite top gives 0 / 0 -> 0 / 1
+    top = logits.amax(dim=-1, keepdim=True).clamp(min=-torch.finfo(logits.dtype).max)
+    num = ((logits - top).exp()[..., None] * kv).sum(dim=-2)
+    return torch.div(num[..., :-1], num[..., -1:].clamp(min=1.0), out=out)

@@ -1,0 +1,272 @@
+"""One token through an attention layer, on its cache's buffers, in place.
+
+``Attention``'s cached path runs this for a single real token (no mask, no gradient), and
+``Decoder`` (``decoding.py``) runs it at every step. Each piece's math lives with the piece:
+the window's rule and the ring's readout in ``ops/windowed_attention.py``, the recurrence in
+``ops/causal/recurrent.py``, the convolution's and the gate's step in ``gating.py``. What is
+here is the layer's composition for one token, made fast:
+
+* one matmul projects the token to every head's q, k and v at once, and to the gates' inputs
+  (the projection weights concatenated once, when the step is made: the model's parameters
+  and state_dict are untouched, and parameters changed afterwards are not seen);
+* local heads: keys and values go to the cache's ring (slot = position mod slots), so nothing
+  is concatenated or sliced; the query sees the slots whose position lies in its window: a
+  0 / -inf bias. Once every slot holds a real key (``steady``) that bias depends on the slot
+  alone and is a row of a table made once;
+* the position as an int (``StepContext.host_position``, eager steps) spares work that a
+  compiled step does as tensor operations on the device's position (and fuses): a slot is
+  written through a view made once (``copy_`` rather than ``index_copy_``), a blindspot block
+  joins only at its last position, outputs are written into buffers made once, and the
+  branch's output is added to the residual stream by one ``addmm_``. Nothing either form
+  does reads a value back to the host.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .cache import NO_KEY
+from .gating import local_conv_step
+from .ops.windowed_attention import windowed_attention_step
+from .positional import apply_rotary
+
+NEG_INF = float("-inf")
+
+
+class StepContext:
+    """What one step's layers share: the position p (a long tensor of no dimension), the same
+    as an int on eager steps (else None), and the rotary (cos, sin) of the position or None."""
+
+    __slots__ = ("position", "host_position", "rotary")
+
+    def __init__(self, position, host_position, rotary):
+        self.position, self.host_position, self.rotary = position, host_position, rotary
+
+
+class AttentionStep:
+    """One token through an ``Attention`` layer (causal self-attention) on its ``AttentionCache``.
+
+    ``first_real``: the latest first real token over the rows (prompts padded on the left),
+    when known: from the block after it every query of the global heads sees a key, and the
+    guards for a row without one are left out (``read_state``'s ``all_seen``). ``steady``:
+    prepare the local heads' table of biases (reads the ring once: a sync)."""
+
+    def __init__(self, attn, cache, batch, first_real=None, steady=False):
+        heads, dh, kvh = attn.heads, attn.dim_head, attn.kv_heads
+        self.heads, self.dim_head, self.kv_heads = heads, dh, kvh
+        self.n_local, self.n_global = nl, ng = attn.n_local, heads - attn.n_local
+        weights, sizes = [attn.to_q.weight, attn.to_kv.weight], [heads * dh, 2 * kvh * dh]
+        gate, out_gate = attn.forget_gate, attn.output_gate
+        if gate is not None:
+            weights.append(gate.gate_down.weight)
+            sizes.append(gate.gate_down.out_features)
+        if out_gate is not None:
+            weights.append(out_gate.gate_out.weight)
+            sizes.append(out_gate.gate_out.out_features)
+        self.weight = torch.cat(weights, dim=0)
+        # the local heads' queries come out of the projection already scaled by dim_head^-1/2
+        # (rotary is a rotation: it commutes with the scale)
+        self.weight[: nl * dh] *= dh ** -0.5
+        self.bias = None
+        if out_gate is not None:  # only the output gate has a bias: the others add exact zeros
+            self.bias = torch.cat((self.weight.new_zeros(sum(sizes[:-1])), out_gate.gate_out.bias))
+        self.ends = torch.tensor(sizes).cumsum(0).tolist()
+        self.to_out, self.gate, self.out_gate = attn.to_out, gate, out_gate
+        self.ring = self.state = self.conv = None
+        if nl:
+            self.ring = _Ring(attn.local_window, cache.local, cache.position if steady else None)
+        if ng:
+            global_ = cache.global_
+            self.state, self.blindspot = global_.state, attn.blindspot_size
+            self.feature_map, self.exp_features = attn.feature_map, attn.feature_map.is_softmax
+            dtype = self.state.kv.dtype
+            self.zero = torch.zeros((), dtype=dtype, device=self.state.kv.device)
+            self.hidden = torch.full_like(self.zero, NEG_INF)
+            self.seen_from = None
+            if first_real is not None:  # the block after each row's first real token
+                self.seen_from = first_real if self.blindspot == 1 else (first_real // self.blindspot + 1) * self.blindspot
+            if attn.local_conv is not None:  # the three convolutions (q, k, v) as one: (3, heads, taps, dh)
+                self.conv_taps = torch.stack([c.taps(ng) for c in attn.local_conv])
+                self.conv = global_.conv
+        self._eager_buffers(attn, batch)
+
+    def _eager_buffers(self, attn, batch):
+        """What eager steps write into and read through, made once: the projection's output
+        and views of its parts, and the heads' outputs (b, heads * dh + 1) with a last column
+        of ones, so that the output projection's bias is one more weight column."""
+        b, heads, dh, nl = batch, self.heads, self.dim_head, self.n_local
+        q_end, kv_end = self.ends[0], self.ends[1]
+        self.weight_t = self.weight.t()
+        self.proj = proj = self.weight.new_empty(b, self.weight.shape[0])
+        self.parts = None  # (q local (b, nl, 1, dh), kv local (b, 2, nl, dh), q, k, v global (b, ng, dh))
+        if attn.kv_heads == heads:  # the parts are views of the projection (before rotary)
+            q, kv = proj[:, :q_end].view(b, heads, dh), proj[:, q_end:kv_end].view(b, 2, heads, dh)
+            self.parts = (q[:, :nl, None], kv[:, :, :nl], q[:, nl:], kv[:, 0, nl:], kv[:, 1, nl:])
+        self.heads_out = proj.new_ones(b, heads * dh + 1)
+        self.heads_flat = self.heads_out[:, :-1]
+        heads_view = self.heads_flat.view(b, heads, dh)
+        self.out_local, self.out_global = heads_view[:, :nl], heads_view[:, nl:]
+        self.out_weight_t = torch.cat((self.to_out.weight, self.to_out.bias[:, None]), dim=1).t()
+
+    def buffers(self):
+        """The cache's buffers this step updates in place."""
+        found = [] if self.ring is None else [self.ring.cache.kv, self.ring.cache.positions]
+        found += [] if self.conv is None else [self.conv]
+        return found + ([] if self.state is None else self.state.buffers())
+
+    @staticmethod
+    def context(position, rotary=None, device=None):
+        """The ``StepContext`` of a call of one token at ``position`` (an int) (autocast: the
+        form a compiled step traces; the eager form writes into buffers of the model's dtype)."""
+        p = torch.tensor(position, device=device)
+        host = None if torch.is_autocast_enabled(p.device.type) else position
+        return StepContext(p, host, rotary)
+
+    def _split(self, proj, rotary):
+        """The projection (b, width) -> (q local (b, nl, 1, dh), kv local (b, 2, nl, dh), q, k,
+        v global (b, ng, dh) each): views, unless rotary or kv_heads make new tensors."""
+        b, heads, dh, kvh, nl = proj.shape[0], self.heads, self.dim_head, self.kv_heads, self.n_local
+        if rotary is None and self.parts is not None and proj is self.proj:
+            return self.parts
+        q_end, kv_end = self.ends[0], self.ends[1]
+        if rotary is not None:  # q and k are side by side: rotate them at once
+            qk = apply_rotary(proj[:, : q_end + kvh * dh].view(b, heads + kvh, dh), rotary)
+            q = qk[:, :heads]
+            kv = torch.stack((qk[:, heads:], proj[:, q_end + kvh * dh : kv_end].view(b, kvh, dh)), dim=1)
+        else:
+            q = proj[:, :q_end].view(b, heads, dh)
+            kv = proj[:, q_end:kv_end].view(b, 2, kvh, dh)
+        if kvh != heads:
+            kv = kv.repeat_interleave(heads // kvh, dim=2)
+        return q[:, :nl, None], kv[:, :, :nl], q[:, nl:], kv[:, 0, nl:], kv[:, 1, nl:]
+
+    def __call__(self, h, ctx, into=None):
+        """The branch's output for h (b, dim); with ``into`` (eager steps) added to it in
+        place. A compiled step (``ctx.host_position`` None) makes new tensors: no buffer but
+        the cache's is written."""
+        eager = ctx.host_position is not None
+        if eager:
+            proj = self.proj
+            if self.bias is None:
+                torch.mm(h, self.weight_t, out=proj)
+            else:
+                torch.addmm(self.bias, h, self.weight_t, out=proj)
+        else:
+            proj = F.linear(h, self.weight, self.bias)
+        q_local, kv_local, q, k, v = self._split(proj, ctx.rotary)
+        outs = []
+        if self.n_local:
+            outs.append(self._local(q_local, kv_local, ctx, self.out_local if eager else None))
+        if self.n_global:
+            log_gate = None if self.gate is None else self.gate.log_gates(proj[:, self.ends[1] : self.ends[2]])
+            outs.append(self._global(q, k, v, log_gate, ctx, self.out_global if eager else None))
+        if not eager:
+            out = (torch.cat(outs, dim=1) if len(outs) > 1 else outs[0]).flatten(1)
+            if self.out_gate is not None:
+                out = out * torch.sigmoid(proj[:, self.ends[-2]:])
+            return F.linear(out, self.to_out.weight, self.to_out.bias)
+        for out, buffer in zip(outs, [t for t, n in ((self.out_local, self.n_local), (self.out_global, self.n_global)) if n]):
+            if out is not buffer:
+                buffer.copy_(out)
+        if self.out_gate is not None:
+            self.heads_flat.mul_(torch.sigmoid(proj[:, self.ends[-2]:]))
+        if into is None:
+            return torch.mm(self.heads_out, self.out_weight_t)
+        return into.addmm_(self.heads_out, self.out_weight_t)
+
+    def _local(self, q, kv, ctx, out=None):
+        """q (b, nl, 1, dh) (scaled), kv (b, 2, nl, dh) -> (b, nl, dh), written into ``out``
+        when given."""
+        keys, values, bias = self.ring.step(kv, ctx)
+        return windowed_attention_step(q, keys, values, bias, out)
+
+    def _global(self, q, k, v, log_gate, ctx, out=None):
+        """The global heads' output (b, ng, dh), written into ``out`` when given and of the
+        state's dtype."""
+        if self.conv is not None:
+            q, k, v = local_conv_step(torch.stack((q, k, v), dim=1), self.conv, self.conv_taps).unbind(1)
+        if not self.exp_features:
+            q, k = self.feature_map._pointwise(q), self.feature_map._pointwise(k)
+        dtype = out_dtype = q.dtype
+        if dtype != self.zero.dtype:
+            dtype, out = self.zero.dtype, None
+            q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
+            log_gate = None if log_gate is None else log_gate.to(dtype)
+        host = ctx.host_position
+        seen = host is not None and self.seen_from is not None and host >= self.seen_from
+        where = self.state.where(ctx.position if host is None else host, self.blindspot, self.zero, self.hidden)
+        out = self.state.step(q, k, v, log_gate, where, seen, out=out)
+        return out if out.dtype == out_dtype else out.to(out_dtype)
+
+
+class _Ring:
+    """A step's bookkeeping of a ``LocalCache`` ring: entering position p writes p into its
+    slot and gives the bias (b or 1, 1, slots): 0 on the slots whose key the query sees
+    (``Window.visible``: stored keys all sit at positions <= p, so those from its first key
+    on), -inf on the others. With ``steady`` (a decoder), from the position on which every
+    slot holds a real key the bias is a row of a table of one row per slot (made once;
+    ``steady_after``: the position the ring continues from)."""
+
+    def __init__(self, window, cache, steady_after=None):
+        if not window.causal:
+            raise ValueError("a decoder's local window must be causal")
+        self.window, self.cache = window, cache
+        self.slots = slots = cache.slots
+        kv, positions = cache.kv, cache.positions
+        device = kv.device
+        self.zero = torch.zeros((), dtype=kv.dtype, device=device)
+        self.hidden = torch.full_like(self.zero, NEG_INF)
+        # eager steps' views: each slot's (b, 2, h, dh), each slot's column of positions, keys
+        # and values (b, h, slots, dh)
+        self.kv_slots, self.position_slots = kv.unbind(3), positions.unbind(1)
+        self.keys, self.values = kv.unbind(1)
+        self.steady_from = self.steady = None
+        if steady_after is not None:  # the ring continues from position ``steady_after``
+            # steady from the position after the next write of each slot without a real key (a sync, once)
+            at = steady_after
+            empty = (positions == NO_KEY).any(dim=0).nonzero().flatten().tolist()
+            self.steady_from = max([at] + [at + (s - at) % slots + 1 for s in empty])
+            self.steady = torch.tensor(self.steady_from, device=device)
+            q = slots + torch.arange(slots, device=device)[:, None]  # one query per residue mod slots
+            slot_positions = q - (q - torch.arange(slots, device=device)) % slots
+            self.table = torch.where(window.visible(q, slot_positions), self.zero, self.hidden)[:, None, None]
+            self.table_rows = self.table.unbind(0)
+
+    def step(self, kv, ctx):
+        """Enter position p with its key and value kv (b, 2, h, dh): (keys, values (b, h,
+        slots, dh), bias)."""
+        p, host = ctx.position, ctx.host_position
+        cache = self.cache
+        if host is not None:  # eager: the slot, and from steady on the bias, from the host
+            slot = host % self.slots
+            self.kv_slots[slot].copy_(kv)
+            self.position_slots[slot].copy_(p)
+            keys, values = self.keys, self.values
+            if self.steady_from is not None and host >= self.steady_from:
+                return keys, values, self.table_rows[slot]
+            first = self.window.first_key(host)
+        else:  # (views of the buffer made here: a compiled step's inputs do not alias)
+            slot = torch.remainder(p, self.slots)[None]
+            cache.kv.index_copy_(3, slot, kv[:, :, :, None].to(cache.kv.dtype))  # (autocast: kv in half)
+            cache.positions.index_copy_(1, slot, p.expand(cache.positions.shape[0], 1))
+            keys, values = cache.kv.unbind(1)
+            first = self.window.first_key(p)
+        bias = torch.where(cache.positions >= first, self.zero, self.hidden)[:, None]
+        if host is None and self.steady is not None:  # (not the int: a compiled step would guard on it)
+            bias = torch.where(p >= self.steady, self.table.index_select(0, slot)[0], bias)
+        return keys, values, bias
+
+
+class CrossAttentionStep:
+    """Cross-attention: the context was reduced to kᵀv on the first call; read it."""
+
+    def __init__(self, attn, cache):
+        self.attn, self.summary = attn, cache.context
+
+    def buffers(self):
+        return []
+
+    def __call__(self, h, ctx, into=None):
+        out = self.attn.read_context(h[:, None], self.summary)[:, 0]
+        return out if into is None else into.add_(out)
