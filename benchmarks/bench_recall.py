@@ -172,6 +172,7 @@ VARIANTS = {
     "conv+rotary": dict(use_local_conv=True, use_rotary_emb=True),
     "dh64": dict(dim_head=64),
     "conv+dh64": dict(use_local_conv=True, dim_head=64),
+    "conv+dh16": dict(use_local_conv=True, dim_head=16),
     "gate+conv+rotary": dict(use_gate=True, use_local_conv=True, use_rotary_emb=True),
     "gate+conv+dh64": dict(use_gate=True, use_local_conv=True, dim_head=64),
     "local16": dict(n_local_attn_heads=1, local_attn_window_size=16),

@@ -93,7 +93,8 @@ class Attention(nn.Module):
             Causal layers only.
         kv_heads: number of key/value heads, shared by groups of query heads.
             one_kv_head=True means kv_heads=1.
-        feature_map: 'softmax' (default), 'elu', 'relu' or a callable, for global heads.
+        feature_map: 'softmax' (default), 'elu', 'relu', 'taylor' or a callable, for global heads
+            (``ops/feature_maps.py``).
         attn_dropout: dropout on the attention output of every head, before the output projection.
         dropout: dropout on the layer output.
         receives_context: keys and values come from ``context`` (cross-attention); all
@@ -478,7 +479,8 @@ class Attention(nn.Module):
             local = LocalCache(keys, keys, torch.zeros(batch_size, 0, dtype=torch.bool, device=device), 0)
         if n_global and not self.receives_context:
             exp_features = self.feature_map.is_softmax
-            state = CausalState.zeros(batch_size, n_global, dh, dh, self.blindspot_size, exp_features, device,
+            state = CausalState.zeros(batch_size, n_global, self.feature_map.feature_dim(dh), dh, self.blindspot_size,
+                                      exp_features, device,
                                       torch.promote_types(dtype, torch.float32))
             conv = None
             if self.local_conv is not None:
