@@ -272,7 +272,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--sizes", nargs="+", type=parse_size, default=[(128, 16), (256, 32), (512, 64)],
                         help="difficulties as SEQ_LEN:PAIRS (default 128:16 256:32 512:64)")
-    parser.add_argument("--variants", nargs="+", default=[REFERENCE, "default", "gate+conv"],
+    parser.add_argument("--variants", nargs="+", default=[REFERENCE, "default", "conv", "taylor+conv+dh16"],
                         help=f"'{REFERENCE}' and names of VARIANTS (--list)")
     parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1])
     parser.add_argument("--steps", type=int, default=2000)
