@@ -99,7 +99,8 @@ class Attention(nn.Module):
             Causal layers only.
         kv_heads: number of key/value heads, shared by groups of query heads.
             one_kv_head=True means kv_heads=1.
-        feature_map: 'softmax' (default), 'elu', 'relu' or a callable, for global heads.
+        feature_map: 'softmax' (default), 'elu', 'relu', 'taylor' or a callable, for global heads
+            (``ops/feature_maps.py``).
         attn_dropout: dropout on the attention output of every head, before the output projection.
         dropout: dropout on the layer output.
         receives_context: keys and values come from ``context`` (cross-attention); all
@@ -509,8 +510,8 @@ class Attention(nn.Module):
         if self.n_local:
             local = LocalCache.zeros(batch_size, self.n_local, self.local_window.most_keys, dh, device, dtype)
         if n_global and not self.receives_context:
-            state = RecurrentState.zeros(batch_size, n_global, dh, dh, self.blindspot_size, self.feature_map.is_softmax,
-                                         device, torch.promote_types(dtype, torch.float32),
+            state = RecurrentState.zeros(batch_size, n_global, self.feature_map.feature_dim(dh), dh, self.blindspot_size,
+                                         self.feature_map.is_softmax, device, torch.promote_types(dtype, torch.float32),
                                          waiting=self.forget_gate is None)
             conv = None
             if self.local_conv is not None:

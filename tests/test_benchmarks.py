@@ -77,3 +77,27 @@ def test_bench_threads_reads_its_configs():
             parse_config(bad)
     # the launcher imports torch before it runs the script, so the script cannot set the policy
     assert SPIN_LAUNCHER.index("torch") < SPIN_LAUNCHER.index("run_path")
+
+
+def test_bench_recall_mqar_asks_every_key_once_for_its_own_value():
+    """MQAR data (bench_recall.py): each sequence opens with distinct keys from [1, vocab/2),
+    each followed by its value from [vocab/2, vocab); every key is asked exactly once later,
+    the token after it is its value, and the target at the query is that value; 0 elsewhere."""
+    from bench_recall import IGNORE, batch_generator, mqar_batch
+
+    seq_len, pairs, vocab = 40, 6, 32
+    tokens, targets = mqar_batch(50, seq_len, pairs, vocab, batch_generator(3, 5))
+    again, _ = mqar_batch(50, seq_len, pairs, vocab, batch_generator(3, 5))
+    assert torch.equal(tokens, again)  # the seed and the step fix the batch
+    assert not torch.equal(tokens, mqar_batch(50, seq_len, pairs, vocab, batch_generator(3, 6))[0])
+    for row, target in zip(tokens.tolist(), targets.tolist()):
+        keys, values = row[0 : 2 * pairs : 2], row[1 : 2 * pairs : 2]
+        assert len(set(keys)) == pairs and all(1 <= k < vocab // 2 for k in keys)
+        assert all(vocab // 2 <= v < vocab for v in values)
+        bound = dict(zip(keys, values))
+        asked = [i for i, t in enumerate(target) if t != IGNORE]
+        assert sorted(row[i] for i in asked) == sorted(keys)  # each key asked once
+        for i in asked:
+            assert i >= 2 * pairs and target[i] == bound[row[i]] == row[i + 1]
+        rest = [t for i, t in enumerate(row[2 * pairs :], 2 * pairs) if i not in asked and i - 1 not in asked]
+        assert rest == [0] * (seq_len - 4 * pairs)

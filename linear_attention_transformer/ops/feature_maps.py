@@ -11,6 +11,18 @@ exp(k) overflows for large logits, so the causal kernels take the logits themsel
 
 ``'elu'`` (elu + 1, "Transformers are RNNs"), ``'relu'`` and any callable (the
 ``linear-attention`` package's ``psi_fn``) are applied to queries and keys alike.
+
+``'taylor'`` (the second-order Taylor map of Based, Arora et al. 2024) replaces exp(s), with
+s = q·k / sqrt(d), by its Taylor polynomial 1 + s + s²/2, as the dot product of features:
+
+    phi(x) = [1, x / d^(1/4), (x_i x_j / sqrt(d))_{i<j}, (x_i² / sqrt(2 d))_i]
+
+so phi(q)·phi(k) = 1 + s + (sum_i q_i k_i)² / (2 d) = 1 + s + s²/2 (each pair i < j once, hence
+no 1/2; the squares with it). The weight is ((s + 1)² + 1) / 2 >= 1/2: every key counts, and
+no normaliser vanishes. The features are not all non-negative, but their dot products are.
+Each head's d features become 1 + d + d (d + 1) / 2 (153 for d = 16, 561 for d = 32), which
+the kernel's state (d_features x e) and its intra-chunk q kᵀ grow with: the map is meant for
+a small d (Based projects to 16).
 """
 
 from __future__ import annotations
@@ -26,7 +38,32 @@ from .segments import segment_softmax
 
 __all__ = ["FeatureMap", "FEATURE_MAP_NAMES"]
 
-FEATURE_MAP_NAMES = ("softmax", "elu", "relu")
+FEATURE_MAP_NAMES = ("softmax", "elu", "relu", "taylor")
+
+
+def taylor_feature_dim(d):
+    """How many features ``taylor_features`` makes of d: 1 + d + d (d + 1) / 2."""
+    return 1 + d + d * (d + 1) // 2
+
+
+def taylor_features(x):
+    """phi(x) of the module docstring over the last dimension: (..., d) -> (..., 1 + d + d (d + 1) / 2),
+    with phi(q)·phi(k) = 1 + s + s²/2, s = q·k / sqrt(d)."""
+    d = x.shape[-1]
+    i, j = torch.triu_indices(d, d, offset=1, device=x.device)
+    return torch.cat((
+        torch.ones_like(x[..., :1]),
+        x * d ** -0.25,
+        x[..., i] * x[..., j] * d ** -0.5,
+        x.square() * (2 * d) ** -0.5,
+    ), dim=-1)
+
+
+def taylor_weight(q, k):
+    """The naive form of the 'taylor' map: the weights 1 + s + s²/2, s = q_i·k_j / sqrt(d),
+    (..., n, d), (..., m, d) -> (..., n, m)."""
+    s = q @ k.transpose(-1, -2) * q.shape[-1] ** -0.5
+    return 1 + s + s.square() / 2
 
 
 def _elu_plus_one(x):
@@ -62,8 +99,8 @@ class FeatureMap:
     """A named or user-given feature map.
 
     Args:
-        kind: ``'softmax'``, ``'elu'``, ``'relu'``, or a callable applied elementwise to
-            queries and keys (it must return non-negative values).
+        kind: ``'softmax'``, ``'elu'``, ``'relu'``, ``'taylor'``, or a callable applied
+            elementwise to queries and keys (it must return non-negative values).
     """
 
     def __init__(self, kind: Union[str, Callable] = "softmax"):
@@ -80,7 +117,15 @@ class FeatureMap:
     def is_softmax(self):
         return self.kind == "softmax"
 
+    def feature_dim(self, d):
+        """The number of features of a head of d query / key dimensions."""
+        return taylor_feature_dim(d) if self.kind == "taylor" else d
+
     def _pointwise(self, x):
+        """The features of queries or keys over the last dimension (all but 'softmax';
+        elementwise for all but 'taylor', which maps d to ``feature_dim(d)``)."""
+        if self.kind == "taylor":
+            return taylor_features(x)
         if self.kind == "elu":
             return _EluPlusOne.apply(x) if x.requires_grad else _elu_plus_one(x)
         if self.kind == "relu":

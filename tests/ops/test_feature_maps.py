@@ -11,7 +11,7 @@ from linear_attention_transformer.ops import (
     linear_attention,
 )
 
-KINDS = ["softmax", "elu", "relu", "callable"]
+KINDS = ["softmax", "elu", "relu", "taylor", "callable"]
 
 
 def make_map(kind, helpers):
@@ -54,11 +54,24 @@ def bounded_logits(b, h, n, d, e, seed, m=None):
     return q, k, v
 
 
-def direct_causal(kind, q, k, v, mask, blindspot):
-    n = q.shape[2]
+def direct_taylor_weight(q, k):
+    """1 + s + s²/2 with s = q·k / sqrt(d): exp(s) to second order, written out."""
+    s = torch.einsum("bhid,bhjd->bhij", q, k) / q.shape[-1] ** 0.5
+    return 1 + s + s * s / 2
+
+
+def direct_weight(kind, q, k):
+    """The unnormalised weight of key j for query i, (b, h, n, m)."""
+    if kind == "taylor":
+        return direct_taylor_weight(q, k)
     qf = direct_query_features(kind, q)
     kf = k.exp() if kind == "softmax" else direct_pointwise(kind, k)
-    w = torch.einsum("bhid,bhjd->bhij", qf, kf)
+    return torch.einsum("bhid,bhjd->bhij", qf, kf)
+
+
+def direct_causal(kind, q, k, v, mask, blindspot):
+    n = q.shape[2]
+    w = direct_weight(kind, q, k)
     i = torch.arange(n)[:, None]
     j = torch.arange(n)[None, :]
     visible = (j // blindspot < i // blindspot) if blindspot > 1 else (j <= i)
@@ -69,16 +82,15 @@ def direct_causal(kind, q, k, v, mask, blindspot):
 
 
 def direct_noncausal(kind, q, k, v, mask):
-    qf = direct_query_features(kind, q)
     keep = torch.ones(k.shape[0], k.shape[2], dtype=torch.bool) if mask is None else mask
     keep = keep[:, None, :, None]
     if kind == "softmax":
         ex = torch.where(keep, k.exp(), torch.zeros_like(k))
         total = ex.sum(dim=2, keepdim=True)
         kf = torch.where(total > 0, ex / torch.where(total > 0, total, torch.ones_like(total)), torch.zeros_like(ex))
-        return torch.einsum("bhid,bhjd,bhje->bhie", qf, kf, v)  # rows already sum to one
-    kf = torch.where(keep, direct_pointwise(kind, k), torch.zeros_like(k))
-    return weighted_average(torch.einsum("bhid,bhjd->bhij", qf, kf), v)
+        return torch.einsum("bhid,bhjd,bhje->bhie", direct_query_features(kind, q), kf, v)  # rows sum to one
+    w = direct_weight(kind, q, k)
+    return weighted_average(torch.where(keep.transpose(-1, -2), w, torch.zeros_like(w)), v)
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -132,6 +144,14 @@ def test_causal_features_contract(kind, helpers):
     if kind == "softmax":
         assert exp_features is True and q_in is q and k_in is k
         return
+    if kind == "taylor":  # 4 dimensions -> 1 + 4 + 10 features, whose dot products are the weights
+        assert exp_features is False and q_in.shape[-1] == k_in.shape[-1] == 15 == FeatureMap("taylor").feature_dim(4)
+        w = torch.einsum("bhid,bhjd->bhij", q_in, k_in)
+        helpers.assert_matches(w, direct_taylor_weight(q.detach(), k.detach()), rtol=1e-13, what="taylor weights")
+        assert (w >= 0.5 - 1e-12).all()  # ((s + 1)² + 1) / 2
+        (q_in.sum() + k_in.sum()).backward()
+        assert q.grad.abs().sum() > 0 and k.grad.abs().sum() > 0
+        return
     assert exp_features is False
     helpers.assert_matches(q_in, direct_pointwise(kind, q.detach()), rtol=1e-15, what="query features")
     helpers.assert_matches(k_in, direct_pointwise(kind, k.detach()), rtol=1e-15, what="key features")
@@ -141,7 +161,7 @@ def test_causal_features_contract(kind, helpers):
 
 
 def test_feature_map_construction():
-    assert set(FEATURE_MAP_NAMES) == {"softmax", "elu", "relu"}
+    assert set(FEATURE_MAP_NAMES) == {"softmax", "elu", "relu", "taylor"}
     assert FeatureMap().is_softmax
     fm = FeatureMap("elu")
     assert FeatureMap(fm).kind == "elu" and not FeatureMap(fm).is_softmax
