@@ -17,9 +17,8 @@ version setup.py declares.
 """
 
 import re
-from pathlib import Path
-
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
