@@ -278,7 +278,7 @@ class RecurrentState:
                     pending.mul_(a)
         acc, acc_ref = (pending, pending_ref) if blindspot else (kv, ref)
         if exp_features:  # a key moves the reference to max(ref, k) (``join_factors``)
-            new_ref, acc_factor, key_factor = join_factors(acc_ref, k)
+            new_ref, acc_factor, key_factor = join_factors(acc_ref, k, other_finite=True)
             acc.mul_(acc_factor[..., None]).addcmul_(key_factor[..., None], v1)
             acc_ref.copy_(new_ref)
         else:
