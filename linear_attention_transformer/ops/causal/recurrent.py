@@ -23,7 +23,8 @@ import torch
 import torch.nn.functional as F
 
 from ..common import (NEG_INF, _append_ones, _apply_key_mask, _check_mask, _compute_dtype, _divide, _exp_ratio,
-                      _finite_or_zero, _queries_relative_to)
+                      _queries_relative_to)
+from .scan import Summary, combine, common_reference, join_factors
 
 __all__ = ["CausalState", "RecurrentState", "causal_linear_attention_step", "recurrent_causal_linear_attention"]
 
@@ -111,9 +112,8 @@ def _step(q, k, v, state, log_decay, blindspot_size, exp_features):
     def add_key(acc, acc_ref):
         if not exp_features:
             return acc + torch.einsum("bhd,bhe->bhde", k, v), None
-        new_ref = torch.maximum(acc_ref, k.detach())
-        acc = acc * _exp_ratio(acc_ref, new_ref)[..., None]
-        return acc + torch.einsum("bhd,bhe->bhde", (k - _finite_or_zero(new_ref)).exp(), v), new_ref
+        new_ref, acc_factor, key_factor = join_factors(acc_ref, k)
+        return acc * acc_factor[..., None] + torch.einsum("bhd,bhe->bhde", key_factor, v), new_ref
 
     if blindspot_size > 1:
         pending, pending_ref = add_key(pending, pending_ref)
@@ -131,13 +131,8 @@ def _step(q, k, v, state, log_decay, blindspot_size, exp_features):
 def _complete_block(kv, ref, pending, pending_ref, exp_features):
     """A blindspot block is complete: its keys (pending) become visible to the next block's
     queries. Returns the new (kv, ref, pending, pending_ref)."""
-    if exp_features:
-        new_ref = torch.maximum(ref, pending_ref)
-        kv = kv * _exp_ratio(ref, new_ref)[..., None] + pending * _exp_ratio(pending_ref, new_ref)[..., None]
-        ref, pending_ref = new_ref, torch.full_like(pending_ref, NEG_INF)
-    else:
-        kv = kv + pending
-    return kv, ref, torch.zeros_like(pending), pending_ref
+    kv, _, ref = combine(Summary(kv, None, ref), Summary(pending, None, pending_ref))
+    return kv, ref, torch.zeros_like(pending), None if pending_ref is None else torch.full_like(pending_ref, NEG_INF)
 
 
 def recurrent_causal_linear_attention(
@@ -231,14 +226,7 @@ class RecurrentState:
             blindspot = self.keys.shape[2]
             filled = (torch.arange(blindspot, device=self.keys.device) < position % blindspot)[:, None]
             keys = self.keys.masked_fill(~filled, NEG_INF if pending_ref is not None else 0.0)
-            if pending_ref is None:
-                pending = pending + keys.transpose(-1, -2) @ self.values
-            else:
-                new_ref = torch.maximum(pending_ref, keys.amax(dim=2))
-                finite = torch.where(torch.isfinite(new_ref), new_ref, 0.0)
-                weights = (keys - finite[:, :, None]).exp()
-                pending = pending * _exp_ratio(pending_ref, new_ref)[..., None] + weights.transpose(-1, -2) @ self.values
-                pending_ref = new_ref
+            pending, pending_ref = _with_slots((pending,), (pending_ref,), keys, self.values)
         clone = (lambda t: None if t is None else t.clone())  # noqa: E731
         return CausalState(self.kv.clone(), clone(self.ref), clone(pending), clone(pending_ref), position)
 
@@ -289,11 +277,9 @@ class RecurrentState:
                 if blindspot:
                     pending.mul_(a)
         acc, acc_ref = (pending, pending_ref) if blindspot else (kv, ref)
-        if exp_features:
-            # a key moves the reference to max(ref, k): factors exp(ref - new) <= 1 and
-            # exp(k - new) <= 1, so the largest term stays 1 (ref -inf: no key yet, factor 0)
-            new_ref = torch.maximum(acc_ref, k)
-            acc.mul_((acc_ref - new_ref).exp()[..., None]).addcmul_((k - new_ref).exp()[..., None], v1)
+        if exp_features:  # a key moves the reference to max(ref, k) (``join_factors``)
+            new_ref, acc_factor, key_factor = join_factors(acc_ref, k, other_finite=True)
+            acc.mul_(acc_factor[..., None]).addcmul_(key_factor[..., None], v1)
             acc_ref.copy_(new_ref)
         else:
             acc.addcmul_(k[..., None], v1)
@@ -310,9 +296,8 @@ class RecurrentState:
             kv.addcmul_(pending, a)
             pending.mul_(b)
             return
-        joining_ref = pending_ref + a  # -inf unless the block joins now
-        new_ref = torch.maximum(ref, joining_ref)
-        kv.mul_(_exp_ratio(ref, new_ref)[..., None]).addcmul_(pending, _exp_ratio(joining_ref, new_ref)[..., None])
+        new_ref, kv_factor, pending_factor = join_factors(ref, pending_ref + a)  # (-inf unless the block joins now)
+        kv.mul_(kv_factor[..., None]).addcmul_(pending, pending_factor[..., None])
         ref.copy_(new_ref)
         pending_ref.add_(b)
 
@@ -339,15 +324,8 @@ class RecurrentState:
         """The block's keys (and ``pending``) join the state: at once when ``joining`` is None,
         else where the bool tensor ``joining`` holds (elsewhere every buffer keeps its values
         bit for bit)."""
-        kv, ref, pending, pending_ref, keys = self.kv, self.ref, self.pending, self.pending_ref, self.keys
-        if ref is not None:
-            # the block's reference is the largest of its keys (the current one is finite)
-            new_ref = torch.maximum(ref, torch.maximum(pending_ref, keys.amax(dim=2)))
-            weights = (keys - new_ref[:, :, None]).exp()  # (b, h, slots, d); -inf keys give 0
-            earlier = kv * _exp_ratio(ref, new_ref)[..., None] + pending * _exp_ratio(pending_ref, new_ref)[..., None]
-        else:
-            weights, earlier = keys, kv + pending
-        joined = earlier + weights.transpose(-1, -2) @ self.values
+        kv, ref, pending, pending_ref = self.kv, self.ref, self.pending, self.pending_ref
+        joined, new_ref = _with_slots((kv, pending), (ref, pending_ref), self.keys, self.values)
         if joining is None:
             kv.copy_(joined)
             if ref is not None:
@@ -362,6 +340,25 @@ class RecurrentState:
             pending_ref.copy_(torch.where(joining, NEG_INF, pending_ref))
         else:
             pending.copy_(torch.where(joining, 0.0, pending))
+
+
+def _with_slots(sums, refs, keys, values):
+    """Sums (b, h, d, E) held under log references ``refs`` (b, h, d) (None: given features)
+    joined with the keys (b, h, B, d) and values (b, h, B, E) of slots (a slot without a key:
+    key -inf, or 0) -> (one sum, its reference). Every term is brought at once to the largest
+    reference (the rule of ``join_factors``, each factor an ``_exp_ratio``)."""
+    if refs[0] is None:
+        new_ref, weights = None, keys
+        joined = sums[0]
+        for s in sums[1:]:
+            joined = joined + s
+    else:
+        new_ref = common_reference(*refs, keys.amax(dim=2))
+        weights = _exp_ratio(keys, new_ref[:, :, None])
+        joined = sums[0] * _exp_ratio(refs[0], new_ref)[..., None]
+        for s, r in zip(sums[1:], refs[1:]):
+            joined = joined + s * _exp_ratio(r, new_ref)[..., None]
+    return joined + weights.transpose(-1, -2) @ values, new_ref
 
 
 def join_flags(p, blindspot_size, exp_features, zero, hidden):

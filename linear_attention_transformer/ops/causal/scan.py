@@ -58,8 +58,8 @@ import torch
 
 from ..common import _exp_ratio, _log_ratio
 
-__all__ = ["Summary", "summarize", "key_factors", "combine", "scan", "sequential_scan", "references", "linear_terms", "linear_scan",
-           "sequential_linear_scan", "blocked_linear_scan"]
+__all__ = ["Summary", "summarize", "key_factors", "combine", "common_reference", "join_factors", "scan", "sequential_scan",
+           "references", "linear_terms", "linear_scan", "sequential_linear_scan", "blocked_linear_scan"]
 
 NEG_INF = float("-inf")
 
@@ -114,12 +114,30 @@ def combine(earlier: Summary, later: Summary) -> Summary:
     if earlier.ref is None:
         carried = earlier.kv if g is None else earlier.kv * g.exp()[..., None]
         return Summary(carried + later.kv, total, None)
-    decayed = earlier.ref if g is None else earlier.ref + g.detach()
-    with torch.no_grad():
-        r = torch.maximum(decayed, later.ref)
-    a = _exp_ratio(earlier.ref if g is None else earlier.ref + g, r)  # g carries the gradient
-    kv = earlier.kv * a[..., None] + later.kv * _exp_ratio(later.ref, r)[..., None]
-    return Summary(kv, total, r)
+    r, a, b = join_factors(earlier.ref if g is None else earlier.ref + g, later.ref)  # g carries the gradient
+    return Summary(earlier.kv * a[..., None] + later.kv * b[..., None], total, r)
+
+
+def common_reference(*refs):
+    """The log reference that sums held under ``refs`` (broadcastable; -inf: nothing yet) join
+    under: their maximum, without gradient (-inf where all are -inf)."""
+    new_ref = refs[0]
+    for ref in refs[1:]:
+        new_ref = torch.maximum(new_ref, ref)
+    return new_ref.detach() if new_ref.requires_grad else new_ref  # (a decoding step skips the detach)
+
+
+def join_factors(ref, other_ref, other_finite=False):
+    """Two sums held under log references ``ref`` and ``other_ref`` brought to their common
+    one: (new_ref, exp(ref - new_ref), exp(other_ref - new_ref)). Both factors are <= 1, the
+    largest term stays 1, and a reference of -inf (nothing yet) gets the factor 0. The
+    gradient flows through the factors, not through new_ref. ``other_finite``: the caller
+    knows other_ref is finite (a real key), so new_ref is too and ``_exp_ratio``'s guard for
+    a -inf reference has nothing to do: left out (a decoding step's cost)."""
+    new_ref = common_reference(ref, other_ref)
+    if other_finite:
+        return new_ref, (ref - new_ref).exp(), (other_ref - new_ref).exp()
+    return new_ref, _exp_ratio(ref, new_ref), _exp_ratio(other_ref, new_ref)
 
 
 def _check_summary(s: Summary, name: str, dim: int | None):
