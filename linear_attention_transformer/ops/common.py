@@ -84,10 +84,6 @@ def _apply_key_mask(k, v, log_decay, mask, exp_features):
     return k, v, log_decay
 
 
-def _finite_or_zero(t):
-    return torch.where(torch.isfinite(t), t, torch.zeros_like(t))
-
-
 def _log_ratio(a, b):
     """log of ``_exp_ratio(a, b)``: a - b, and -inf where b is not finite."""
     return a - torch.where(torch.isfinite(b), b, float("inf"))

@@ -59,13 +59,6 @@ def taylor_features(x):
     ), dim=-1)
 
 
-def taylor_weight(q, k):
-    """The naive form of the 'taylor' map: the weights 1 + s + s²/2, s = q_i·k_j / sqrt(d),
-    (..., n, d), (..., m, d) -> (..., n, m)."""
-    s = q @ k.transpose(-1, -2) * q.shape[-1] ** -0.5
-    return 1 + s + s.square() / 2
-
-
 def _elu_plus_one(x):
     """elu(x) + 1, with exp(x) for x <= 0 formed directly: (exp(x) - 1) + 1 cancels to 0 in low
     precision (bfloat16 already for x < -5.5, float32 for x < -17) and the key would vanish.
