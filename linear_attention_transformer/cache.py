@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from .ops.causal.recurrent import RecurrentState
+from .ops.causal.recurrent import CausalState
 
 # the position of a ring slot that holds no key (before the prompt, or its padding): below
 # the first key of every window
@@ -56,7 +56,7 @@ def map_tensors(obj, fn):
         return fn(obj)
     if isinstance(obj, (tuple, list)):
         return type(obj)(map_tensors(o, fn) for o in obj)
-    if isinstance(obj, (_Cache, RecurrentState)):
+    if isinstance(obj, (_Cache, CausalState)):
         return obj._map(fn)
     return obj
 
@@ -69,7 +69,7 @@ def copy_rows(into, rows, part):
     elif isinstance(into, (tuple, list)):
         for a, b in zip(into, part):
             copy_rows(a, rows, b)
-    elif isinstance(into, (_Cache, RecurrentState)):
+    elif isinstance(into, (_Cache, CausalState)):
         for name in getattr(into, "fields", into.__slots__):
             field = getattr(into, name)
             if isinstance(field, int):  # (a position: the part's count is the one after the call)
@@ -125,7 +125,7 @@ class LocalCache(_Cache):
 
 
 class GlobalCache(_Cache):
-    """Global heads: their ``RecurrentState`` (running KᵀV, normaliser, references, blindspot
+    """Global heads: their ``CausalState`` (running KᵀV, normaliser, references, blindspot
     block) and the local convolution's last inputs of q, k and v, conv (b, 3, h, kernel - 1,
     d), or None."""
 
