@@ -26,7 +26,6 @@ keys and values.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Optional
 

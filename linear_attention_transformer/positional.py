@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import torch
 from axial_positional_embedding import AxialPositionalEmbedding as _Axial
-from einops import rearrange
 from torch import nn
 
 
