@@ -133,9 +133,6 @@ def _gather_by_sum(packed, rank, world, group):
     return _autograd_all_reduce(torch.cat((zeros[:rank], packed[None], zeros[rank:])), group)
 
 
-# ------------------------------------------------------------------------- boundaries
-
-
 def exchange_boundaries(parts, place: ContextParallel, before: int, after: int):
     """The neighbours' boundary tokens, with gradients back to the ranks they came from.
 
@@ -180,9 +177,6 @@ def exchange_boundaries(parts, place: ContextParallel, before: int, after: int):
             tail_prev, head_next = tail_prev.to(t.dtype), head_next.to(t.dtype)
         out.append((tail_prev, head_next))
     return out
-
-
-# ----------------------------------------------------------------------------- causal
 
 
 def causal_summary(k, v, log_decay=None, mask=None, exp_features=False) -> Summary:
@@ -257,9 +251,6 @@ def context_parallel_causal_linear_attention(q, k, v, place: ContextParallel, lo
     state = state_before(summaries, place.rank, place.start, blindspot_size)
     return causal_linear_attention(q, k, v, log_decay, mask, blindspot_size=blindspot_size, chunk_size=chunk_size,
                                    exp_features=exp_features, state=state)
-
-
-# ------------------------------------------------------------------------- non-causal
 
 
 def noncausal_summary(k, v, group, mask=None, normalize=True, softmax_keys=False, key_scale=None):

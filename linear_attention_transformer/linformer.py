@@ -36,9 +36,6 @@ from torch import nn
 __all__ = ["LinformerSettings", "LinformerContextSettings", "LinformerSelfAttention", "linformer_layers"]
 
 
-# --------------------------------------------------------------------------- validation
-
-
 def _check_int(name, value, minimum=1):
     if isinstance(value, bool) or not isinstance(value, int):
         raise TypeError(f"{name} must be an int, got {type(value).__name__}")
@@ -71,9 +68,6 @@ def _check_mask(name, mask, batch, length):
         raise TypeError(f"{name} must be a bool tensor, got {mask.dtype}")
     if tuple(mask.shape) != (batch, length):
         raise ValueError(f"{name} must have shape (batch, length) = {(batch, length)}, got {tuple(mask.shape)}")
-
-
-# --------------------------------------------------------------------------- settings
 
 
 SHARING = ("none", "headwise", "kv", "layerwise")
@@ -139,9 +133,6 @@ class LinformerContextSettings:
         _check_bool("one_kv_head", self.one_kv_head)
         _check_bool("share_kv", self.share_kv)
         _check_sharing(self)
-
-
-# --------------------------------------------------------------------------- module
 
 
 class LinformerSelfAttention(nn.Module):
@@ -304,9 +295,6 @@ class LinformerSelfAttention(nn.Module):
             out = attn @ values  # (b, h, n, d)
         out = rearrange(out.to(out_dtype), "b h n d -> b n (h d)")
         return self.to_out(out)
-
-
-# --------------------------------------------------------------------------- a model's layers
 
 
 def linformer_layers(settings, dim, seq_len, depth, heads=8, dim_head=None, attn_dropout=0.0):

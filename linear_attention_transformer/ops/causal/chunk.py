@@ -58,9 +58,6 @@ __all__ = ["causal_linear_attention"]
 PER_FEATURE_SUB_CHUNK = 4  # (the sub-chunk of chunks formed pair by pair, see forms.py)
 
 
-# --------------------------------------------------------------------- causal: chunked
-
-
 def _intra_chunk_weights(q, k, G, sub_chunk, seg=None):
     """w_ij inside each chunk for j <= i.  q, k: (…, C, d) factors; G: (…, C) or (…, C, d) or None.
     seg: optional (…, C) run index; a per-feature G then only has to be non-increasing inside

@@ -211,9 +211,6 @@ def references(m, log_decay, start, dim, drops=True, blocked=False):
     return r_prev, r
 
 
-# ------------------------------------------------------------------ the semiring scan
-
-
 class _Semiring(NamedTuple):
     times: object  # a1 ⊗ a2
     fma: object  # x ⊕ a ⊗ s
@@ -263,8 +260,6 @@ def _scan(sr, a, x, initial, dim, reverse=False, exclusive=False):
     out = _interleave(*seq, dim)
     return (out.narrow(dim, 0, c) if odd else out), last
 
-
-# ------------------------------------------------------- the blocked scan (torch.compile)
 
 # Elements per block of ``blocked_linear_scan``: its work is ~ c B (inside blocks) + (c / B)^2
 # (across them) per state element; 8 keeps both small for c up to ~1000 chunks.
