@@ -18,15 +18,13 @@ is ``parameter_sharing`` (the paper's section 4, as in tatp22's ``linformer-pyto
 E and an F per key/value head and layer), 'headwise' (one E and one F per layer), 'kv' (E = F per layer),
 'layerwise' (one E = F for every layer). ``k_reduce_by_layer`` lets k shrink with depth.
 
-Because the projection along the sequence and the feature projections W_k, W_v are both
-linear and bias-free, they commute; the module mixes positions first (Eᵀ X, then W_k),
-which costs O(m k dim) instead of O(m dim h d) and, with ``share_kv``, is done once for
-keys and values.
+The projections along the sequence and W_k, W_v are linear and bias-free, so they commute:
+positions are mixed first (Eᵀ X, O(m k dim)), once for keys and values with ``share_kv``.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field, fields, make_dataclass
 from typing import Optional
 
 import torch
@@ -73,16 +71,6 @@ def _check_mask(name, mask, batch, length):
 SHARING = ("none", "headwise", "kv", "layerwise")
 
 
-def _check_sharing(settings):
-    if settings.parameter_sharing not in SHARING:
-        raise ValueError(f"parameter_sharing must be one of {SHARING}, got {settings.parameter_sharing!r}")
-    _check_int("k_reduce_by_layer", settings.k_reduce_by_layer, minimum=0)
-    if settings.k_reduce_by_layer and settings.parameter_sharing == "layerwise":
-        raise ValueError(
-            "k_reduce_by_layer > 0 with parameter_sharing='layerwise': one projection for every layer has one k"
-        )
-
-
 @dataclass(frozen=True)
 class LinformerSettings:
     """Use Linformer self-attention in every layer (non-causal, fixed maximal length).
@@ -107,32 +95,27 @@ class LinformerSettings:
         _check_int("k", self.k)
         _check_bool("one_kv_head", self.one_kv_head)
         _check_bool("share_kv", self.share_kv)
-        _check_sharing(self)
+        if self.parameter_sharing not in SHARING:
+            raise ValueError(f"parameter_sharing must be one of {SHARING}, got {self.parameter_sharing!r}")
+        _check_int("k_reduce_by_layer", self.k_reduce_by_layer, minimum=0)
+        if self.k_reduce_by_layer and self.parameter_sharing == "layerwise":
+            raise ValueError("k_reduce_by_layer > 0 with parameter_sharing='layerwise': one projection for every "
+                             "layer has one k")
 
 
-@dataclass(frozen=True)
-class LinformerContextSettings:
-    """Use Linformer for the attention to a context (encoder output) of length <= ``seq_len``.
+def _check_context_settings(self):
+    _check_int("seq_len", self.seq_len)
+    LinformerSettings.__post_init__(self)
 
-    Args:
-        seq_len: maximal context length, the length projected from.
-        k, one_kv_head, share_kv, parameter_sharing, k_reduce_by_layer: as in
-            ``LinformerSettings``.
-    """
 
-    seq_len: int
-    k: int = 256
-    one_kv_head: bool = False
-    share_kv: bool = False
-    parameter_sharing: str = "headwise"
-    k_reduce_by_layer: int = 0
-
-    def __post_init__(self):
-        _check_int("seq_len", self.seq_len)
-        _check_int("k", self.k)
-        _check_bool("one_kv_head", self.one_kv_head)
-        _check_bool("share_kv", self.share_kv)
-        _check_sharing(self)
+# ``LinformerSettings``' fields after a first one, seq_len (positional, as upstream's named tuple)
+LinformerContextSettings = make_dataclass(
+    "LinformerContextSettings",
+    [("seq_len", int), *((f.name, f.type, field(default=f.default)) for f in fields(LinformerSettings))],
+    frozen=True, namespace={"__post_init__": _check_context_settings, "__module__": __name__, "__doc__": (
+        "Use Linformer for the attention to a context (encoder output) of length <= ``seq_len`` (the "
+        "length projected from); the other fields as ``LinformerSettings``.")},
+)
 
 
 class LinformerSelfAttention(nn.Module):
@@ -164,15 +147,12 @@ class LinformerSelfAttention(nn.Module):
     Shapes (forward):
         x: (b, n, dim). Without context n <= seq_len; with context n is free.
         context: optional (b, m, dim), m <= seq_len: keys and values come from it.
-        input_mask: optional bool (b, n), True for real tokens. Without context it masks
-            the keys/values taken from x; with context it is validated but changes nothing
-            (queries are independent rows; padded query rows are the caller's to ignore).
+        input_mask: optional bool (b, n), True for real tokens: masks the keys/values taken
+            from x (refused with a context: mask those with context_mask).
         context_mask: optional bool (b, m), True for real context positions; only with context.
         returns: (b, n, dim).
-
-    A masked or padded key/value position is zeroed before the projection, so its content
-    never changes any output. Logits and softmax are computed in at least float32 (also
-    under autocast) and cast back.
+    A masked key/value position is zeroed before the projection. Logits and softmax are
+    computed in at least float32 (also under autocast) and cast back.
     """
 
     def __init__(
@@ -230,10 +210,8 @@ class LinformerSelfAttention(nn.Module):
         return linformer_layers(settings, dim, seq_len, 1, heads=heads, dim_head=dim_head, attn_dropout=dropout)[0]
 
     def extra_repr(self):
-        return (
-            f"dim={self.dim}, seq_len={self.seq_len}, k={self.k}, heads={self.heads}, "
-            f"dim_head={self.dim_head}, one_kv_head={self.one_kv_head}, share_kv={self.share_kv}"
-        )
+        return (f"dim={self.dim}, seq_len={self.seq_len}, k={self.k}, heads={self.heads}, dim_head={self.dim_head}, "
+                f"one_kv_head={self.one_kv_head}, share_kv={self.share_kv}")
 
     @staticmethod
     def _mix(kv_input, proj):
@@ -298,10 +276,8 @@ class LinformerSelfAttention(nn.Module):
 
 
 def linformer_layers(settings, dim, seq_len, depth, heads=8, dim_head=None, attn_dropout=0.0):
-    """The ``depth`` Linformer layers of a model, built from its settings.
-
-    This is the Linformer layer kind's whole hand-off from ``LinearAttentionTransformer``:
-    its keyword arguments are exactly the model options a Linformer layer honours.
+    """The ``depth`` Linformer layers of a model (its keyword arguments: exactly the model
+    options a Linformer layer honours).
 
     Args:
         settings: ``LinformerSettings`` (keys/values from the layer's own input, of length
