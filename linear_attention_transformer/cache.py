@@ -1,17 +1,12 @@
 """What cached decoding keeps between calls, layer by layer: fixed-shape buffers, updated in place.
 
-Causal linear attention is a recurrence, so a decoder needs only a fixed-size state per
-layer to continue a sequence: the running KᵀV of the global heads, a ring of the last keys
-of the local heads' window, the last inputs of the local convolution, the previous token for
-token shifting. ``LinearAttentionTransformerLM.forward(x, return_cache=True)`` returns a
-``DecodingCache``; give it back with the next tokens (``cache=``).
-
-One design serves every way of decoding: the buffers keep their shapes whatever the length,
-and each call (``model(x, cache=cache, return_cache=True)``, ``Decoder.step``) writes the new
-state into them **in place** and returns the same cache. To branch from a cache (beam search,
-several samples from one prompt), ``clone()`` it first; a call with a cache but without
-``return_cache`` reads it and leaves it as it was. ``cache.to(device)`` returns a moved copy.
-All classes here hold tensors whose first dimension is the batch.
+A decoder needs a fixed-size state per layer: the global heads' running KᵀV, a ring of the
+local heads' last keys, the convolution's last inputs, the previous token for token shift.
+``model(x, return_cache=True)`` returns a ``DecodingCache``; give it back with the next tokens
+(``cache=``). Each call with ``return_cache`` (and ``Decoder.step``) writes the new state into
+the same buffers **in place**: to branch (beam search, several samples), ``clone()`` first. A
+call without ``return_cache`` leaves the cache as it was; ``cache.to(device)`` is a moved copy.
+Every tensor here has the batch as its first dimension.
 """
 
 from __future__ import annotations

@@ -31,6 +31,8 @@ import torch
 from einops import rearrange
 from torch import nn
 
+from .ops.common import _check_mask
+
 __all__ = ["LinformerSettings", "LinformerContextSettings", "LinformerSelfAttention", "linformer_layers"]
 
 
@@ -55,17 +57,6 @@ def _check_features(name, t, dim):
         raise ValueError(f"{name} must have shape (batch, length, dim), got {tuple(t.shape)}")
     if t.shape[-1] != dim:
         raise ValueError(f"{name} must have feature size dim = {dim}, got {t.shape[-1]}")
-
-
-def _check_mask(name, mask, batch, length):
-    if mask is None:
-        return
-    if not isinstance(mask, torch.Tensor):
-        raise TypeError(f"{name} must be a bool torch.Tensor, got {type(mask).__name__}")
-    if mask.dtype != torch.bool:
-        raise TypeError(f"{name} must be a bool tensor, got {mask.dtype}")
-    if tuple(mask.shape) != (batch, length):
-        raise ValueError(f"{name} must have shape (batch, length) = {(batch, length)}, got {tuple(mask.shape)}")
 
 
 SHARING = ("none", "headwise", "kv", "layerwise")
@@ -231,7 +222,7 @@ class LinformerSelfAttention(nn.Module):
     def forward(self, x, context=None, input_mask=None, context_mask=None):
         _check_features("x", x, self.dim)
         b, n, _ = x.shape
-        _check_mask("input_mask", input_mask, b, n)
+        _check_mask(input_mask, b, n, "input_mask")
         if context is None:
             if context_mask is not None:
                 raise ValueError("context_mask was given without context")
@@ -247,7 +238,7 @@ class LinformerSelfAttention(nn.Module):
                 raise ValueError(f"context has batch size {context.shape[0]}, x has {b}")
             if context.shape[1] > self.seq_len:
                 raise ValueError(f"context has length {context.shape[1]}, longer than seq_len = {self.seq_len}")
-            _check_mask("context_mask", context_mask, b, context.shape[1])
+            _check_mask(context_mask, b, context.shape[1], "context_mask")
             kv_input, kv_mask = context, context_mask
 
         m = kv_input.shape[1]

@@ -11,19 +11,14 @@ query i sees exactly the last L * w keys, itself included,
 
     i - L * w  <  j  <=  i.
 
-``Window.visible`` states the rule once (its lower bound is ``Window.first_key``).
-``windowed_attention_by_position`` is its plain O(n m) masked softmax (it also serves cached
-decoding, whose keys sit in a ring at any positions); ``windowed_attention_step`` is one
-query of a decoder over that ring;
-``windowed_attention`` is the blocked form used by the full forward, O(n (L + F + 1) w):
-each window of queries meets only the L + F + 1 windows of keys around it, and the same
-rule masks inside them. The tests hold the two equal.
+``Window.visible`` states the rule once (lower bound ``Window.first_key``).
+``windowed_attention_by_position`` is its plain O(n m) masked softmax (also cached decoding's,
+keys in a ring at any positions), ``windowed_attention_step`` one decoder query over that ring,
+and ``windowed_attention`` the blocked form, O(n (L + F + 1) w): each window of queries meets
+the L + F + 1 windows of keys around it, masked by the same rule.
 
-Packed sequences (``segments``, see ``segments.py``): positions are counted from the start of
-each query's segment, as if the segment ran alone, and only keys of the query's own segment
-are visible. The blocked form then meets one more window of keys on each side that a
-segment may reach (its windows no longer line up with the blocks), and masks by the
-segment-relative positions.
+With ``segments`` (``segments.py``) positions count from each query's segment start and only
+its own segment's keys are visible; the blocked form then meets one more window each side.
 """
 
 from __future__ import annotations
