@@ -28,21 +28,11 @@ import torch
 from .ops import CausalState, causal_linear_attention, linear_attention_readout, linear_attention_summary
 from .ops.causal.forms import CHUNK_SIZE
 from .ops.causal.scan import Summary, scan, summarize
-from .ops.common import _append_ones, _apply_key_mask, _compute_dtype
+from .ops.common import NEG_INF, _append_ones, _apply_key_mask, _compute_dtype
 
-__all__ = [
-    "ContextParallel",
-    "causal_summary",
-    "gather_summaries",
-    "state_before",
-    "context_parallel_causal_linear_attention",
-    "noncausal_summary",
-    "context_parallel_linear_attention",
-    "summary_bytes",
-    "exchange_boundaries",
-]
-
-NEG_INF = float("-inf")
+__all__ = ["ContextParallel", "causal_summary", "gather_summaries", "state_before",
+           "context_parallel_causal_linear_attention", "noncausal_summary", "context_parallel_linear_attention",
+           "summary_bytes", "exchange_boundaries"]
 
 
 def _dist():

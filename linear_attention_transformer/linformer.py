@@ -113,27 +113,17 @@ class LinformerSelfAttention(nn.Module):
     """Multi-head attention whose keys and values are projected along the sequence to length k.
 
     Args:
-        dim: model (feature) size of x, of the context and of the output.
-        seq_len: maximal length of the key/value sequence (x without context, the context
-            with it). Shorter sequences are handled as if zero-padded to ``seq_len``.
-        k: projected length (>= 1). May exceed ``seq_len``, though that saves nothing.
-        heads: number of query heads.
-        dim_head: size of each head; defaults to ``dim // heads`` (``dim`` must then be
-            divisible by ``heads``).
-        one_kv_head: compute one key/value head of size ``dim_head``, shared by all query heads.
-        share_kv: use the same sequence projection for keys and values (F = E). The
-            feature projections ``to_k`` and ``to_v`` stay separate.
-        dropout: dropout probability on the attention weights.
+        dim: feature size of x, of the context and of the output.
+        seq_len: maximal key/value length (x's without context, else the context's).
+        k: projected length (>= 1). heads, dim_head (default dim // heads): the query heads.
+        one_kv_head: one key/value head shared by all query heads.
+        share_kv: one sequence projection for keys and values (F = E; to_k, to_v stay two).
+        dropout: on the attention weights.
         per_head: a sequence projection per key/value head (parameter_sharing 'none').
-        projection: an existing (seq_len, k) parameter to use as E = F (parameter_sharing
-            'layerwise': the same one in every layer); implies ``share_kv``.
-
-    Parameters:
-        to_q: Linear(dim, heads * dim_head), no bias.
-        to_k, to_v: Linear(dim, kv_heads * dim_head), no bias, kv_heads = 1 or heads.
-        proj_k (E), proj_v (F, absent with ``share_kv``): (seq_len, k), or (kv_heads, seq_len,
-            k) with ``per_head``; Xavier-uniform, bound sqrt(6 / (seq_len + k)).
-        to_out: Linear(heads * dim_head, dim), with bias.
+        projection: an existing (seq_len, k) parameter as E = F (parameter_sharing
+            'layerwise'); implies ``share_kv``.
+    Parameters: to_q, to_k, to_v (no bias), to_out; proj_k (E) and proj_v (F, absent with
+    ``share_kv``): (seq_len, k), or (kv_heads, seq_len, k) ``per_head``, Xavier-uniform.
 
     Shapes (forward):
         x: (b, n, dim). Without context n <= seq_len; with context n is free.
@@ -146,19 +136,9 @@ class LinformerSelfAttention(nn.Module):
     computed in at least float32 (also under autocast) and cast back.
     """
 
-    def __init__(
-        self,
-        dim: int,
-        seq_len: int,
-        k: int = 256,
-        heads: int = 8,
-        dim_head: Optional[int] = None,
-        one_kv_head: bool = False,
-        share_kv: bool = False,
-        dropout: float = 0.0,
-        per_head: bool = False,
-        projection: Optional[nn.Parameter] = None,
-    ):
+    def __init__(self, dim: int, seq_len: int, k: int = 256, heads: int = 8, dim_head: Optional[int] = None,
+                 one_kv_head: bool = False, share_kv: bool = False, dropout: float = 0.0, per_head: bool = False,
+                 projection: Optional[nn.Parameter] = None):
         super().__init__()
         _check_int("dim", dim)
         _check_int("seq_len", seq_len)
@@ -285,14 +265,11 @@ def linformer_layers(settings, dim, seq_len, depth, heads=8, dim_head=None, attn
         raise TypeError(f"settings must be LinformerSettings or LinformerContextSettings, got {type(settings).__name__}")
     sharing = settings.parameter_sharing
     shared = nn.Parameter(_xavier(torch.empty(seq_len, settings.k))) if sharing == "layerwise" else None
-    return [
-        LinformerSelfAttention(
-            dim, seq_len, k=max(1, settings.k - layer * settings.k_reduce_by_layer), heads=heads, dim_head=dim_head,
-            one_kv_head=settings.one_kv_head, share_kv=settings.share_kv or sharing == "kv", dropout=attn_dropout,
-            per_head=sharing == "none", projection=shared,
-        )
-        for layer in range(depth)
-    ]
+    return [LinformerSelfAttention(dim, seq_len, k=max(1, settings.k - layer * settings.k_reduce_by_layer), heads=heads,
+                                   dim_head=dim_head, one_kv_head=settings.one_kv_head,
+                                   share_kv=settings.share_kv or sharing == "kv", dropout=attn_dropout,
+                                   per_head=sharing == "none", projection=shared)
+            for layer in range(depth)]
 
 
 def _xavier(t):

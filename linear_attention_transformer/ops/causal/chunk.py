@@ -270,10 +270,8 @@ def _non_finite_state(bad, state):
     return state._map(lambda t: t.masked_fill(hit.view(*hit.shape, *(1,) * (t.ndim - 2)), float("nan")))
 
 
-def causal_linear_attention(
-    q, k, v, log_decay=None, mask=None, blindspot_size=1, chunk_size=CHUNK_SIZE, exp_features=False,
-    state=None, return_state=False, segments=None, form=None,
-):
+def causal_linear_attention(q, k, v, log_decay=None, mask=None, blindspot_size=1, chunk_size=CHUNK_SIZE,
+                            exp_features=False, state=None, return_state=False, segments=None, form=None):
     """Causal linear attention, chunk by chunk, in O(n) memory: (C x C) weights inside a chunk,
     a running state (d x e + 1 per head) between chunks. With ``blindspot_size`` B > 1 the chunk
     is the block and a query sees exactly the keys of earlier blocks.
@@ -476,19 +474,12 @@ def _continue_inside_block(q, k, v, log_decay, mask, blindspot_size, chunk_size,
     def part(t, sl):
         return None if t is None else t[:, :, sl] if t.ndim > 2 else t[:, sl]
 
-    first = slice(0, head)
-    out, state = recurrent_causal_linear_attention(
-        *(part(t, first) for t in (q, k, v, log_decay)), mask=None if mask is None else mask[:, first],
-        blindspot_size=blindspot_size, exp_features=exp_features, state=state,
-    )
+    out, state = recurrent_causal_linear_attention(*(part(t, slice(0, head)) for t in (q, k, v, log_decay, mask)),
+                                                   blindspot_size, exp_features, state)
     outs = [out]
     if head < n:
-        rest = slice(head, n)
-        out, state = causal_linear_attention(
-            *(part(t, rest) for t in (q, k, v, log_decay)), mask=None if mask is None else mask[:, rest],
-            blindspot_size=blindspot_size, chunk_size=chunk_size, exp_features=exp_features, state=state,
-            return_state=True, form=form,
-        )
+        out, state = causal_linear_attention(*(part(t, slice(head, n)) for t in (q, k, v, log_decay, mask)),
+                                             blindspot_size, chunk_size, exp_features, state, True, form=form)
         outs.append(out)
     out = torch.cat(outs, dim=2)
     return (out, state) if return_state else out

@@ -276,9 +276,8 @@ def _complete_block(kv, ref, pending, pending_ref, exp_features):
     return kv, ref, torch.zeros_like(pending), None if pending_ref is None else torch.full_like(pending_ref, NEG_INF)
 
 
-def recurrent_causal_linear_attention(
-    q, k, v, log_decay=None, mask=None, blindspot_size=1, exp_features=False, state=None, segments=None
-):
+def recurrent_causal_linear_attention(q, k, v, log_decay=None, mask=None, blindspot_size=1, exp_features=False,
+                                      state=None, segments=None):
     """Reference for ``causal_linear_attention``: the recurrence, one token at a time.
     With ``segments`` (b, n) the state is emptied (sums 0, references -inf) at each
     segment's first token. Returns (out (b, h, n, e), state after the last token)."""
@@ -293,9 +292,8 @@ def recurrent_causal_linear_attention(
         if starts is not None:
             state = _emptied(state, starts[:, t])
         ld = None if log_decay is None else log_decay[:, :, t]
-        out, state = causal_linear_attention_step(
-            q[:, :, t], k[:, :, t], v[:, :, t], state, ld, blindspot_size, exp_features
-        )
+        out, state = causal_linear_attention_step(q[:, :, t], k[:, :, t], v[:, :, t], state, ld, blindspot_size,
+                                                  exp_features)
         outs.append(out)
     return torch.stack(outs, dim=2), state
 

@@ -50,18 +50,11 @@ class Summary(NamedTuple):
 
 
 def summarize(k, v, to_end=None, total=None, exp_features=False):
-    """The ``Summary`` of spans of keys from a zero start: the state they add, their keys
-    decayed to the span's end (for exponential features relative to their maximum there).
-
-    Args:
-        k: (…, l, d) key features, or logits with ``exp_features``; a key that must not enter
-            is 0 (-inf for logits). v: (…, l, E) values (with the normaliser column).
-        to_end: optional (…, l, 1 or d), the log decay from each key to its span's end.
-        total: optional (…, 1 or d), the spans' log decay: the summary's ``log_decay``.
-    Returns:
-        (Summary(kv (…, d, E), total, ref (…, d) or None), the keys' factors (…, l, d) that
-        make kv: k decayed to the end, for exponential features exp(k + to_end - ref)).
-    """
+    """The ``Summary`` of spans of keys from a zero start: k (…, l, d) features, or logits with
+    ``exp_features`` (a key that must not enter: 0, or -inf); v (…, l, E) with the normaliser
+    column; ``to_end`` (…, l, 1 or d) the log decay from each key to its span's end; ``total``
+    (…, 1 or d) the spans' log decay. Returns (Summary(kv (…, d, E), total, ref (…, d) or None),
+    the keys' factors (…, l, d): k decayed to the end, or exp(k + to_end - ref))."""
     factors, ref = key_factors(k, to_end, exp_features)
     return Summary(torch.einsum("...ld,...le->...de", factors, v), total, ref), factors
 
@@ -305,19 +298,15 @@ def _first(t, axis, length):
 
 
 def _blocked_scan(sr, la, x, initial, dim, inclusive=False):
-    """S_j = x_j ⊕ exp(la_j) ⊗ S_{j-1} along ``dim`` in a number of operations that does not
-    depend on the length c (the form torch.compile traces: one graph for every length).
+    """S_j = x_j ⊕ exp(la_j) ⊗ S_{j-1} along ``dim`` in a number of operations independent of c.
 
-    la: the log coefficients (for MAX_PLUS the additive ones themselves), x's dimensions with
-    size c along ``dim`` and 1 in the last (the decay never depends on it), broadcastable to
-    x; x: (…, c, …, E); initial: x's shape without ``dim``. The c elements are padded with
-    the identity to P blocks of ``SCAN_BLOCK``, at least one of them padding (always: a
-    branch on the padding would specialise dynamic shapes). Inside a block the states from its own elements are one
-    (B x B) product with the segment sums of la; the states after each block are the same
-    form over the P blocks' totals, starting from ``initial``; each element's state adds its
-    block's start state decayed to it. The blocks of every leading index share one batch
-    axis (its size is then never 1, which dynamic shapes would otherwise have to guard on).
-    Returns (S before each element, or with ``inclusive`` after it; the state after the last)."""
+    la: log coefficients (MAX_PLUS: the additive ones), size c along ``dim`` and 1 last,
+    broadcastable to x (…, c, …, E); initial: x's shape without ``dim``. The elements are padded
+    with the identity to P blocks of ``SCAN_BLOCK`` (at least one block of padding: no branch on
+    it under dynamic shapes); inside a block the states are one (B x B) product with the
+    segment sums of la, across blocks the same form over the blocks' totals, and each element
+    adds its block's start state decayed to it. Returns (S before each element, or after it
+    with ``inclusive``; the state after the last)."""
     c, B = x.shape[dim], SCAN_BLOCK
     # (one block more than needed, all identity: P >= 2 for every c, so that dynamic shapes
     # need not guard on P == 1 where the blocks' axis is merged with the leading ones)
