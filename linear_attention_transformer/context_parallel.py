@@ -52,8 +52,7 @@ class ContextParallel:
         rank, world_size: this process's rank in ``group`` and the group's size.
         length: n_local, the length of every slice. start: ``rank * length``, the position
             of this slice's first token in the whole sequence.
-    Build it with ``ContextParallel.of(group, batch, length)``: that checks (one all-gather
-    of two integers) that every rank holds a slice of the same batch size and length.
+    Build it with ``ContextParallel.of(group, batch, length)`` (checks every rank's slice shape).
     """
 
     __slots__ = ("group", "rank", "world_size", "length", "start")

@@ -31,10 +31,8 @@ _INTEGER_DTYPES = (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int6
 
 def start_decoding(model, x, input_mask=None, context=None, context_mask=None):
     """Prime a decoder with the prompt ``x`` (b, n). Returns (logits (b, num_tokens) at the
-    prompt's last position, decoder): ``Decoder`` when every layer of the model has a step,
-    else ``CacheDecoder``."""
-    # without gradients but outside inference mode: the cache's buffers are then ordinary
-    # tensors, which a step may update in place with or without inference mode (and compiled)
+    prompt's last position, ``Decoder``, or ``CacheDecoder`` when a layer has no step)."""
+    # not in inference mode: the buffers are then ordinary tensors, updatable in place in any mode
     with torch.no_grad():
         out, cache = model._body(x, input_mask, context, context_mask, None, True)
         logits = model._output(out[:, -1])

@@ -85,9 +85,7 @@ class LocalConv(nn.Module):
         channels: heads * dim_head of the tensors it convolves.
         kernel_size: taps. causal: pad kernel_size - 1 on the left (position t sees t-k+1..t);
             otherwise centred, which needs an odd kernel.
-    Starts as the identity (the tap on the current token is 1, the others 0), so a model with
-    the convolution begins as the one without, and learns how much of its neighbours to mix in.
-    Shapes: x (b, h, n, d) with h * d == channels, mask (b, n) bool, segments (b, n) run
+    Starts as the identity (the current token's tap 1, the others 0). Shapes: x (b, h, n, d) with h * d == channels, mask (b, n) bool, segments (b, n) run
     index (``ops/segments.py``: no tap reaches into another segment) -> (b, h, n, d).
     """
 

@@ -39,17 +39,11 @@ class ImageLinearAttention(nn.Module):
     """Multi-head linear attention between the positions of an image (feature map).
 
     Args:
-        chan: input channels.
-        chan_out: output channels (default ``chan``).
-        kernel_size, padding, stride: int or pair, of the query/key/value convolutions
-            ``to_q``, ``to_k``, ``to_v`` (Conv2d chan -> heads * key_dim / heads * value_dim).
-            The output convolution ``to_out`` (Conv2d heads * value_dim -> chan_out) uses
-            the same ``kernel_size`` and ``padding`` but stride 1.
-        key_dim: query/key features per head.
-        value_dim: value features per head.
-        heads: number of heads.
-        norm_queries: softmax the queries over their features. Without it the query
-            features are used raw (after the temperature) and rows no longer sum to one.
+        chan, chan_out: input and output channels (``chan_out`` default ``chan``).
+        kernel_size, padding, stride: int or pair, of the Conv2d ``to_q``, ``to_k``, ``to_v``;
+            ``to_out`` (heads * value_dim -> chan_out) takes the same kernel and padding, stride 1.
+        key_dim, value_dim: query/key and value features per head. heads: number of heads.
+        norm_queries: softmax the queries over their features (else raw: rows need not sum to 1).
 
     Shapes (forward):
         img: (b, chan, H, W).

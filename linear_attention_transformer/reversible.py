@@ -111,10 +111,8 @@ def _sharded_inside(blocks: nn.Module) -> bool:
 
 
 def _device_module(device_type: str):
-    getter = getattr(torch, "get_device_module", None)
-    if getter is not None:
-        return getter(device_type)
-    return getattr(torch, device_type)  # pragma: no cover - torch < 2.3
+    getter = getattr(torch, "get_device_module", None)  # (torch < 2.3: torch.<device_type>)
+    return getter(device_type) if getter is not None else getattr(torch, device_type)
 
 
 def _rng_devices(tensors: Iterable[torch.Tensor]) -> list[torch.device]:
@@ -300,10 +298,7 @@ class ReversibleSequence(nn.Module):
 
     When gradients are needed the forward keeps only the final y1, y2 and the tensor kwargs;
     backward inverts the blocks one at a time, recomputing ``f`` and ``g`` under the recorded
-    RNG (dropout masks replay) and autocast states: activation memory is one block's,
-    whatever the depth. The input, the top-level tensor kwargs and the blocks' parameters are
-    inputs of one autograd Function, so each parameter's gradient is accumulated once per
-    backward (as DDP expects) and a shared module gets the sum of its uses.
+    RNG (dropout masks replay) and autocast states: activation memory is one block's.
 
     The blocks must be deterministic given the RNG and autocast states and use only their own
     (registered) parameters; side effects (BatchNorm statistics) happen again when

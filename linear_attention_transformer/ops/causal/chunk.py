@@ -313,9 +313,7 @@ def causal_linear_attention(q, k, v, log_decay=None, mask=None, blindspot_size=1
     out_dtype = q.dtype
     dtype = _compute_dtype(q)
     with torch.autocast(q.device.type, enabled=False):
-        # q and k contiguous once: heads split off a fused projection are strided views, and
-        # every elementwise result keeps that layout, so each batched matmul below would copy
-        # its operand again (forward and backward). v is copied by _append_ones anyway.
+        # contiguous once: strided heads of a fused projection would be copied by every matmul
         q, k, v = q.to(dtype).contiguous(), k.to(dtype).contiguous(), v.to(dtype)
         log_decay = None if log_decay is None else log_decay.to(dtype)
         plan = pick_form(q.device, torch.compiler.is_compiling(), form, exp_features, blindspot_size,
@@ -327,8 +325,7 @@ def causal_linear_attention(q, k, v, log_decay=None, mask=None, blindspot_size=1
         v = _append_ones(v)
 
         blindspot = blindspot_size > 1
-        # (the padding as c C - n: under dynamic shapes the padded length is then c C by its
-        # very form, and splitting it into (c, C) gives exactly C again)
+        # (padding c C - n: under dynamic shapes the padded length is then c C by its form)
         c = (n + C - 1) // C
         pad = c * C - n
         if blocked or pad:  # padded keys are invisible (zero features) and do not decay
@@ -337,8 +334,7 @@ def causal_linear_attention(q, k, v, log_decay=None, mask=None, blindspot_size=1
             k = F.pad(k, (0, 0, 0, pad), value=NEG_INF if exp_features else 0.0)
             if log_decay is not None:
                 log_decay = F.pad(log_decay, (0, 0, 0, pad) if log_decay.ndim == 4 else (0, pad))
-        # (every size given: under dynamic shapes an inferred size (-1, einops) makes the chunk
-        # length a symbolic quotient instead of C, which torch.cond's stride check cannot simplify)
+        # (every size given: an inferred one is a symbolic quotient torch.cond's stride check rejects)
         q, k, v = (t.view(b, h, c, C, t.shape[-1]) for t in (q, k, v))
         runs = same = reads = kept = carries = None
         if segments is not None:
@@ -365,21 +361,17 @@ def causal_linear_attention(q, k, v, log_decay=None, mask=None, blindspot_size=1
                                if G_end is None else G_end).masked_fill(~carries[..., None], NEG_INF)
 
         if exp_features:
-            # keys decayed to their chunk's end, relative to their maximum m_c there: one
-            # factor <= 1 serves the state and the queries of the chunk. The state after
-            # chunk c lives on the decayed running maximum r_c, so its largest term is 1.
-            # (the chunk's end enters the keys and queries without gradient, and the chunk's
-            # contribution to the state through a factor of exactly 1 that carries it: then
-            # no gradient of a query reaches a later decay, not even by rounding)
+            # keys decayed to their chunk's end, relative to their maximum m_c there; the end
+            # enters without gradient, which reaches the state through a factor of exactly 1
+            # (so no query's gradient reaches a later decay, not even by rounding)
             k_logits = k
             to_end = None if G is None else G_end.detach()[:, :, :, None] - Gd
             if segments is None:
                 chunk_summary, k = summarize(k_logits, v, to_end, exp_features=True)
                 k_to_end, m = k, chunk_summary.ref
             else:
-                # the state keeps only the last segment's keys: on their own maximum, as an
-                # earlier segment's keys in the chunk may be far larger (and would underflow them);
-                # the chunk's queries read all of its keys, relative to the maximum of all
+                # the state keeps the last segment's keys on their own maximum (an earlier
+                # segment's may be far larger); the chunk's queries read all, on the maximum of all
                 chunk_summary, k_to_end = summarize(k_logits.masked_fill(~kept[..., None], NEG_INF), v, to_end,
                                                     exp_features=True)
                 k, m = key_factors(k_logits, to_end, exp_features=True)

@@ -38,10 +38,9 @@ class CausalState:
             (None when ``blindspot_size`` is 1). After an in-place join, pending keeps its old
             sums under a reference of -inf (the next key's rescale, by 0, empties it).
         keys (b, h, B, d), values (b, h, B, e + 1): with ``waiting`` (a blindspot without
-            decay) the in-place step keeps the block's keys as they come (position t in slot
-            t mod B; an empty slot: key -inf or 0, value 0) and joins them at once at the
-            block's end, instead of updating ``pending`` at every step (which then holds only
-            a prompt's part of the block). Else None.
+            decay) the in-place step keeps the block's keys in slots (position t in slot t mod
+            B; empty: key -inf or 0, value 0) and joins them at the block's end (``pending``
+            then holds only a prompt's part of the block). Else None.
         position: tokens consumed (an int) by the functional step; the in-place step leaves
             the count to its caller (the cache's position).
     ``causal_linear_attention_step`` never modifies a state: a caller may keep one and branch.
