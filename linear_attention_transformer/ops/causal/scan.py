@@ -37,7 +37,7 @@ import torch
 from ..common import NEG_INF, _exp_ratio, _log_ratio
 
 __all__ = ["Summary", "summarize", "key_factors", "combine", "common_reference", "join_factors", "scan", "references",
-           "linear_terms", "linear_scan", "sequential_linear_scan", "blocked_linear_scan"]
+           "linear_scan", "sequential_linear_scan", "blocked_linear_scan"]
 
 
 class Summary(NamedTuple):
@@ -149,28 +149,16 @@ def scan(summaries: Summary, initial: Optional[Summary] = None, dim: int = 0, dr
     total = None if initial is None else initial.log_decay
     if g is not None:
         total = g.sum(dim) if total is None else g.sum(dim) + total
-    blocked = form == "blocked"
-    r_prev = r = None
-    if m is not None:
+    blocked = form == "blocked"  # (its scan takes log a_c: -inf where a_c is 0)
+    a, r_prev, r = (g if blocked or g is None else g.exp()), None, None
+    if m is not None:  # step 2 of the module docstring; the gradient reaches g through a
         r_prev, r = references(m, g, None if initial is None else initial.ref, dim, drops, blocked)
-    a, scale = linear_terms(g, m, r_prev, r, log=blocked)
-    if scale is not None:
-        kv = kv * scale.unsqueeze(-1)
+        a = (_log_ratio if blocked else _exp_ratio)(r_prev if g is None else r_prev + g, r)
+        kv = kv * _exp_ratio(m, r).unsqueeze(-1)
     a = None if a is None else a.unsqueeze(-1)
     linear = {"log_depth": linear_scan, "loop": sequential_linear_scan, "blocked": blocked_linear_scan}[form]
     before, final = linear(a, kv, start, dim)
     return Summary(before, None, r_prev), Summary(final, total, None if r is None else r.select(dim, -1))
-
-
-def linear_terms(log_decay, m, r_prev, r, log=False):
-    """Step 2 of the module docstring: (a, scale) with a_c = exp(r_{c-1} + g_c - r_c) (given
-    features: exp(g_c); None without decay) and scale_c = exp(m_c - r_c) (None for given
-    features), so that S_c = a_c S_{c-1} + scale_c kv_c. The gradient reaches g through a.
-    With ``log``, log a_c instead of a_c (-inf where a_c is 0), for ``blocked_linear_scan``."""
-    if m is None:
-        return (None if log_decay is None else log_decay if log else log_decay.exp()), None
-    before = r_prev if log_decay is None else r_prev + log_decay
-    return (_log_ratio if log else _exp_ratio)(before, r), _exp_ratio(m, r)
 
 
 def references(m, log_decay, start, dim, drops=True, blocked=False):
