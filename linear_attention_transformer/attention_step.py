@@ -194,12 +194,10 @@ class AttentionStep:
 
 
 class _Ring:
-    """A step's bookkeeping of a ``LocalCache`` ring: entering position p writes p into its
-    slot and gives the bias (b or 1, 1, slots): 0 on the slots whose key the query sees
-    (``Window.visible``: stored keys all sit at positions <= p, so those from its first key
-    on), -inf on the others. With ``steady`` (a decoder), from the position on which every
-    slot holds a real key the bias is a row of a table of one row per slot (made once;
-    ``steady_after``: the position the ring continues from)."""
+    """A step's bookkeeping of a ``LocalCache`` ring: entering position p writes p into its slot
+    and gives the bias (b or 1, 1, slots), 0 on the slots from the query's first key on, -inf
+    elsewhere. With ``steady_after`` (the position the ring continues from), once every slot
+    holds a real key the bias is a row of a table made once."""
 
     def __init__(self, window, cache, steady_after=None):
         if not window.causal:

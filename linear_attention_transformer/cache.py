@@ -74,11 +74,9 @@ def copy_rows(into, rows, part):
 
 
 class LocalCache(_Cache):
-    """Local heads: a ring of ``slots`` keys and values, kv (b, 2, h, slots, d) (the key at
-    position t in slot t mod slots), and each slot's key position per row, positions
-    (b, slots) (``NO_KEY`` where the slot holds no real key). ``slots`` is the most keys a
-    query of the window sees (``Window.most_keys``), so the ring holds every key a later
-    query can reach."""
+    """Local heads: a ring of ``slots`` (``Window.most_keys``) keys and values, kv (b, 2, h, slots,
+    d) (position t in slot t mod slots), and each slot's key position per row, positions
+    (b, slots) (``NO_KEY``: no real key)."""
 
     __slots__ = ("kv", "positions")
 

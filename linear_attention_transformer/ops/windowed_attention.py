@@ -65,15 +65,10 @@ class Window(NamedTuple):
 
 def windowed_attention_by_position(q, k, v, q_positions, k_positions, window, key_mask=None, q_segments=None,
                                    k_segments=None):
-    """The explicit form. Args:
-        q: (b, h, n, d) queries at positions ``q_positions`` (n,) or (b, n).
-        k, v: (b, h, m, d) keys/values at positions ``k_positions`` (m,) or (b, m).
-        window: ``Window``. key_mask: optional (b, m) bool, True for real keys.
-        q_segments, k_segments: optional (b, n) and (b, m) segment labels: a key is visible
-            only to queries of the same label (positions are then the segment-relative ones).
-    Returns:
-        (b, h, n, d)
-    """
+    """The explicit form: q (b, h, n, d) at ``q_positions`` (n,) or (b, n), k, v (b, h, m, d) at
+    ``k_positions`` (m,) or (b, m), ``key_mask`` (b, m) True for real keys, ``q_segments`` /
+    ``k_segments`` (b, n) / (b, m) labels (a key is visible only to queries of its label;
+    positions are then segment-relative) -> (b, h, n, d)."""
     q, k, v, bad = _quarantine(q, k, v)
     sim = torch.einsum("bhid,bhjd->bhij", q, k) * q.shape[-1] ** -0.5
     visible = window.visible(q_positions[..., :, None], k_positions[..., None, :])
@@ -87,16 +82,9 @@ def windowed_attention_by_position(q, k, v, q_positions, k_positions, window, ke
 
 
 def windowed_attention(q, k, v, window, key_mask=None, segments=None):
-    """The blocked form, for a whole sequence at positions 0 .. n - 1. Args:
-        q, k, v: (b, h, n, d). window: ``Window``. key_mask: optional (b, n) bool.
-        segments: optional (b, n) segment ids: each segment attends as if alone.
-    Returns:
-        (b, h, n, d)
-
-    Each block of w queries meets the keys of the windows around it, padded by whole windows
-    on both sides and masked. With segments, positions are segment-relative, so a window can
-    reach one window further on each side (on the left unless exact, on the right unless
-    causal), and keys of other segments are masked too."""
+    """The blocked form over positions 0 .. n - 1: q, k, v (b, h, n, d), ``key_mask`` (b, n),
+    ``segments`` (b, n) ids (each segment as if alone) -> (b, h, n, d). Each block of w queries
+    meets the windows of keys around it (one more each side with segments), padded and masked."""
     b, _, n, _ = q.shape
     w = window.size
     runs = None if segments is None else segment_runs(segments)
@@ -131,12 +119,10 @@ def windowed_attention(q, k, v, window, key_mask=None, segments=None):
 
 
 def windowed_attention_step(q, keys, values, bias, out=None):
-    """One query over a ring of stored keys (cached decoding): q (b, h, 1, d) already scaled by
-    d^-1/2, keys and values (b, h, slots, d), bias (b or 1, 1, slots) 0 where the key is
-    visible (``Window.visible`` of the slots' positions) and -inf elsewhere; the query's own
-    key is among them. -> (b, h, d), written into ``out`` when given. Products and sums, not
-    matmuls: a batched matmul of these tiny shapes runs on every thread, and on a busy
-    machine waiting for the other threads costs milliseconds."""
+    """One query over a ring of stored keys (cached decoding): q (b, h, 1, d) scaled by d^-1/2,
+    keys and values (b, h, slots, d), bias (b or 1, 1, slots) 0 where visible, -inf elsewhere
+    -> (b, h, d), written into ``out`` when given. Products and sums, not matmuls: a batched
+    matmul of tiny shapes runs on every thread, and waiting for a busy one costs milliseconds."""
     sim = (q * keys).sum(dim=-1) + bias
     return torch.sum(sim.softmax(dim=-1)[..., None] * values, dim=-2, out=out)
 

@@ -87,12 +87,10 @@ def _pairwise_weights(q, k, G, seg=None):
 
 
 def _two_level_weights(q, k, G, s, seg=None):
-    """Decay per feature in chunks of C split into sub-chunks of s.
-
-    For a query sub-chunk I and the keys before it, the decay exp(G_i - G_j) factors through
-    R_I, the cumulative decay just before I: exp(G_i - R_I) * exp(R_I - G_j), both <= 1, so
-    those weights are one matmul per sub-chunk. Only the s x s blocks on the diagonal are
-    formed pair by pair. Memory O(C (C/s + s) d) per chunk instead of O(C^2 d)."""
+    """Decay per feature in chunks of C split into sub-chunks of s: for query sub-chunk I and the
+    keys before it exp(G_i - G_j) = exp(G_i - R_I) exp(R_I - G_j) (R_I: the decay just before
+    I), both <= 1, one matmul per sub-chunk; only the (s x s) diagonal blocks go pair by pair.
+    Memory O(C (C/s + s) d) per chunk instead of O(C^2 d)."""
     C, d = q.shape[-2:]
     m = C // s
     qs, Gs = (rearrange(t, "... (m s) d -> ... m s d", s=s) for t in (q, G))

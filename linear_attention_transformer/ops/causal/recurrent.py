@@ -125,12 +125,10 @@ class CausalState:
         return torch.remainder(p, blindspot_size)[None], torch.remainder(p + 1, blindspot_size) == 0
 
     def step(self, q, k, v, log_decay=None, where=None, all_seen=False, out=None):
-        """One token: q, k (b, h, d) features (logits with exponential features), v (b, h, e),
-        in the state's dtype; log_decay None, (b, h) or (b, h, d). ``where``: this position's
-        ``where`` (None without a blindspot, or where the caller knows that the position
-        does not complete its block). ``all_seen``: the caller knows that every row's query
-        sees a key (see ``read_state``). Returns out (b, h, e), written into ``out`` when
-        given; the token is real (a padded one is not stepped)."""
+        """One real token in place: q, k (b, h, d) (logits with exponential features), v (b, h, e)
+        in the state's dtype, log_decay None, (b, h) or (b, h, d); ``where``: the position's
+        ``where`` (None: no join now); ``all_seen``: as ``read_state``. Returns out (b, h, e),
+        written into ``out`` when given."""
         if self.keys is not None:
             return self._step_waiting(q, k, v, *where, all_seen, out)
         kv, ref, pending, pending_ref = self.kv, self.ref, self.pending, self.pending_ref
