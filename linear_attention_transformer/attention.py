@@ -122,30 +122,11 @@ class Attention(nn.Module):
     """
 
     def __init__(
-        self,
-        dim,
-        heads=HEADS,
-        dim_head=None,
-        causal=False,
-        n_local_attn_heads=0,
-        local_attn_window_size=None,
-        local_attn_look_backward=1,
-        local_attn_look_forward=None,
-        local_attn_exact_windowsize=False,
-        blindspot_size=None,
-        kv_heads=None,
-        one_kv_head=False,
-        feature_map="softmax",
-        attn_dropout=0.0,
-        dropout=0.0,
-        receives_context=False,
-        chunk_size=None,
-        use_gate=False,
-        gate_rank=None,
-        gate_temperature=None,
-        gate_granularity=None,
-        use_local_conv=False,
-        local_conv_kernel=None,
+        self, dim, heads=HEADS, dim_head=None, causal=False, n_local_attn_heads=0, local_attn_window_size=None,
+        local_attn_look_backward=1, local_attn_look_forward=None, local_attn_exact_windowsize=False,
+        blindspot_size=None, kv_heads=None, one_kv_head=False, feature_map="softmax", attn_dropout=0.0,
+        dropout=0.0, receives_context=False, chunk_size=None, use_gate=False, gate_rank=None,
+        gate_temperature=None, gate_granularity=None, use_local_conv=False, local_conv_kernel=None
     ):
         super().__init__()
         dim_head, kv_heads = resolve_heads(dim, heads, dim_head, kv_heads, one_kv_head)

@@ -55,18 +55,8 @@ class LinearAttentionTransformerLM(nn.Module):
     """
 
     def __init__(
-        self,
-        num_tokens,
-        dim,
-        depth,
-        max_seq_len,
-        heads=HEADS,
-        emb_dim=None,
-        tie_embedding=False,
-        return_embeddings=False,
-        use_axial_pos_emb=None,
-        use_rotary_emb=False,
-        **kwargs,
+        self, num_tokens, dim, depth, max_seq_len, heads=HEADS, emb_dim=None, tie_embedding=False,
+        return_embeddings=False, use_axial_pos_emb=None, use_rotary_emb=False, **kwargs
     ):
         super().__init__()
         refuse_unknown_keywords(type(self).__name__, kwargs, self.option_names())

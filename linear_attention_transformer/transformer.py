@@ -338,26 +338,11 @@ class LinearAttentionTransformer(nn.Module):
     """
 
     def __init__(
-        self,
-        dim,
-        depth,
-        max_seq_len,
-        heads=HEADS,
-        dim_head=None,
-        causal=False,
-        local_attn_window_size=None,
-        attn_layer_dropout=0.0,
-        reversible=False,
-        checkpoint=False,
-        receives_context=False,
-        attend_axially=False,
-        pkm_layers=(),
-        pkm_num_keys=128,
-        linformer_settings: Optional[LinformerSettings] = None,
-        context_linformer_settings: Optional[LinformerContextSettings] = None,
-        shift_tokens=False,
-        use_rotary_emb=False,
-        **options,
+        self, dim, depth, max_seq_len, heads=HEADS, dim_head=None, causal=False, local_attn_window_size=None,
+        attn_layer_dropout=0.0, reversible=False, checkpoint=False, receives_context=False, attend_axially=False,
+        pkm_layers=(), pkm_num_keys=128, linformer_settings: Optional[LinformerSettings] = None,
+        context_linformer_settings: Optional[LinformerContextSettings] = None, shift_tokens=False,
+        use_rotary_emb=False, **options
     ):
         super().__init__()
         if not isinstance(depth, int) or depth < 1:
