@@ -1,0 +1,158 @@
+"""The chunked causal kernel on flash-linear-attention's Triton kernels (``fla-core``, the
+optional ``cuda`` extra; ``forms.py`` picks it).
+
+fla's ``chunk_gla`` runs, per head, the gated recurrence
+
+    S_t = diag(exp(gk_t)) S_{t-1} + k_t v_tᵀ,    o_t = S_tᵀ q_t      (scale 1 here)
+
+with one log gate per key feature; ``chunk_simple_gla`` the same with one gate per head, or
+none. Both start from a given state (``initial_state``), return the last one
+(``output_final_state``) and run packed sequences (``cu_seqlens``: the state restarts at each
+sequence's first token). ``causal_linear_attention`` is that recurrence once its options are
+written in fla's terms:
+
+* the normaliser is the all-ones value column (``_append_ones``), as in every form here, and
+  the output is divided after; the state is then exactly ``CausalState.kv`` (d x e+1);
+* given features: q, k as they are; ``log_decay`` is fla's g (per head) or gk (per feature);
+* exponential features, exactly: with r_t the decayed running maximum of the key logits,
+  r_t = max(r_{t-1} + a_t, k_t) per feature (``scan.references`` taken token by token, from
+  the state's ``ref``), the pair (i, j <= i) of feature d is
+
+      exp(q_id + r_id - M_i) * exp(k_jd - r_jd) * prod_{j<s<=i} exp(a_sd + r_{s-1,d} - r_sd)
+
+  whose product telescopes back to exp(q_id + k_jd + a_{j+1..i}) / exp(M_i). The query factor
+  is <= 1 with M_i = max_d (q_id + r_id) (M cancels in the ratio; its largest factor is 1), the
+  key factor is <= 1, and the third is a per-feature gate a_t + r_{t-1} - r_t <= 0: a GLA
+  recurrence. A key that sets r_id is a term of exactly 1 for query i, so the denominator is
+  >= 1 and every term the kernels' float32 exponentials drop is < e^-87 of it: exact at any
+  logit spread. The references carry no gradient (any r cancels). Where r is -inf (no key
+  yet) or a segment starts, the gate acts on an empty state: it is set to 0;
+* ``mask``: masked keys and values are zero (logits -inf) and do not decay
+  (``_apply_key_mask``);
+* ``segments``: the batch is flattened into one row and each segment is one of fla's
+  sequences (``cu_seqlens``; finding the starts reads them back to the host);
+* a state: ``initial_state`` is ``state.kv``, the final state comes back with the last
+  reference r (exponential features).
+
+Not mapped: the blindspot (fla's kernels let a query read its own chunk's keys up to itself,
+the blindspot hides its whole block; writing it would interleave each block's queries
+before its keys, a sequence twice as long), and torch.compile (not tested). Non-finite
+inputs are not quarantined (``non_finite.py``): they spread along the state as in fla.
+
+fla is imported only when this form is asked for; the package imports and runs without it.
+The kernels compute in the inputs' compute dtype (float32 for half inputs, as every form
+here: the normaliser sums up to n terms).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn.functional as F
+from einops import rearrange
+
+from ..common import NEG_INF, _append_ones, _apply_key_mask, _divide, _exp_ratio, _log_ratio, _queries_relative_to
+from ..segments import segment_runs
+from .recurrent import CausalState
+from .scan import references
+
+__all__ = ["fla_causal_linear_attention", "fla_missing"]
+
+FLA_REQUIREMENT = "fla-core>=0.5.2,<0.6"  # tested: 0.5.2 (0.6.0 fails under Triton's interpreter)
+
+
+def _kernels():
+    """(chunk_simple_gla, chunk_gla) from fla: the one place this form reaches fla (the
+    tests put fla's naive recurrences here)."""
+    from fla.ops.gla import chunk_gla
+    from fla.ops.simple_gla import chunk_simple_gla
+
+    return chunk_simple_gla, chunk_gla
+
+
+@functools.lru_cache(maxsize=None)
+def _import_error():
+    try:
+        _kernels()
+    except Exception as error:  # (an fla that does not match its Triton fails on import, not always ImportError)
+        return f"fla-core does not import ({type(error).__name__}: {error}); install {FLA_REQUIREMENT!r}"
+    return None
+
+
+def _interpreted():
+    """Whether Triton runs its kernels in its CPU interpreter (TRITON_INTERPRET=1 set before
+    triton is imported)."""
+    try:
+        import triton
+    except ImportError:
+        return False
+    return bool(triton.knobs.runtime.interpret)
+
+
+def fla_missing(device, compiling=False, blindspot_size=1):
+    """Why the fla form cannot run such a call on ``device`` (a phrase), or None when it can.
+    Imports fla only once the cheaper reasons are ruled out."""
+    if blindspot_size > 1:
+        return ("the blindspot does not map onto fla's kernels (a query there reads the keys of its "
+                "chunk up to itself)")
+    if compiling:
+        return "fla's kernels are not tested under torch.compile"
+    if device.type == "cpu" and not _interpreted():
+        return "on the CPU fla's Triton kernels run only in Triton's interpreter (TRITON_INTERPRET=1 before triton's import)"
+    if device.type not in ("cpu", "cuda"):
+        return f"fla's Triton kernels run on CUDA, not on {device.type}"
+    return _import_error()
+
+
+def _exp_feature_factors(q, k, log_decay, start, starts):
+    """Exponential features as a GLA recurrence (module docstring): (query factors, key
+    factors, per-feature log gate (b, h, n, d), last reference (b, h, d)).
+
+    k: logits, -inf for masked keys; log_decay: None or (b, h, n[, d]) (0 where masked);
+    start: the state's reference or None; starts: None or (b, n), a segment's first token."""
+    decay = None if log_decay is None else log_decay if log_decay.ndim == 4 else log_decay[..., None]
+    if starts is not None:  # a segment's first token drops what came before it
+        decay = torch.zeros_like(k[..., :1]) if decay is None else decay
+        decay = decay.masked_fill(rearrange(starts, "b n -> b 1 n 1"), NEG_INF)
+    r_prev, r = references(k, decay, start, dim=2, drops=starts is not None)
+    gate = _log_ratio(r_prev if decay is None else r_prev + decay, r)
+    gate = torch.where(torch.isfinite(gate), gate, 0.0)  # an empty state (no key yet, a new segment)
+    return _queries_relative_to(q, r), _exp_ratio(k, r), gate, r[:, :, -1]
+
+
+def fla_causal_linear_attention(q, k, v, log_decay=None, mask=None, exp_features=False, state=None,
+                                return_state=False, segments=None):
+    """``causal_linear_attention`` (blindspot 1) on fla's chunk kernels: its arguments, checked
+    there, q, k, v already in the compute dtype. Returns (b, h, n, e), and the
+    ``CausalState`` after the last token when ``return_state``."""
+    b, h, n, d = q.shape
+    chunk_simple_gla, chunk_gla = _kernels()
+    k, v, log_decay = _apply_key_mask(k, v, log_decay, mask, exp_features)
+    v = _append_ones(v)
+    starts = None
+    if segments is not None:
+        runs = segment_runs(segments)
+        starts = F.pad(runs[:, 1:] != runs[:, :-1], (1, 0), value=True)
+    ref = None
+    if exp_features:
+        q, k, log_decay, ref = _exp_feature_factors(q, k, log_decay, None if state is None else state.ref.to(q.dtype),
+                                                    starts)
+
+    # fla's layout: (batch, time, heads, features); packed sequences as one row
+    to_fla = "b h n d -> b n h d" if starts is None else "b h n d -> 1 (b n) h d"
+    q, k, v = (rearrange(t, to_fla).contiguous() for t in (q, k, v))
+    cu_seqlens = None
+    if starts is not None:
+        cu_seqlens = F.pad(starts.flatten().nonzero().flatten(), (0, 1), value=b * n)
+    options = dict(scale=1.0, initial_state=None if state is None else state.kv.to(q.dtype).contiguous(),
+                   output_final_state=return_state, cu_seqlens=cu_seqlens)
+    if log_decay is not None and log_decay.ndim == 4:
+        out, last = chunk_gla(q, k, v, g=rearrange(log_decay, to_fla).contiguous(), **options)
+    else:
+        g = None if log_decay is None else rearrange(log_decay[..., None], to_fla)[..., 0].contiguous()
+        out, last = chunk_simple_gla(q, k, v, g=g, **options)
+    out = _divide(rearrange(out, "b n h e -> b h n e" if starts is None else "1 (b n) h e -> b h n e", b=b))
+    if not return_state:
+        return out
+    return out, CausalState(last, ref, position=(0 if state is None else state.position) + n)

@@ -1,0 +1,47 @@
+"""Runs test_fla.py's cases through the fla form on fla's real Triton kernels, in Triton's
+interpreter on the CPU, and saves outputs and gradients for test_fla.py to judge.
+
+    python fla_interpreted.py cases.pt results.pt
+
+A script of its own: TRITON_INTERPRET must be set before triton is first imported.
+"""
+
+import os
+import sys
+
+os.environ["TRITON_INTERPRET"] = "1"
+
+import torch  # noqa: E402
+from triton.runtime import autotuner  # noqa: E402
+
+from linear_attention_transformer.ops import causal_linear_attention  # noqa: E402
+
+# The autotuner times its configurations with a benchmarker that needs a GPU driver. Timing
+# every configuration as 0 makes it keep the first, which is all the interpreter needs.
+autotuner.Autotuner.do_bench = property(lambda self: lambda kernel_call, quantiles=None, **_: [0.0] * len(quantiles))
+
+
+def run(case):
+    leaves = [None if case[name] is None else case[name].clone().requires_grad_()
+              for name in ("q", "k", "v", "log_decay")]
+    options = dict(exp_features=case["exp_features"], form="fla")
+    split = case["split"]
+    if split is None:
+        out = causal_linear_attention(*leaves, mask=case["mask"], segments=case["segments"], **options)
+    else:  # a prefix returns the state, the rest continues from it
+        def part(t, sl):
+            return None if t is None else t[:, sl] if t.ndim == 2 else t[:, :, sl]
+
+        head, state = causal_linear_attention(*(part(t, slice(0, split)) for t in leaves),
+                                              mask=part(case["mask"], slice(0, split)), return_state=True, **options)
+        tail = causal_linear_attention(*(part(t, slice(split, None)) for t in leaves), state=state,
+                                       mask=part(case["mask"], slice(split, None)), **options)
+        out = torch.cat((head, tail), dim=2)
+    present = [t for t in leaves if t is not None]
+    grads = torch.autograd.grad((out * case["weight"]).sum(), present)
+    return dict(out=out.detach(), grads=[g.detach() for g in grads])
+
+
+if __name__ == "__main__":
+    cases = torch.load(sys.argv[1])
+    torch.save([run(case) for case in cases], sys.argv[2])
