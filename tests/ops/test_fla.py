@@ -68,6 +68,7 @@ def recurrences(monkeypatch):
     monkeypatch.setattr(fla_form, "_kernels", lambda: (kernel("chunk_simple_gla"), kernel("chunk_gla")))
     monkeypatch.setattr(fla_form, "_import_error", lambda: None)
     monkeypatch.setattr(fla_form, "_interpreted", lambda: True)
+    monkeypatch.setattr(fla_form, "KERNEL_DTYPES", (torch.float32, torch.float64))  # (the stand-in's)
     return calls
 
 
@@ -81,7 +82,8 @@ def test_the_recurrence_is_flas_own_naive_recurrences():
     q, k, v = (torch.randn(2, 37, 3, 8, generator=gen) for _ in range(3))
     state = torch.randn(2, 3, 8, 8, generator=gen)
     gk = F.logsigmoid(torch.randn(2, 37, 3, 8, generator=gen))
-    for ours, theirs in [(gla_recurrence(q, k, v, gk, None, state, True), naive_recurrent_gla(q, k, v, gk, state, True)),
+    for ours, theirs in [(gla_recurrence(q, k, v, gk, None, state, True),
+                          naive_recurrent_gla(q, k, v, gk, state, True)),
                          (gla_recurrence(q, k, v, gk[..., 0], 1.0, state, True),
                           naive_recurrent_simple_gla(q, k, v, gk[..., 0], 1.0, state, True))]:
         for a, b in zip(ours, theirs):
@@ -235,6 +237,7 @@ def test_auto_on_the_cpu_never_asks_for_fla(monkeypatch):
     (CPU, False, 1, False, None, "TRITON_INTERPRET=1"),
     (CUDA, False, 4, True, None, "blindspot"),
     (CUDA, True, 1, True, None, "torch.compile"),
+    (CUDA, False, 1, True, None, "float32 .*not in torch.float64"),
     (torch.device("meta"), False, 1, True, None, "run on CUDA, not on meta"),
     (CUDA, False, 1, True, "fla-core does not import (ImportError)", r"does not import \(ImportError\)"),
 ])
@@ -243,7 +246,8 @@ def test_forcing_fla_where_it_cannot_run_names_why(monkeypatch, device, compilin
     monkeypatch.setattr(fla_form, "_interpreted", lambda: interpreted)
     monkeypatch.setattr(fla_form, "_import_error", lambda: import_error)
     with pytest.raises(ValueError, match=f"form='fla' cannot run this call: .*{reason}"):
-        forms.pick_form(device, compiling, "fla", blindspot_size=blindspot_size)
+        forms.pick_form(device, compiling, "fla", blindspot_size=blindspot_size,
+                        dtype=torch.float64 if "float64" in reason else torch.float32)
 
 
 def test_forcing_fla_with_a_blindspot_is_refused_by_the_kernel(recurrences):

@@ -414,7 +414,7 @@ def causal_linear_attention(
         q, k, v = q.to(dtype).contiguous(), k.to(dtype).contiguous(), v.to(dtype)
         log_decay = None if log_decay is None else log_decay.to(dtype)
         plan = pick_form(q.device, torch.compiler.is_compiling(), form, exp_features, blindspot_size,
-                         log_decay is not None and log_decay.ndim == 4, chunk_size)
+                         log_decay is not None and log_decay.ndim == 4, chunk_size, dtype)
         if plan.scan == "fla":  # flash-linear-attention's kernels (fla.py)
             out = fla_causal_linear_attention(q, k, v, log_decay, mask, exp_features, state, return_state, segments)
             return (out[0].to(out_dtype), out[1]) if return_state else out.to(out_dtype)

@@ -59,8 +59,7 @@ from .scan import references
 
 __all__ = ["fla_causal_linear_attention", "fla_missing"]
 
-FLA_REQUIREMENT = "fla-core>=0.5.2,<0.6"  # tested: 0.5.2 (0.6.0 fails under Triton's interpreter)
-
+KERNEL_DTYPES = (torch.float32,)  # the compute dtypes fla's kernels are built and tested for
 
 def _kernels():
     """(chunk_simple_gla, chunk_gla) from fla: the one place this form reaches fla (the
@@ -76,7 +75,7 @@ def _import_error():
     try:
         _kernels()
     except Exception as error:  # (an fla that does not match its Triton fails on import, not always ImportError)
-        return f"fla-core does not import ({type(error).__name__}: {error}); install {FLA_REQUIREMENT!r}"
+        return f"fla-core does not import ({type(error).__name__}: {error}); pip install 'linear-attention-transformer[cuda]'"
     return None
 
 
@@ -90,16 +89,19 @@ def _interpreted():
     return bool(triton.knobs.runtime.interpret)
 
 
-def fla_missing(device, compiling=False, blindspot_size=1):
-    """Why the fla form cannot run such a call on ``device`` (a phrase), or None when it can.
-    Imports fla only once the cheaper reasons are ruled out."""
+def fla_missing(device, compiling=False, blindspot_size=1, dtype=torch.float32):
+    """Why the fla form cannot run such a call on ``device`` in compute dtype ``dtype`` (a
+    phrase), or None when it can. Imports fla only once the cheaper reasons are ruled out."""
     if blindspot_size > 1:
         return ("the blindspot does not map onto fla's kernels (a query there reads the keys of its "
                 "chunk up to itself)")
     if compiling:
         return "fla's kernels are not tested under torch.compile"
+    if dtype not in KERNEL_DTYPES:
+        return f"fla's kernels compute in float32 (half inputs included), not in {dtype}"
     if device.type == "cpu" and not _interpreted():
-        return "on the CPU fla's Triton kernels run only in Triton's interpreter (TRITON_INTERPRET=1 before triton's import)"
+        return ("on the CPU fla's Triton kernels run only in Triton's interpreter (TRITON_INTERPRET=1 before "
+                "triton's import)")
     if device.type not in ("cpu", "cuda"):
         return f"fla's Triton kernels run on CUDA, not on {device.type}"
     return _import_error()

@@ -29,9 +29,9 @@ any          torch.compile       blocked    as above      the loop would unroll 
                                                           shapes); the log-depth scan branches on
                                                           the chunk count
 auto, fla    CUDA, eager, fla    fla        (exact)       flash-linear-attention's fused Triton
-             imports, no                                  kernels (``fla.py``); 'auto' never on the
-             blindspot                                    CPU; forced on the CPU only in Triton's
-                                                          interpreter (tests); refused with the
+             imports, float32                             kernels (``fla.py``); 'auto' never on the
+             compute, no                                  CPU; forced on the CPU only in Triton's
+             blindspot                                    interpreter (tests); refused with the
                                                           reason elsewhere (``fla.fla_missing``)
 ===========  ==================  =========  ============  =========================================
 
@@ -116,17 +116,18 @@ def device_form(device) -> str:
 
 
 def pick_form(device, compiling=False, form="auto", exp_features=False, blindspot_size=1,
-              per_feature_decay=False, chunk_size=CHUNK_SIZE) -> Form:
+              per_feature_decay=False, chunk_size=CHUNK_SIZE, dtype=torch.float32) -> Form:
     """The ``Form`` that runs: the module docstring's table.
 
     Args:
         device: the inputs' device. compiling: inside torch.compile's trace.
         form: the request, one of ``FORM_NAMES`` ('auto': by the device).
         exp_features, blindspot_size, per_feature_decay, chunk_size: the call's options.
+        dtype: the compute dtype (the fla form's kernels are float32).
     """
     form = check_form(form)
     if form == "fla" or (form == "auto" and device.type == "cuda" and torch.cuda.is_available()):
-        why_not = fla_missing(device, compiling, blindspot_size)
+        why_not = fla_missing(device, compiling, blindspot_size, dtype)
         if why_not is None:
             return FORMS["fla"]
         if form == "fla":
