@@ -24,7 +24,7 @@ autotuner.Autotuner.do_bench = property(lambda self: lambda kernel_call, quantil
 def run(case):
     leaves = [None if case[name] is None else case[name].clone().requires_grad_()
               for name in ("q", "k", "v", "log_decay")]
-    options = dict(exp_features=case["exp_features"], form="fla")
+    options = dict(exp_features=case["exp_features"], blindspot_size=case["blindspot_size"], form="fla")
     split = case["split"]
     if split is None:
         out = causal_linear_attention(*leaves, mask=case["mask"], segments=case["segments"], **options)

@@ -416,7 +416,8 @@ def causal_linear_attention(
         plan = pick_form(q.device, torch.compiler.is_compiling(), form, exp_features, blindspot_size,
                          log_decay is not None and log_decay.ndim == 4, chunk_size, dtype)
         if plan.scan == "fla":  # flash-linear-attention's kernels (fla.py)
-            out = fla_causal_linear_attention(q, k, v, log_decay, mask, exp_features, state, return_state, segments)
+            out = fla_causal_linear_attention(q, k, v, log_decay, mask, blindspot_size, exp_features, state,
+                                              return_state, segments)
             return (out[0].to(out_dtype), out[1]) if return_state else out.to(out_dtype)
         blocked, exact_chunks, C = plan.scan == "blocked", plan.exact_chunks, plan.chunk
         real = None if mask is None else rearrange(mask, "b n -> b 1 n")

@@ -34,9 +34,16 @@ written in fla's terms:
 * a state: ``initial_state`` is ``state.kv``, the final state comes back with the last
   reference r (exponential features).
 
-Not mapped: the blindspot (fla's kernels let a query read its own chunk's keys up to itself,
-the blindspot hides its whole block; writing it would interleave each block's queries
-before its keys, a sequence twice as long), and torch.compile (not tested). Non-finite
+* the blindspot (query i sees key j when j's block of B tokens is before i's): a plain causal
+  sequence of each block's queries, then its keys (2n - B tokens, the last block's keys left
+  out): query tokens carry the decay, key tokens are taken decayed to their block's end and
+  carry none, so key j reaches query i decayed by exactly a_{j+1..i}. With segments a query
+  whose segment starts in its own block sees nothing (no query factor), and each segment's
+  first key starts one of fla's sequences. The returned state is the one after the last
+  query token, with the last block's keys pending (``scan.summarize``), joined when that
+  block is complete (``recurrent._complete_block``).
+
+Not mapped: torch.compile (not tested) and float64 (the kernels are float32). Non-finite
 inputs are not quarantined (``non_finite.py``): they spread along the state as in fla.
 
 fla is imported only when this form is asked for; the package imports and runs without it.
@@ -54,8 +61,8 @@ from einops import rearrange
 
 from ..common import NEG_INF, _append_ones, _apply_key_mask, _divide, _exp_ratio, _log_ratio, _queries_relative_to
 from ..segments import segment_runs
-from .recurrent import CausalState
-from .scan import references
+from .recurrent import CausalState, _complete_block
+from .scan import references, summarize
 
 __all__ = ["fla_causal_linear_attention", "fla_missing"]
 
@@ -89,12 +96,9 @@ def _interpreted():
     return bool(triton.knobs.runtime.interpret)
 
 
-def fla_missing(device, compiling=False, blindspot_size=1, dtype=torch.float32):
+def fla_missing(device, compiling=False, dtype=torch.float32):
     """Why the fla form cannot run such a call on ``device`` in compute dtype ``dtype`` (a
     phrase), or None when it can. Imports fla only once the cheaper reasons are ruled out."""
-    if blindspot_size > 1:
-        return ("the blindspot does not map onto fla's kernels (a query there reads the keys of its "
-                "chunk up to itself)")
     if compiling:
         return "fla's kernels are not tested under torch.compile"
     if dtype not in KERNEL_DTYPES:
@@ -123,24 +127,61 @@ def _exp_feature_factors(q, k, log_decay, start, starts):
     return _queries_relative_to(q, r), _exp_ratio(k, r), gate, r[:, :, -1]
 
 
-def fla_causal_linear_attention(q, k, v, log_decay=None, mask=None, exp_features=False, state=None,
-                                return_state=False, segments=None):
-    """``causal_linear_attention`` (blindspot 1) on fla's chunk kernels: its arguments, checked
-    there, q, k, v already in the compute dtype. Returns (b, h, n, e), and the
-    ``CausalState`` after the last token when ``return_state``."""
+def _blindspot_sequence(q, k, v, log_decay, B, exp_features, runs):
+    """The blindspot as a plain causal sequence: each block's queries, then its keys (module
+    docstring). q, k, v, log_decay as ``_gla`` takes them, for n tokens; runs: None or the
+    (b, n) run index. Returns (q, k, v, log_decay, starts) of the (2c - 1) B tokens (c blocks;
+    the last block's keys, read by no query here, are left out), and the last block's
+    ``Summary`` of keys (its pending keys)."""
+    b, h, n, d = q.shape
+    c = -(-n // B)
+    pad = c * B - n
+
+    def blocks(t, value=0.0):  # (b, h, n, ...) -> (b, h, c, B, ...), padded with invisible tokens
+        return F.pad(t, (0, 0, 0, pad) if t.ndim == 4 else (0, pad), value=value).unflatten(2, (c, B))
+
+    no_key = NEG_INF if exp_features else 0.0
+    q, k, v = blocks(q), blocks(k, no_key), blocks(v)
+    if log_decay is not None:  # each key decayed to its block's end: the key tokens then need no gate
+        log_decay = blocks(log_decay)
+        G = log_decay.cumsum(dim=3)
+        to_end = G[:, :, :, -1:] - G
+        to_end = to_end if to_end.ndim == 5 else to_end[..., None]
+        k = k + to_end if exp_features else k * to_end.exp()
+    pending = summarize(k[:, :, -1], v[:, :, -1], exp_features=exp_features)[0]
+    starts = None
+    if runs is not None:
+        # a query whose segment starts in its own block sees nothing (no query factor); a
+        # segment's first key starts one of fla's sequences (as does each row)
+        runs = blocks(runs[:, None], -1)[:, 0]  # (b, c, B); padding joins no segment
+        before = F.pad(runs[:, :-1, -1], (1, 0), value=-2)  # the run of the token before each block
+        q = q.masked_fill(~(runs == before[..., None])[:, None, ..., None], no_key)
+        first = runs != torch.cat((before[..., None], runs[:, :, :-1]), dim=2)
+        first[:, 0, 0] = False  # (the row's first token: its block's queries start the sequence)
+        starts = torch.stack((torch.zeros_like(first), first), dim=2)
+        starts[:, 0, 0, 0] = True
+    query_tokens = (q, torch.full_like(k, no_key), torch.zeros_like(v))
+    key_tokens = (torch.zeros_like(q), k, v)
+    interleaved = [torch.stack(pair, dim=3) for pair in zip(query_tokens, key_tokens)]  # (b, h, c, 2, B, ...)
+    if log_decay is not None:
+        interleaved.append(torch.stack((log_decay, torch.zeros_like(log_decay)), dim=3))
+    length = (2 * c - 1) * B
+    q, k, v, *decay = (t.flatten(2, 4)[:, :, :length] for t in interleaved)
+    starts = None if starts is None else starts.flatten(1, 3)[:, :length]
+    return q, k, v, (decay[0] if decay else None), starts, pending
+
+
+def _gla(q, k, v, log_decay, starts, exp_features, state, return_state):
+    """The recurrence on fla's kernels: (out with the normaliser column (b, h, n, e + 1), last
+    kv or None, last reference or None). k, v, log_decay: masked (``_apply_key_mask``), v with
+    the ones column; starts: None or (b, n) bool, True at each of fla's sequence starts (then
+    True at every row's first token)."""
     b, h, n, d = q.shape
     chunk_simple_gla, chunk_gla = _kernels()
-    k, v, log_decay = _apply_key_mask(k, v, log_decay, mask, exp_features)
-    v = _append_ones(v)
-    starts = None
-    if segments is not None:
-        runs = segment_runs(segments)
-        starts = F.pad(runs[:, 1:] != runs[:, :-1], (1, 0), value=True)
     ref = None
     if exp_features:
         q, k, log_decay, ref = _exp_feature_factors(q, k, log_decay, None if state is None else state.ref.to(q.dtype),
                                                     starts)
-
     # fla's layout: (batch, time, heads, features); packed sequences as one row
     to_fla = "b h n d -> b n h d" if starts is None else "b h n d -> 1 (b n) h d"
     q, k, v = (rearrange(t, to_fla).contiguous() for t in (q, k, v))
@@ -154,7 +195,31 @@ def fla_causal_linear_attention(q, k, v, log_decay=None, mask=None, exp_features
     else:
         g = None if log_decay is None else rearrange(log_decay[..., None], to_fla)[..., 0].contiguous()
         out, last = chunk_simple_gla(q, k, v, g=g, **options)
-    out = _divide(rearrange(out, "b n h e -> b h n e" if starts is None else "1 (b n) h e -> b h n e", b=b))
+    return rearrange(out, "b n h e -> b h n e" if starts is None else "1 (b n) h e -> b h n e", b=b), last, ref
+
+
+def fla_causal_linear_attention(q, k, v, log_decay=None, mask=None, blindspot_size=1, exp_features=False, state=None,
+                                return_state=False, segments=None):
+    """``causal_linear_attention`` on fla's chunk kernels: its arguments, checked there, q, k,
+    v already in the compute dtype; with a blindspot, a state only at a block boundary (as
+    ``causal_linear_attention`` hands it on). Returns (b, h, n, e), and the ``CausalState``
+    after the last token when ``return_state``."""
+    n = q.shape[2]
+    k, v, log_decay = _apply_key_mask(k, v, log_decay, mask, exp_features)
+    v = _append_ones(v)
+    runs = None if segments is None else segment_runs(segments)
+    position = (0 if state is None else state.position) + n
+    if blindspot_size == 1:
+        starts = None if runs is None else F.pad(runs[:, 1:] != runs[:, :-1], (1, 0), value=True)
+        out, last, ref = _gla(q, k, v, log_decay, starts, exp_features, state, return_state)
+        return (_divide(out), CausalState(last, ref, position=position)) if return_state else _divide(out)
+
+    B = blindspot_size
+    *tokens, starts, pending = _blindspot_sequence(q, k, v, log_decay, B, exp_features, runs)
+    out, last, ref = _gla(*tokens, starts, exp_features, state, return_state)
+    out = _divide(out.unflatten(2, (-1, B))[:, :, ::2].flatten(2, 3)[:, :, :n])  # the query tokens
     if not return_state:
         return out
-    return out, CausalState(last, ref, position=(0 if state is None else state.position) + n)
+    if n % B:  # the last block is unfinished: its keys wait in `pending`
+        return out, CausalState(last, ref, pending.kv, pending.ref, position)
+    return out, CausalState(*_complete_block(last, ref, pending.kv, pending.ref, exp_features), position)

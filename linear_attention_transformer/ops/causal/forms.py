@@ -30,8 +30,8 @@ any          torch.compile       blocked    as above      the loop would unroll 
                                                           the chunk count
 auto, fla    CUDA, eager, fla    fla        (exact)       flash-linear-attention's fused Triton
              imports, float32                             kernels (``fla.py``); 'auto' never on the
-             compute, no                                  CPU; forced on the CPU only in Triton's
-             blindspot                                    interpreter (tests); refused with the
+             compute                                      CPU; forced on the CPU only in Triton's
+                                                          interpreter (tests); refused with the
                                                           reason elsewhere (``fla.fla_missing``)
 ===========  ==================  =========  ============  =========================================
 
@@ -127,7 +127,7 @@ def pick_form(device, compiling=False, form="auto", exp_features=False, blindspo
     """
     form = check_form(form)
     if form == "fla" or (form == "auto" and device.type == "cuda" and torch.cuda.is_available()):
-        why_not = fla_missing(device, compiling, blindspot_size, dtype)
+        why_not = fla_missing(device, compiling, dtype)
         if why_not is None:
             return FORMS["fla"]
         if form == "fla":
