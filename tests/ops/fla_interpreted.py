@@ -1,5 +1,6 @@
-"""Runs test_fla.py's cases through the fla form on fla's real Triton kernels, in Triton's
-interpreter on the CPU, and saves outputs and gradients for test_fla.py to judge.
+"""Runs test_fla.py's cases, and an LM's training step, through the fla form on fla's real
+Triton kernels, in Triton's interpreter on the CPU, and saves outputs and gradients for
+test_fla.py to judge.
 
     python fla_interpreted.py cases.pt results.pt
 
@@ -14,7 +15,11 @@ os.environ["TRITON_INTERPRET"] = "1"
 import torch  # noqa: E402
 from triton.runtime import autotuner  # noqa: E402
 
+import torch.nn.functional as F  # noqa: E402
+
+from linear_attention_transformer import LinearAttentionTransformerLM  # noqa: E402
 from linear_attention_transformer.ops import causal_linear_attention  # noqa: E402
+from linear_attention_transformer.ops.causal.forms import use_form  # noqa: E402
 
 # The autotuner times its configurations with a benchmarker that needs a GPU driver. Timing
 # every configuration as 0 makes it keep the first, which is all the interpreter needs.
@@ -42,6 +47,18 @@ def run(case):
     return dict(out=out.detach(), grads=[g.detach() for g in grads])
 
 
+def run_lm(config, tokens):
+    """An LM's logits and parameter gradients (cross-entropy of the next token) in the fla form,
+    with its parameters."""
+    torch.manual_seed(0)
+    model = LinearAttentionTransformerLM(**config)
+    with use_form("fla"):
+        logits = model(tokens[:, :-1])
+    F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten()).backward()
+    return dict(state=model.state_dict(), logits=logits.detach(),
+                grads={name: p.grad for name, p in model.named_parameters()})
+
+
 if __name__ == "__main__":
-    cases = torch.load(sys.argv[1])
-    torch.save([run(case) for case in cases], sys.argv[2])
+    cases, lm = torch.load(sys.argv[1])
+    torch.save(([run(case) for case in cases], run_lm(lm["config"], lm["tokens"])), sys.argv[2])

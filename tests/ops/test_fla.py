@@ -203,6 +203,23 @@ def test_adapter_state_in_and_out(recurrences, exp_features, scale, decay, blind
     assert_close(out_mixed, judge[:, :, split:], 1e-10, "output from the sequential form's state")
 
 
+@pytest.mark.parametrize("exp_features", [False, True])
+@pytest.mark.parametrize("blindspot_size", [1, 4])
+def test_non_finite_inputs_poison_what_sees_them_as_in_the_other_forms(recurrences, exp_features, blindspot_size):
+    """A NaN key, an inf value and a NaN decay make exactly the outputs that see them NaN
+    (``non_finite.py``), as the sequential form does; the rest, and the state, equal it."""
+    q, k, v, log_decay = (t.detach() for t in inputs(2, 2, 30, 4, 3, 4, exp_features, decay="feature"))
+    k[0, 1, 9, 2] = float("nan")
+    v[1, 0, 17, 1] = float("inf")
+    log_decay[1, 1, 21, 0] = float("nan")
+    options = dict(exp_features=exp_features, blindspot_size=blindspot_size, return_state=True)
+    out, state = causal_linear_attention(q, k, v, log_decay, form="fla", **options)
+    expected, expected_state = causal_linear_attention(q, k, v, log_decay, form="sequential", **options)
+    assert torch.equal(out.isnan(), expected.isnan()) and expected.isnan().any() and not expected.isnan().all()
+    assert_close(out.nan_to_num(0.0), expected.nan_to_num(0.0), 1e-10, "finite outputs")
+    assert torch.equal(state.kv.isnan(), expected_state.kv.isnan())
+
+
 def test_the_form_leaves_its_inputs_alone(recurrences):
     leaves = inputs(1, 2, 20, 4, 3, 1, True, decay="feature")
     state = causal_linear_attention(*leaves, exp_features=True, return_state=True, form="fla")[1]
@@ -316,25 +333,34 @@ def interpreter_cases():
     return cases
 
 
+# a small LM with every option the fla form meets inside a model: a blindspot, gates, local
+# heads beside the global ones, token shift (``fla_interpreted.py`` runs it in the fla form)
+LM = dict(num_tokens=50, dim=32, heads=4, depth=1, max_seq_len=100, causal=True, dim_head=8, blindspot_size=8,
+          n_local_attn_heads=2, local_attn_window_size=16, use_gate=True, shift_tokens=True)
+
+
 @pytest.fixture(scope="module")
 def interpreted(tmp_path_factory):
-    """(cases, results): the cases run by ``fla_interpreted.py`` on fla's Triton kernels."""
+    """(cases, results, lm): the cases, and an LM's training step (``LM``), run by
+    ``fla_interpreted.py`` on fla's Triton kernels."""
     folder = tmp_path_factory.mktemp("fla")
     cases = interpreter_cases()
-    torch.save(cases, folder / "cases.pt")
+    tokens = torch.randint(0, LM["num_tokens"], (2, 71), generator=torch.Generator().manual_seed(3))
+    torch.save((cases, dict(config=LM, tokens=tokens)), folder / "cases.pt")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, (str(ROOT), os.environ.get("PYTHONPATH"))))}
     result = subprocess.run([sys.executable, str(Path(__file__).with_name("fla_interpreted.py")),
                              str(folder / "cases.pt"), str(folder / "results.pt")],
                             capture_output=True, text=True, env=env, timeout=600)
     assert result.returncode == 0, result.stderr[-4000:]
-    return cases, torch.load(folder / "results.pt")
+    results, lm = torch.load(folder / "results.pt")
+    return cases, results, dict(lm, tokens=tokens)
 
 
 @pytest.mark.parametrize("index", range(5), ids=[c["name"] for c in interpreter_cases()])
 def test_flas_kernels_interpreted_equal_the_naive_form(interpreted, index):
     """fla's Triton kernels (float32, in Triton's interpreter) against the float64 judge of the
     same float32 inputs: output, gradients, and with a state the continuation from it."""
-    cases, results = interpreted
+    cases, results, _ = interpreted
     case, result = cases[index], results[index]
     leaves = [None if case[name] is None else case[name].double().requires_grad_()
               for name in ("q", "k", "v", "log_decay")]
@@ -344,3 +370,19 @@ def test_flas_kernels_interpreted_equal_the_naive_form(interpreted, index):
     wanted = torch.autograd.grad((judge * case["weight"].double()).sum(), [t for t in leaves if t is not None])
     for name, got, want in zip("q k v log_decay".split(), result["grads"], wanted):
         assert_close(got, want, case["rtol"], f"grad {name}")
+
+
+def test_an_lm_in_the_fla_form_interpreted_equals_its_float64_self(interpreted):
+    """The LM's logits and parameter gradients with its global heads on fla's Triton kernels
+    (float32, interpreted) equal the same LM in float64 in the CPU's form."""
+    from linear_attention_transformer import LinearAttentionTransformerLM
+
+    lm = interpreted[2]
+    model = LinearAttentionTransformerLM(**LM).double()
+    model.load_state_dict(lm["state"])
+    tokens = lm["tokens"]
+    logits = model(tokens[:, :-1])
+    F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten()).backward()
+    assert_close(lm["logits"], logits.detach(), 1e-5, "logits")
+    for name, parameter in model.named_parameters():
+        assert_close(lm["grads"][name], parameter.grad, 1e-5, f"grad {name}")

@@ -44,7 +44,8 @@ written in fla's terms:
   block is complete (``recurrent._complete_block``).
 
 Not mapped: torch.compile (not tested) and float64 (the kernels are float32). Non-finite
-inputs are not quarantined (``non_finite.py``): they spread along the state as in fla.
+inputs are quarantined by the caller as for every form (``non_finite.py``): read as 0 here,
+then the queries that see one are NaN.
 
 fla is imported only when this form is asked for; the package imports and runs without it.
 The kernels compute in the inputs' compute dtype (float32 for half inputs, as every form
