@@ -128,7 +128,8 @@ def assert_close(actual, expected, rtol, what, atol=0.0):
     err = (actual.double() - expected).abs().max().item()
     scale = expected.abs().max().item()
     assert torch.isfinite(actual).all(), f"{what}: non-finite"
-    assert err <= rtol * scale + atol, f"{what}: max error {err:.2e} vs scale {scale:.2e} (rtol {rtol:g}, atol {atol:g})"
+    assert err <= rtol * scale + atol, \
+        f"{what}: max error {err:.2e} vs scale {scale:.2e} (rtol {rtol:g}, atol {atol:g})"
 
 
 # float64 gradients: relative to their largest value, and within 1e-12 absolute (v and the

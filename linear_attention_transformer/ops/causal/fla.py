@@ -32,8 +32,7 @@ written in fla's terms:
 * ``segments``: the batch is flattened into one row and each segment is one of fla's
   sequences (``cu_seqlens``; finding the starts reads them back to the host);
 * a state: ``initial_state`` is ``state.kv``, the final state comes back with the last
-  reference r (exponential features).
-
+  reference r (exponential features);
 * the blindspot (query i sees key j when j's block of B tokens is before i's): a plain causal
   sequence of each block's queries, then its keys (2n - B tokens, the last block's keys left
   out): query tokens carry the decay, key tokens are taken decayed to their block's end and
@@ -55,6 +54,7 @@ here: the normaliser sums up to n terms).
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 import torch.nn.functional as F
@@ -69,9 +69,10 @@ __all__ = ["fla_causal_linear_attention", "fla_missing"]
 
 KERNEL_DTYPES = (torch.float32,)  # the compute dtypes fla's kernels are built and tested for
 
+
 def _kernels():
     """(chunk_simple_gla, chunk_gla) from fla: the one place this form reaches fla (the
-    tests put fla's naive recurrences here)."""
+    tests put a float64 recurrence with their contract here)."""
     from fla.ops.gla import chunk_gla
     from fla.ops.simple_gla import chunk_simple_gla
 
@@ -80,10 +81,12 @@ def _kernels():
 
 @functools.lru_cache(maxsize=None)
 def _import_error():
+    """Why fla's kernels do not import (a phrase), or None; tried once per process."""
     try:
         _kernels()
     except Exception as error:  # (an fla that does not match its Triton fails on import, not always ImportError)
-        return f"fla-core does not import ({type(error).__name__}: {error}); pip install 'linear-attention-transformer[cuda]'"
+        return (f"fla-core does not import ({type(error).__name__}: {error}); "
+                "pip install 'linear-attention-transformer[cuda]'")
     return None
 
 
@@ -94,7 +97,8 @@ def _interpreted():
         import triton
     except ImportError:
         return False
-    return bool(triton.knobs.runtime.interpret)
+    knobs = getattr(triton, "knobs", None)  # (Triton < 3.4 reads the variable itself)
+    return bool(knobs.runtime.interpret) if knobs is not None else os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 def fla_missing(device, compiling=False, dtype=torch.float32):
