@@ -1,4 +1,4 @@
-"""Runs test_fla.py's cases, and an LM's training step, through the fla form on fla's real
+"""Runs test_fla.py's cases, and an LM's training step and cached forward, through the fla form on fla's real
 Triton kernels, in Triton's interpreter on the CPU, and saves outputs and gradients for
 test_fla.py to judge.
 
@@ -55,7 +55,14 @@ def run_lm(config, tokens):
     with use_form("fla"):
         logits = model(tokens[:, :-1])
     F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten()).backward()
-    return dict(state=model.state_dict(), logits=logits.detach(),
+    # the same logits from a cache: a prefill that ends inside a blindspot block, then several
+    # tokens, one token, and the rest, each continuing from the state the last returned
+    cached, cache = [], None
+    with use_form("fla"), torch.no_grad():
+        for piece in (slice(0, 29), slice(29, 37), slice(37, 38), slice(38, tokens.shape[1] - 1)):
+            out, cache = model(tokens[:, piece], cache=cache, return_cache=True)
+            cached.append(out)
+    return dict(state=model.state_dict(), logits=logits.detach(), cached=torch.cat(cached, dim=1),
                 grads={name: p.grad for name, p in model.named_parameters()})
 
 

@@ -375,7 +375,8 @@ def test_flas_kernels_interpreted_equal_the_naive_form(interpreted, index):
 
 def test_an_lm_in_the_fla_form_interpreted_equals_its_float64_self(interpreted):
     """The LM's logits and parameter gradients with its global heads on fla's Triton kernels
-    (float32, interpreted) equal the same LM in float64 in the CPU's form."""
+    (float32, interpreted) equal the same LM in float64 in the CPU's form; so do the logits
+    computed piece by piece from the cache (the prefill's state, and each piece's after it)."""
     from linear_attention_transformer import LinearAttentionTransformerLM
 
     lm = interpreted[2]
@@ -385,5 +386,6 @@ def test_an_lm_in_the_fla_form_interpreted_equals_its_float64_self(interpreted):
     logits = model(tokens[:, :-1])
     F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten()).backward()
     assert_close(lm["logits"], logits.detach(), 1e-5, "logits")
+    assert_close(lm["cached"], logits.detach(), 1e-5, "logits from the cache")
     for name, parameter in model.named_parameters():
         assert_close(lm["grads"][name], parameter.grad, 1e-5, f"grad {name}")
