@@ -39,6 +39,7 @@ from .positional import apply_rotary
 # the default width of a local head's window; the model also strides attend_axially by it and
 # shapes its axial position table with it
 LOCAL_WINDOW_SIZE = 128
+KERNELS = ("auto", "torch", "fla")  # a layer's choices of kernel (see ``ops/causal/forms.py``)
 HEADS = 8  # the default number of heads of every attention layer and model
 
 
@@ -115,6 +116,11 @@ class Attention(nn.Module):
             head and position, or ``'feature'``, one per head and key feature (see ``ForgetGate``).
         use_local_conv: depthwise convolution of ``local_conv_kernel`` (3) taps along the sequence
             on the global heads' q, k and v, before the feature map (causal: left-padded).
+        kernel: the causal global heads' kernel: 'auto' (default: by the device, see
+            ``ops/causal/forms.py``), 'torch' (this library's PyTorch forms only) or 'fla'
+            (flash-linear-attention's Triton kernels, ``pip install
+            linear-attention-transformer[cuda]``; a call it cannot run raises ValueError saying
+            why). Causal self-attention only.
     Shapes:
         x (b, n, dim); input_mask (b, n) bool; context (b, m, dim); context_mask (b, m) bool;
         rotary: (cos, sin) of the positions, each (n, dim_head) or (b, n, dim_head);
@@ -126,7 +132,8 @@ class Attention(nn.Module):
         local_attn_look_backward=1, local_attn_look_forward=None, local_attn_exact_windowsize=False,
         blindspot_size=None, kv_heads=None, one_kv_head=False, feature_map="softmax", attn_dropout=0.0,
         dropout=0.0, receives_context=False, chunk_size=None, use_gate=False, gate_rank=None,
-        gate_temperature=None, gate_granularity=None, use_local_conv=False, local_conv_kernel=None
+        gate_temperature=None, gate_granularity=None, use_local_conv=False, local_conv_kernel=None,
+        kernel="auto"
     ):
         super().__init__()
         dim_head, kv_heads = resolve_heads(dim, heads, dim_head, kv_heads, one_kv_head)
@@ -141,7 +148,10 @@ class Attention(nn.Module):
                                    or local_attn_window_size < 1):
             raise ValueError(f"local_attn_window_size must be a positive int, got {local_attn_window_size!r}")
         # both shape the causal kernel only: given to a layer without a causal order they would be ignored
-        for name, value in (("blindspot_size", blindspot_size), ("chunk_size", chunk_size)):
+        if kernel not in KERNELS:
+            raise ValueError(f"kernel must be one of {', '.join(map(repr, KERNELS))}, got {kernel!r}")
+        for name, value in (("blindspot_size", blindspot_size), ("chunk_size", chunk_size),
+                            ("kernel", None if kernel == "auto" else kernel)):
             if value is not None and not (causal and not receives_context):
                 raise ValueError(f"{name} applies to causal self-attention; this layer is not causal")
         blindspot_size = 1 if blindspot_size is None else blindspot_size
@@ -159,6 +169,7 @@ class Attention(nn.Module):
         )
         self.blindspot_size = blindspot_size
         self.chunk_size = chunk_size
+        self.form = None if kernel == "auto" else kernel  # (None: the scope's form, ``use_form``)
         self.feature_map = FeatureMap(feature_map)
 
         self.to_q = nn.Linear(dim, heads * dim_head, bias=False)
@@ -240,7 +251,7 @@ class Attention(nn.Module):
             out = causal_linear_attention(
                 q, k, v, log_gate, mask, blindspot_size=self.blindspot_size, chunk_size=self.chunk_size,
                 exp_features=exp_features, state=None if fresh else cache.state.as_causal_state(position),
-                return_state=cache is not None, segments=segments,
+                return_state=cache is not None, segments=segments, form=self.form,
             )
             if cache is None:
                 return out

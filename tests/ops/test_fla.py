@@ -13,6 +13,7 @@ Two halves:
 And the picker: where 'auto' takes fla, and every refusal of form='fla' names its reason.
 """
 
+import importlib
 import os
 import subprocess
 import sys
@@ -25,6 +26,7 @@ import torch.nn.functional as F
 from linear_attention_transformer.ops import causal_linear_attention, naive_causal_linear_attention
 from linear_attention_transformer.ops.causal import fla as fla_form
 from linear_attention_transformer.ops.causal import forms
+from linear_attention_transformer import Attention
 
 DOUBLE = torch.float64
 CPU, CUDA = torch.device("cpu"), torch.device("cuda")
@@ -389,3 +391,45 @@ def test_an_lm_in_the_fla_form_interpreted_equals_its_float64_self(interpreted):
     assert_close(lm["cached"], logits.detach(), 1e-5, "logits from the cache")
     for name, parameter in model.named_parameters():
         assert_close(lm["grads"][name], parameter.grad, 1e-5, f"grad {name}")
+
+
+# ------------------------------------------------------------------ the layer's kernel option
+
+chunk_module = importlib.import_module("linear_attention_transformer.ops.causal.chunk")
+
+
+def test_kernel_torch_never_asks_for_fla(monkeypatch):
+    """kernel='torch' keeps today's forms even where 'auto' would take fla."""
+    monkeypatch.setattr(forms, "fla_missing", lambda *args, **kwargs: None)  # fla could run anywhere
+    cuda = torch.device("cuda")
+    assert forms.pick_form(cuda, form="torch", exp_features=True).scan == "log_depth"
+    assert forms.pick_form(torch.device("cpu"), form="torch").scan == "loop"
+
+
+def test_the_layers_kernel_option_reaches_the_kernel(monkeypatch):
+    torch.manual_seed(0)
+    x = torch.randn(2, 20, 16)  # (float32: fla's kernels refuse float64 first)
+    layers = {kernel: Attention(16, heads=2, causal=True, kernel=kernel) for kernel in ("auto", "torch", "fla")}
+    for layer in layers.values():
+        layer.load_state_dict(layers["auto"].state_dict())
+    assert torch.equal(layers["torch"](x), layers["auto"](x))
+    # without the interpreter, the CPU cannot run fla: the forced kernel says why
+    with pytest.raises(ValueError, match="form='fla' cannot run this call: on the CPU"):
+        layers["fla"](x)
+    # where fla can run, the layer's call goes to the fla form (here its adapter, spied on)
+    calls = []
+    monkeypatch.setattr(forms, "fla_missing", lambda *args, **kwargs: None)
+    monkeypatch.setattr(chunk_module, "fla_causal_linear_attention",
+                        lambda q, *args, **kwargs: calls.append(q.shape) or torch.zeros_like(q))
+    assert torch.equal(layers["fla"](x), layers["fla"]._combine([torch.zeros(2, 2, 20, 8)], x))
+    assert calls == [(2, 2, 20, 8)]
+
+
+@pytest.mark.parametrize("options, named", [
+    (dict(causal=True, kernel="triton"), "kernel must be one of 'auto', 'torch', 'fla'"),
+    (dict(causal=False, kernel="fla"), "kernel applies to causal self-attention"),
+    (dict(receives_context=True, kernel="torch"), "kernel applies to causal self-attention"),
+])
+def test_a_kernel_the_layer_cannot_use_is_refused(options, named):
+    with pytest.raises(ValueError, match=named):
+        Attention(16, heads=2, **options)

@@ -28,6 +28,7 @@ any          torch.compile       blocked    as above      the loop would unroll 
                                                           recompile per chunk count under dynamic
                                                           shapes); the log-depth scan branches on
                                                           the chunk count
+torch        anywhere            as auto, never fla           a layer's ``kernel='torch'``: today's forms
 auto, fla    CUDA, eager, fla    fla        (exact)       flash-linear-attention's fused Triton
              imports, float32                             kernels (``fla.py``); 'auto' never on the
              compute                                      CPU; forced on the CPU only in Triton's
@@ -79,7 +80,7 @@ FORMS = {
     "blocked": Form("blocked", False),
     "fla": Form("fla", False, 64),  # fla's kernels carry the state; exact by their own factors (fla.py)
 }
-FORM_NAMES = ("auto", *FORMS)
+FORM_NAMES = ("auto", *FORMS, "torch")
 
 _SCOPED = contextvars.ContextVar("causal_linear_attention_form", default="auto")
 
@@ -132,7 +133,7 @@ def pick_form(device, compiling=False, form="auto", exp_features=False, blindspo
             return FORMS["fla"]
         if form == "fla":
             raise ValueError(f"form='fla' cannot run this call: {why_not}")
-    if form == "auto":
+    if form in ("auto", "torch"):
         form = device_form(device)
     chosen = FORMS[form]
     if compiling:
