@@ -12,15 +12,20 @@ Steps (``--skip`` leaves any out):
               makes it torch's default device for the run (unset, the suite is unchanged).
 ``kernel``    attention alone on (b, h, n, d), causal, forward + backward of ``out.sum()``:
               SDPA (softmax); ours, ``causal_linear_attention`` with exponential features (the
-              default map), without decay, with a per-head decay and with a per-feature decay;
-              fla's ``chunk_simple_gla`` (per-head decay) and ``chunk_gla`` (per-feature decay)
-              on the same q, k, v in their (b, n, h, d) layout. Ours normalises (divides by q.z),
-              fla's kernels do not: near, not exactly, equal work.
+              default map), without decay, with a per-head decay and with a per-feature decay,
+              in today's form (``forms.device_form``) and, where fla runs, in the fla form
+              (``ops/causal/fla.py``: fla's kernels behind the adapter); fla's
+              ``chunk_simple_gla`` (per-head decay) and ``chunk_gla`` (per-feature decay) called
+              directly on the same q, k, v in their (b, n, h, d) layout: the fla form's rows
+              against these are the adapter's own cost (its references, the normaliser column,
+              the layout copies). Ours normalises (divides by q.z), fla's kernels alone do not.
 ``layer``     a whole attention layer on (b, n, h d): ours ``LinearSelfAttention`` (default map),
-              ours with ``use_gate=True``, and a softmax layer with the same q/k/v/out projections
+              ours with ``use_gate=True`` (each in today's form and, where fla runs, in the fla
+              form, ``use_form``), and a softmax layer with the same q/k/v/out projections
               around SDPA.
 ``lm``        one training step (cross-entropy of the logits, backward) of upstream's README LM at
-              dim ``--lm-dim`` with ``use_gate=True`` (``bench_seed_lm.SEED_LM``) against a
+              dim ``--lm-dim`` with ``use_gate=True`` (``bench_seed_lm.SEED_LM``; today's form and
+              the fla form where fla runs) against a
               softmax LM of the same width, heads, embedding factorisation and GLU feed-forward,
               with SDPA attention and plain residual blocks.
 ``existing``  ``bench_layer.py`` and ``bench_lm.py`` on the device (their own floors).
@@ -52,6 +57,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from linear_attention_transformer.ops.causal.forms import device_form, use_form
+
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import (  # noqa: E402  (the folder of this script, see common.py)
     PeakMemory,
@@ -71,8 +78,14 @@ DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 # ---------------------------------------------------------------------------- helpers
 
 
-def load_fla():
-    """(chunk_simple_gla, chunk_gla, None) from fla, or (None, None, why not)."""
+def load_fla(device="cuda"):
+    """(chunk_simple_gla, chunk_gla, None) from fla, or (None, None, why not): why the fla form
+    (``ops/causal/fla.py``) cannot run on ``device`` (on the CPU: not in Triton's interpreter)."""
+    from linear_attention_transformer.ops.causal.fla import fla_missing
+
+    why = fla_missing(torch.device(device))
+    if why is not None:
+        return None, None, why
     try:
         simple = importlib.import_module("fla.ops.simple_gla").chunk_simple_gla
         gla = importlib.import_module("fla.ops.gla").chunk_gla
@@ -213,13 +226,17 @@ def kernel_rows(args, n, fla):
             fn().float().sum().backward()
         return step
 
-    cases = [
-        ("sdpa (softmax, causal)", lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True), True),
-        ("ours, exp features", lambda: causal_linear_attention(q, k, v, exp_features=True), True),
-        ("ours, + per-head decay", lambda: causal_linear_attention(q, k, v, head_ld, exp_features=True), True),
-        ("ours, + per-feature decay", lambda: causal_linear_attention(q, k, v, feat_ld, exp_features=True), True),
-    ]
+    cases = [("sdpa (softmax, causal)", lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True), True)]
     simple, gla, _ = fla
+    for form, label in [(args.today, ""), ("fla", "fla form, ")][:2 if simple is not None else 1]:
+        cases += [
+            (f"ours, {label}exp features", lambda f=form: causal_linear_attention(q, k, v, exp_features=True, form=f),
+             True),
+            (f"ours, {label}+ per-head decay",
+             lambda f=form: causal_linear_attention(q, k, v, head_ld, exp_features=True, form=f), True),
+            (f"ours, {label}+ per-feature decay",
+             lambda f=form: causal_linear_attention(q, k, v, feat_ld, exp_features=True, form=f), True),
+        ]
     if simple is not None:
         qt, kt, vt = (_leaf(t.detach().transpose(1, 2).contiguous()) for t in (q, k, v))
         gh = _leaf(head_ld.detach().transpose(1, 2).contiguous())
@@ -234,26 +251,28 @@ def kernel_rows(args, n, fla):
     return rows
 
 
-def layer_rows(args, n):
+def layer_rows(args, n, fla):
     from linear_attention_transformer import LinearSelfAttention
 
     dev, b, h, d = args.device, args.batch, args.heads, args.dim_head
     dim = h * d
     torch.manual_seed(0)
     layers = [
-        ("softmax layer (SDPA)", SoftmaxLayer(dim, h, d)),
-        ("ours LinearSelfAttention", LinearSelfAttention(dim, heads=h, dim_head=d, causal=True)),
-        ("ours, use_gate=True", LinearSelfAttention(dim, heads=h, dim_head=d, causal=True, use_gate=True)),
+        ("softmax layer (SDPA)", SoftmaxLayer(dim, h, d), args.today),
+        ("ours LinearSelfAttention", LinearSelfAttention(dim, heads=h, dim_head=d, causal=True), args.today),
+        ("ours, use_gate=True", LinearSelfAttention(dim, heads=h, dim_head=d, causal=True, use_gate=True), args.today),
     ]
+    if fla[0] is not None:
+        layers += [(f"{name}, fla form", layer, "fla") for name, layer, _ in layers[1:]]
     x = _leaf(torch.randn(b, n, dim, generator=torch.Generator(device="cpu").manual_seed(n), device="cpu").to(dev))
     rows = []
-    for i, (name, layer) in enumerate(layers):
+    for i, (name, layer, form) in enumerate(layers):
         layer = layer.to(dev)
 
-        def step(layer=layer):
+        def step(layer=layer, form=form):
             layer.zero_grad(set_to_none=True)
             x.grad = None
-            with autocast_for(dev, args.dtype_t):
+            with autocast_for(dev, args.dtype_t), use_form(form):
                 out = layer(x)
             out.float().sum().backward()
 
@@ -262,7 +281,7 @@ def layer_rows(args, n):
     return rows
 
 
-def lm_rows(args, n):
+def lm_rows(args, n, fla):
     from bench_seed_lm import SEED_LM
 
     from linear_attention_transformer import LinearAttentionTransformerLM
@@ -272,13 +291,15 @@ def lm_rows(args, n):
     torch.manual_seed(0)
     models = [
         ("softmax LM (SDPA)", lambda: SoftmaxLM(kw["num_tokens"], kw["dim"], kw["depth"], kw["heads"], kw["dim_head"],
-                                                kw["emb_dim"])),
-        ("ours, seed LM + use_gate", lambda: LinearAttentionTransformerLM(**kw)),
+                                                kw["emb_dim"]), args.today),
+        ("ours, seed LM + use_gate", lambda: LinearAttentionTransformerLM(**kw), args.today),
     ]
+    if fla[0] is not None:
+        models.append(("ours, seed LM + use_gate, fla form", models[1][1], "fla"))
     g = torch.Generator(device="cpu").manual_seed(1)
     x = torch.randint(0, kw["num_tokens"], (b, n + 1), generator=g, device="cpu").to(dev)
     rows = []
-    for i, (name, build) in enumerate(models):
+    for i, (name, build, form) in enumerate(models):
         row = Row("lm", name, n, b * n, reference=i == 0)
         try:
             model = build().to(dev).train()
@@ -287,9 +308,9 @@ def lm_rows(args, n):
             rows.append(row)
             continue
 
-        def step(model=model):
+        def step(model=model, form=form):
             model.zero_grad(set_to_none=True)
-            with autocast_for(dev, args.dtype_t):
+            with autocast_for(dev, args.dtype_t), use_form(form):
                 logits = model(x[:, :-1])
             F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), x[:, 1:].reshape(-1)).backward()
 
@@ -408,19 +429,24 @@ def main(argv=None):
     if "tests" not in args.skip:
         failures += run_tests(args) != 0
 
-    fla = load_fla()
+    fla = load_fla(args.device)
+    # "today's form": what 'auto' takes on the device without fla (forms.device_form), the rows
+    # that the fla form's are read against
+    args.today = device_form(torch.device(args.device))
     size = 8192 if args.cuda else 256 if args.dry_run else 2048
     rate = matmul_rate(args.device, args.dtype_t, size)
     print(f"reference: square matmul ({size} x {size}) in {args.dtype}: {rate / 1e12:.3g} TFLOP/s")
     if fla[0] is None:
-        print(f"note: fla not importable ({fla[2]}): the chunk_simple_gla / chunk_gla rows are skipped")
+        print(f"note: fla not importable or not runnable on {args.device} ({fla[2]}): the fla form's rows and "
+              f"chunk_simple_gla / chunk_gla's are skipped")
     if args.cuda:
         print("note: 'H100 model ms' is estimate_gpu's roofline MODEL of the same step on an H100, not a timing")
     print()
 
     groups = [("kernel", "attention alone, (b, h, n, d), causal", lambda n: kernel_rows(args, n, fla)),
-              ("layer", f"one attention layer, (b, n, {args.heads * args.dim_head})", lambda n: layer_rows(args, n)),
-              ("lm", f"LM training step, dim {args.lm_dim}", lambda n: lm_rows(args, n))]
+              ("layer", f"one attention layer, (b, n, {args.heads * args.dim_head})",
+               lambda n: layer_rows(args, n, fla)),
+              ("lm", f"LM training step, dim {args.lm_dim}", lambda n: lm_rows(args, n, fla))]
     for key, title, fn in groups:
         if key in args.skip:
             continue

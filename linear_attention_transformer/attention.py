@@ -17,7 +17,6 @@ from torch import nn
 from .attention_step import AttentionStep
 from .cache import NO_KEY, AttentionCache, GlobalCache, LocalCache
 from .context_parallel import (
-    ContextParallel,
     context_parallel_causal_linear_attention,
     context_parallel_linear_attention,
     exchange_boundaries,
@@ -32,13 +31,16 @@ from .ops import (
 )
 from .ops.causal.forms import CHUNK_SIZE
 from .ops.causal.recurrent import RecurrentState
-from .ops.segments import aligned_layout, check_segment_ids, from_layout, segment_runs, to_layout
+from .ops.segments import aligned_layout, from_layout, to_layout
 from .ops.windowed_attention import Window, windowed_attention, windowed_attention_by_position
+from .place import PLAIN, Place
 from .positional import apply_rotary
 
 # the default width of a local head's window; the model also strides attend_axially by it and
 # shapes its axial position table with it
 LOCAL_WINDOW_SIZE = 128
+KERNELS = ("auto", "torch", "fla")  # a layer's choices of kernel (see ``ops/causal/forms.py``)
+HEADS = 8  # the default number of heads of every attention layer and model
 
 
 def resolve_heads(dim, heads, dim_head=None, kv_heads=None, one_kv_head=False):
@@ -114,6 +116,11 @@ class Attention(nn.Module):
             head and position, or ``'feature'``, one per head and key feature (see ``ForgetGate``).
         use_local_conv: depthwise convolution of ``local_conv_kernel`` (3) taps along the sequence
             on the global heads' q, k and v, before the feature map (causal: left-padded).
+        kernel: the causal global heads' kernel: 'auto' (default: by the device, see
+            ``ops/causal/forms.py``), 'torch' (this library's PyTorch forms only) or 'fla'
+            (flash-linear-attention's Triton kernels, ``pip install
+            linear-attention-transformer[cuda]``; a call it cannot run raises ValueError saying
+            why). Causal self-attention only.
     Shapes:
         x (b, n, dim); input_mask (b, n) bool; context (b, m, dim); context_mask (b, m) bool;
         rotary: (cos, sin) of the positions, each (n, dim_head) or (b, n, dim_head);
@@ -121,30 +128,12 @@ class Attention(nn.Module):
     """
 
     def __init__(
-        self,
-        dim,
-        heads=8,
-        dim_head=None,
-        causal=False,
-        n_local_attn_heads=0,
-        local_attn_window_size=None,
-        local_attn_look_backward=1,
-        local_attn_look_forward=None,
-        local_attn_exact_windowsize=False,
-        blindspot_size=None,
-        kv_heads=None,
-        one_kv_head=False,
-        feature_map="softmax",
-        attn_dropout=0.0,
-        dropout=0.0,
-        receives_context=False,
-        chunk_size=None,
-        use_gate=False,
-        gate_rank=None,
-        gate_temperature=None,
-        gate_granularity=None,
-        use_local_conv=False,
-        local_conv_kernel=None,
+        self, dim, heads=HEADS, dim_head=None, causal=False, n_local_attn_heads=0, local_attn_window_size=None,
+        local_attn_look_backward=1, local_attn_look_forward=None, local_attn_exact_windowsize=False,
+        blindspot_size=None, kv_heads=None, one_kv_head=False, feature_map="softmax", attn_dropout=0.0,
+        dropout=0.0, receives_context=False, chunk_size=None, use_gate=False, gate_rank=None,
+        gate_temperature=None, gate_granularity=None, use_local_conv=False, local_conv_kernel=None,
+        kernel="auto"
     ):
         super().__init__()
         dim_head, kv_heads = resolve_heads(dim, heads, dim_head, kv_heads, one_kv_head)
@@ -159,7 +148,10 @@ class Attention(nn.Module):
                                    or local_attn_window_size < 1):
             raise ValueError(f"local_attn_window_size must be a positive int, got {local_attn_window_size!r}")
         # both shape the causal kernel only: given to a layer without a causal order they would be ignored
-        for name, value in (("blindspot_size", blindspot_size), ("chunk_size", chunk_size)):
+        if kernel not in KERNELS:
+            raise ValueError(f"kernel must be one of {', '.join(map(repr, KERNELS))}, got {kernel!r}")
+        for name, value in (("blindspot_size", blindspot_size), ("chunk_size", chunk_size),
+                            ("kernel", None if kernel == "auto" else kernel)):
             if value is not None and not (causal and not receives_context):
                 raise ValueError(f"{name} applies to causal self-attention; this layer is not causal")
         blindspot_size = 1 if blindspot_size is None else blindspot_size
@@ -177,6 +169,7 @@ class Attention(nn.Module):
         )
         self.blindspot_size = blindspot_size
         self.chunk_size = chunk_size
+        self.form = None if kernel == "auto" else kernel  # (None: the scope's form, ``use_form``)
         self.feature_map = FeatureMap(feature_map)
 
         self.to_q = nn.Linear(dim, heads * dim_head, bias=False)
@@ -236,12 +229,12 @@ class Attention(nn.Module):
             k, normalize = k * log_gate.exp().to(k.dtype), True
         return k, normalize
 
-    def global_heads(self, q, k, v, mask, x, cache=None, position=0, segments=None, place=None):
+    def global_heads(self, q, k, v, mask, x, cache=None, position=0, segments=None, group=None):
         """Linear attention over the global heads. ``cache``: a ``GlobalCache`` after
         ``position`` tokens, continued from (unless position is 0) and updated in place.
-        ``place``: a ``ContextParallel`` when the sequence is split over processes."""
-        if place is not None:
-            return self._global_heads_context_parallel(q, k, v, mask, x, place)
+        ``group``: a ``ContextParallel`` when the sequence is split over processes."""
+        if group is not None:
+            return self._global_heads_context_parallel(q, k, v, mask, x, group)
         fresh = cache is None or position == 0
         if self.local_conv is not None:
             previous = (None,) * 3 if fresh else cache.conv.unbind(1)
@@ -258,7 +251,7 @@ class Attention(nn.Module):
             out = causal_linear_attention(
                 q, k, v, log_gate, mask, blindspot_size=self.blindspot_size, chunk_size=self.chunk_size,
                 exp_features=exp_features, state=None if fresh else cache.state.as_causal_state(position),
-                return_state=cache is not None, segments=segments,
+                return_state=cache is not None, segments=segments, form=self.form,
             )
             if cache is None:
                 return out
@@ -269,40 +262,40 @@ class Attention(nn.Module):
         k, normalize = self.noncausal_keys(k, mask, x, segments)
         return linear_attention(fm.queries(q), k, v, mask, normalize=normalize, segments=segments)
 
-    def _global_heads_context_parallel(self, q, k, v, mask, x, place):
+    def _global_heads_context_parallel(self, q, k, v, mask, x, group):
         """The global heads on this rank's slice, reading the other ranks' summaries
         (``context_parallel.py``). Options it does not support were refused in ``forward``."""
         if self.local_conv is not None:
-            q, k, v = self._convolve_context_parallel(q, k, v, mask, place)
+            q, k, v = self._convolve_context_parallel(q, k, v, mask, group)
         fm = self.feature_map
         if self.causal:
             log_gate = None if self.forget_gate is None else self.forget_gate(x)
             q, k, exp_features = fm.causal_features(q, k)
-            return context_parallel_causal_linear_attention(q, k, v, place, log_gate, mask, self.chunk_size,
+            return context_parallel_causal_linear_attention(q, k, v, group, log_gate, mask, self.chunk_size,
                                                             exp_features, self.blindspot_size)
         key_scale = None
         if self.forget_gate is not None:
             log_gate = self.forget_gate(x)
             key_scale = (log_gate if log_gate.ndim == 4 else log_gate[..., None]).exp()
         if fm.is_softmax:
-            return context_parallel_linear_attention(fm.queries(q), k, v, place, mask, normalize=key_scale is not None,
+            return context_parallel_linear_attention(fm.queries(q), k, v, group, mask, normalize=key_scale is not None,
                                                      softmax_keys=True, key_scale=key_scale)
         k = fm.noncausal_keys(k, mask)[0]
-        return context_parallel_linear_attention(fm.queries(q), k, v, place, mask, normalize=True, key_scale=key_scale)
+        return context_parallel_linear_attention(fm.queries(q), k, v, group, mask, normalize=True, key_scale=key_scale)
 
-    def _convolve_context_parallel(self, q, k, v, mask, place):
+    def _convolve_context_parallel(self, q, k, v, mask, group):
         """The convolution across the slice's ends: the neighbours' boundary inputs (masked
         ones zeroed) extend the slice, zeros at the sequence's ends as without a split."""
         conv = self.local_conv[0]
         left, right = conv.left_context, conv.kernel_size - 1 - conv.left_context
         if mask is not None:
             q, k, v = (t.masked_fill(~rearrange(mask, "b n -> b 1 n 1"), 0.0) for t in (q, k, v))
-        halos = exchange_boundaries([(t, 2) for t in (q, k, v)], place, left, right)
+        halos = exchange_boundaries([(t, 2) for t in (q, k, v)], group, left, right)
         n = q.shape[2]
         return tuple(c(torch.cat((before, t, after), dim=2))[:, :, left : left + n]
                      for c, t, (before, after) in zip(self.local_conv, (q, k, v), halos))
 
-    def _local_heads_context_parallel(self, q, k, v, mask, place):
+    def _local_heads_context_parallel(self, q, k, v, mask, group):
         """Local heads across the slice's ends: the neighbours' boundary windows of keys and
         values (look_backward * w before, look_forward * w after) extend the slice; the
         queries are padded alike and their outputs cut back (windows stay aligned: the slice
@@ -310,26 +303,26 @@ class Attention(nn.Module):
         window = self.local_window
         before, after = window.look_backward * window.size, window.look_forward * window.size
         mask = _mask_or_ones(mask, k)
-        (kb, ka), (vb, va), (mb, ma) = exchange_boundaries([(k, 2), (v, 2), (mask, 1)], place, before, after)
+        (kb, ka), (vb, va), (mb, ma) = exchange_boundaries([(k, 2), (v, 2), (mask, 1)], group, before, after)
         n = q.shape[2]
         q = F.pad(q, (0, 0, before, after))
         k, v = torch.cat((kb, k, ka), dim=2), torch.cat((vb, v, va), dim=2)
         out = windowed_attention(q, k, v, window, torch.cat((mb, mask, ma), dim=1))
         return out[:, :, before : before + n]
 
-    def check_context_parallel(self, length, segment_ids=None, cache=None, return_cache=False):
-        """Raise ValueError naming the first option that context parallelism does not support
-        (yet) in this layer, for slices of ``length`` tokens; called before any communication."""
+    def check_place(self, place, length, parallel=False):
+        """Raise ValueError naming what this layer cannot do at ``place`` (``place.py``) for x
+        of ``length`` tokens (a slice of a sequence split over processes when ``parallel``);
+        ``Place.of`` calls it before any communication."""
+        if place.cached:
+            self.check_cacheable()
+        if place.segments is not None and self.receives_context:
+            raise ValueError("segment_ids is not supported in a cross-attention layer (receives_context=True)")
+        if not parallel:
+            return
         window = self.local_window
-        refused = [
-            (self.receives_context, "a cross-attention layer (receives_context=True)"),
-            (segment_ids is not None, "packed sequences (segment_ids)"),
-            (cache is not None or return_cache, "a cache (cache / return_cache): decoding continues one sequence on "
-                                                "one rank"),
-        ]
-        for bad, what in refused:
-            if bad:
-                raise ValueError(f"context_parallel is not supported with {what} yet")
+        if self.receives_context:
+            raise ValueError("context_parallel is not supported with a cross-attention layer (receives_context=True) yet")
         if self.n_local and length % window.size:
             raise ValueError(f"context_parallel with local heads needs slices of a multiple of "
                              f"local_attn_window_size={window.size} tokens, got {length}")
@@ -367,35 +360,30 @@ class Attention(nn.Module):
         A self-attention layer refuses ``context`` / ``context_mask``; a cross-attention layer
         refuses ``input_mask`` (it marks which of x's tokens are keys, and its keys come from
         the context: mask them with ``context_mask``) and ``rotary`` (queries and context keys
-        share no positions)."""
+        share no positions). A model calls ``attend`` with the ``Place`` it made once."""
         if x.ndim != 3 or x.shape[-1] != self.dim or x.shape[1] < 1:
             raise ValueError(f"x must have shape (batch, seq_len >= 1, {self.dim}), got {tuple(x.shape)}")
         self._check_routes(input_mask, context, context_mask, rotary)
-        check_mask(input_mask, x, "input_mask")
-        if context_parallel is not None:
-            self.check_context_parallel(x.shape[1], segment_ids, cache, return_cache)
-            place = ContextParallel.of(context_parallel, x.shape[0], x.shape[1], x.device)
-            return self._self_attention(x, input_mask, rotary, place=place)
-        if segment_ids is not None:
-            check_segment_ids(segment_ids, x.shape[:2])
-            if cache is not None or return_cache:
-                raise ValueError("segment_ids cannot be combined with a cache (cache / return_cache): "
-                                 "a cache continues one sequence; decode each segment on its own")
-            if self.receives_context:
-                raise ValueError("segment_ids is not supported in a cross-attention layer (receives_context=True)")
-            return self._packed(x, input_mask, rotary, segment_runs(segment_ids))
-        if cache is not None or return_cache:
-            self.check_cacheable()
+        place = Place.of(x, cache, return_cache, segment_ids, context_parallel, check=self.check_place)
+        if place.cached:
             # updated in place and returned; read without return_cache, it is left as it was
             cache = self.empty_cache(x.shape[0], x.device, x.dtype) if cache is None else cache if return_cache else cache.clone()
+        out = self.attend(x, place.but(rotary=rotary), input_mask, cache, context, context_mask)
+        return (out, cache) if return_cache else out
+
+    def attend(self, x, place=PLAIN, input_mask=None, cache=None, context=None, context_mask=None):
+        """The output for x (b, n, dim) at ``place`` (``place.py``, checked by ``check_place``);
+        ``cache``: this layer's ``AttentionCache`` when ``place.cached``, updated in place."""
+        check_mask(input_mask, x, "input_mask")
         if self.receives_context:
             out = self._cross_attention(x, context, context_mask, cache)
+        elif place.segments is not None:
+            out = self._packed(x, input_mask, place)
         else:
-            out = self._self_attention(x, input_mask, rotary, cache)
-        if cache is None:
-            return out
-        cache.position += x.shape[1]
-        return (out, cache) if return_cache else out
+            out = self._self_attention(x, input_mask, place, cache)
+        if cache is not None:
+            cache.position += x.shape[1]
+        return out
 
     def _check_routes(self, input_mask, context, context_mask, rotary):
         """Refuse the forward arguments this kind of layer would not read (never ignore one)."""
@@ -409,26 +397,28 @@ class Attention(nn.Module):
             raise ValueError("context / context_mask given to a self-attention layer: build it with "
                              "receives_context=True to attend to a context")
 
-    def _packed(self, x, mask, rotary, runs):
+    def _packed(self, x, mask, place):
         """Self-attention over packed segments (run index ``runs``). Blindspot blocks must
         start with each segment: then every segment is moved to start at a multiple of the
         block size (``aligned_layout``, at most B - 1 empty, masked slots per segment), the
         layer runs there, and the outputs are moved back."""
+        runs, rotary = place.segments, place.rotary
         if self.blindspot_size == 1 or self.n_local == self.heads:
-            return self._self_attention(x, mask, rotary, segments=runs)
+            return self._self_attention(x, mask, place)
         slots, length = aligned_layout(runs, self.blindspot_size)
         mask = torch.ones_like(runs, dtype=torch.bool) if mask is None else mask
         if rotary is not None:
             rotary = tuple(to_layout(t.expand(x.shape[0], *t.shape[-2:]), slots, length) for t in rotary)
         # an empty slot belongs to the segment before it (cummax of the moved run index)
         moved_runs = to_layout(runs, slots, length).cummax(dim=1).values
-        out = self._self_attention(to_layout(x, slots, length), to_layout(mask, slots, length, False), rotary,
-                                   segments=moved_runs)
+        out = self._self_attention(to_layout(x, slots, length), to_layout(mask, slots, length, False),
+                                   place.but(segments=moved_runs, rotary=rotary))
         return from_layout(out, slots)
 
-    def _self_attention(self, x, input_mask, rotary, cache=None, segments=None, place=None):
+    def _self_attention(self, x, input_mask, place, cache=None):
         """The output; ``cache``: an ``AttentionCache`` to continue from, updated in place
-        (but for its position, which ``forward`` counts)."""
+        (but for its position, which ``attend`` counts)."""
+        rotary, segments, group = place.rotary, place.segments, place.group
         if cache is not None and x.shape[1] == 1 and input_mask is None and not torch.is_grad_enabled():
             # one real token: the decoder's step, on the cache's buffers
             step = AttentionStep(self, cache, x.shape[0])
@@ -445,8 +435,8 @@ class Attention(nn.Module):
         else:  # one group holds every head (the other is unused): a split's backward would copy for nothing
             (ql, qg), (kl, kg), (vl, vg) = (q, q), (k, k), (v, v)
         if self.n_local:
-            if place is not None:
-                outs.append(self._local_heads_context_parallel(ql, kl, vl, input_mask, place))
+            if group is not None:
+                outs.append(self._local_heads_context_parallel(ql, kl, vl, input_mask, group))
             elif cache is None or position == 0:
                 outs.append(self.local_heads(ql, kl, vl, input_mask, segments))
             else:
@@ -455,7 +445,7 @@ class Attention(nn.Module):
                 cache.local.write(kl, vl, position, input_mask)
         if self.n_local < self.heads:
             outs.append(self.global_heads(qg, kg, vg, input_mask, x, None if cache is None else cache.global_, position,
-                                          segments, place))
+                                          segments, group))
         return self._combine(outs, x)
 
     def _combine(self, outs, x):
@@ -580,7 +570,7 @@ class LinearSelfAttention(Attention):
     """
 
     def __init__(
-        self, dim, heads=8, causal=False, dim_head=None, kv_heads=None, one_kv_head=False,
+        self, dim, heads=HEADS, causal=False, dim_head=None, kv_heads=None, one_kv_head=False,
         feature_map="softmax", psi_fn=None, dropout=0.0, blindspot_size=None, chunk_size=None, **improvements,
     ):
         if psi_fn is not None:

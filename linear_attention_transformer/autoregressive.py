@@ -51,6 +51,7 @@ from torch import nn
 from .context_parallel import ContextParallel
 from .lm import check_token_ids
 from .ops.segments import check_segment_ids
+from .place import check_modes
 
 __all__ = ["top_k", "top_p", "linear_cross_entropy", "AutoregressiveWrapper"]
 
@@ -180,13 +181,8 @@ def top_p(logits, thres=FILTER_THRES):
     Tokens are taken in order of decreasing probability (softmax of ``logits``) while
     the mass taken so far is below ``thres``; the token that brings it to ``thres`` or
     beyond is kept, those after it are not. The most likely token is always kept (so
-    ``thres=0`` keeps only it). Probabilities are computed in at least float32.
-
-    Args:
-        logits: (..., num_tokens) float tensor. Not modified.
-        thres: float in [0, 1).
-    Returns:
-        (..., num_tokens) tensor of the same dtype: the kept logits unchanged, -inf elsewhere.
+    ``thres=0`` keeps only it). Probabilities are computed in at least float32. Arguments
+    and result as ``top_k``'s.
     """
     _check_logits(logits)
     _check_thres(thres)
@@ -396,9 +392,7 @@ class AutoregressiveWrapper(nn.Module):
         if not return_loss:
             return self.net(x, **kwargs)
         context_parallel = kwargs.pop("context_parallel", None)
-        if context_parallel is not None and kwargs.get("segment_ids") is not None:
-            raise ValueError("segment_ids: packed sequences are not supported with context_parallel "
-                             "(one sequence is split over the ranks)")
+        check_modes(packed=kwargs.get("segment_ids") is not None, parallel=context_parallel is not None)
 
         _check_tokens(x, "x")
         if x.ndim != 2 or x.shape[1] < 2:

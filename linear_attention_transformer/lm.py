@@ -6,10 +6,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .attention import LOCAL_WINDOW_SIZE, check_mask
+from .attention import HEADS, LOCAL_WINDOW_SIZE
 from .attention_step import StepContext
 from .decoding import start_decoding
-from .ops.segments import check_segment_ids, positions_in_segment, segment_runs
+from .place import Place
 from .positional import AbsolutePositionalEmbedding, AxialPositionalEmbedding
 from .transformer import LinearAttentionTransformer, _parameters, refuse_unknown_keywords
 
@@ -55,18 +55,8 @@ class LinearAttentionTransformerLM(nn.Module):
     """
 
     def __init__(
-        self,
-        num_tokens,
-        dim,
-        depth,
-        max_seq_len,
-        heads=8,
-        emb_dim=None,
-        tie_embedding=False,
-        return_embeddings=False,
-        use_axial_pos_emb=None,
-        use_rotary_emb=False,
-        **kwargs,
+        self, num_tokens, dim, depth, max_seq_len, heads=HEADS, emb_dim=None, tie_embedding=False,
+        return_embeddings=False, use_axial_pos_emb=None, use_rotary_emb=False, **kwargs
     ):
         super().__init__()
         refuse_unknown_keywords(type(self).__name__, kwargs, self.option_names())
@@ -179,32 +169,15 @@ class LinearAttentionTransformerLM(nn.Module):
             raise TypeError(f"x must be a tensor of integer token ids, got {getattr(x, 'dtype', type(x))}")
         if x.ndim != 2 or x.shape[1] < 1:
             raise ValueError(f"x must have shape (batch, seq_len) with at least one token, got {tuple(x.shape)}")
-        if context_parallel is not None:
-            check_mask(input_mask, x[..., None], "input_mask")
-            place = self.transformer.context_parallel_place(context_parallel, x, segment_ids, cache, return_cache)
-            positions = torch.arange(place.start, place.start + x.shape[1], device=x.device)
-            h = self._embed(x)
-            if self.pos_emb is not None:
-                h = h + self.pos_emb(positions).to(h.dtype)
-            return self.transformer(self.project_in(h), input_mask=input_mask, positions=self._rotary(positions),
-                                    context_parallel=place)
-        start = 0 if cache is None else cache.position
-        n = x.shape[1]
-        if start + n > self.max_seq_len:
-            raise ValueError(f"sequence length {start + n} exceeds max_seq_len={self.max_seq_len}")
-        positions = torch.arange(start, start + n, device=x.device)
-        if segment_ids is not None:  # packed sequences: each token's index inside its segment
-            check_segment_ids(segment_ids, x.shape)
-            segment_ids = segment_runs(segment_ids)
-            positions = positions_in_segment(segment_ids)
+        place = Place.of(x, cache, return_cache, segment_ids, context_parallel, check=self.transformer.check_place)
+        positions = place.positions(x.shape[1], x.device)
         h = self._embed(x)
         if self.pos_emb is not None:
             h = h + self.pos_emb(positions).to(h.dtype)
-        h = self.project_in(h)
-        return self.transformer(
-            h, input_mask=input_mask, context=context, context_mask=context_mask, positions=self._rotary(positions),
-            cache=cache, return_cache=return_cache, segment_ids=segment_ids,
-        )
+        # updated in place and returned; read without return_cache, it is left as it was
+        out = self.transformer.attend(self.project_in(h), place, input_mask, context, context_mask,
+                                      cache if return_cache or cache is None else cache.clone(), positions)
+        return out[0] if place.cached and not return_cache else out
 
     def _embed(self, x):
         """The token embedding. Ids outside the vocabulary raise ValueError naming x and the
@@ -215,10 +188,6 @@ class LinearAttentionTransformerLM(nn.Module):
         except IndexError:
             check_token_ids(x, self.num_tokens, "x")
             raise
-
-    def _rotary(self, positions):
-        """The positions the transformer takes: those of its rotary embedding, if it has one."""
-        return None if self.transformer.rotary is None else positions
 
     def _output(self, out):
         return _logits(out, *self._output_args())

@@ -17,13 +17,13 @@ from einops import rearrange
 from product_key_memory import PKM
 from torch import nn
 
-from .attention import LOCAL_WINDOW_SIZE, Attention, _pad_to_multiple, check_mask, resolve_heads
+from .attention import HEADS, LOCAL_WINDOW_SIZE, Attention, _pad_to_multiple, check_mask, resolve_heads
 from .attention_step import AttentionStep, CrossAttentionStep
 from .cache import AxialCache, BranchCache, DecodingCache, copy_rows, map_tensors
-from .context_parallel import ContextParallel, exchange_boundaries
+from .context_parallel import exchange_boundaries
 from .feedforward import FeedForward, FeedForwardStep
 from .linformer import LinformerContextSettings, LinformerSettings, linformer_layers
-from .ops.segments import check_segment_ids, positions_in_segment, segment_runs
+from .place import PLAIN, Place
 from .positional import RotaryEmbedding
 from .reversible import ReversibleSequence, SequentialSequence
 from .token_shift import shift_step, shift_tokens, token_shifts
@@ -34,49 +34,48 @@ class Branch(nn.Module):
 
     Args:
         dim: width. fn: the module. shifts: token shifts or None. dropout: on fn's output.
-        routes: names of the model's keyword arguments that ``fn`` takes (self-attention
-            takes input_mask and rotary, cross-attention context and context_mask, a
-            feed-forward none).
+        reads: the model's inputs besides x that ``fn`` takes (self-attention: input_mask;
+            cross-attention: context and context_mask; a feed-forward: none). A module with a
+            sequence of its own (``Attention``, ``FoldAxially``) also reads the ``Place``.
     x (b, n, dim) -> (b, n, dim).
     """
 
-    def __init__(self, dim, fn, shifts=None, routes=(), dropout=0.0):
+    def __init__(self, dim, fn, shifts=None, reads=(), dropout=0.0):
         super().__init__()
         self.norm = nn.LayerNorm(dim)
         self.fn = fn
         self.shifts = shifts
-        self.routes = tuple(routes)
+        self.reads = tuple(reads)
         self.dropout = nn.Dropout(dropout)
 
     @property
     def stateful(self):
         return isinstance(self.fn, (Attention, FoldAxially))
 
-    def forward(self, x, cache=None, return_cache=False, **kwargs):
-        """With ``return_cache`` -> (out, BranchCache), ``cache`` (a ``BranchCache``, made when
-        None) continuing a sequence and updated in place."""
+    def forward(self, x, place=PLAIN, cache=None, **inputs):
+        """The branch's output at ``place``; with ``place.cached`` -> (out, BranchCache),
+        ``cache`` (made when None) continuing a sequence and updated in place."""
         h = self.norm(x)
-        place = kwargs.get("context_parallel")
-        if return_cache and cache is None:
-            shift = None if self.shifts is None else h.new_zeros(h.shape[0], h.shape[-1])
-            cache = BranchCache(shift, None)
-        if self.shifts is not None and place is not None:
-            h = _shift_tokens_context_parallel(h, self.shifts, kwargs.get("input_mask"), place)
+        mask = inputs.get("input_mask")
+        if place.cached and cache is None:
+            cache = BranchCache(None if self.shifts is None else h.new_zeros(h.shape[0], h.shape[-1]), None)
+        if self.shifts is not None and place.group is not None:
+            h = _shift_tokens_context_parallel(h, self.shifts, mask, place.group)
         elif self.shifts is not None:
-            mask = kwargs.get("input_mask")
             shifted = shift_tokens(h, self.shifts, mask, previous=None if cache is None else cache.shift,
-                                   segments=kwargs.get("segment_ids"))
-            if return_cache:  # the token the next call's first token shifts in (no gradient)
+                                   segments=place.segments)
+            if place.cached:  # the token the next call's first token shifts in (no gradient)
                 with torch.no_grad():
                     cache.shift.copy_(h[:, -1] if mask is None else h[:, -1].masked_fill(~mask[:, -1:], 0.0))
             h = shifted
-        routed = {name: kwargs.get(name) for name in self.routes}
-        if not return_cache:
-            return self.dropout(self.fn(h, **routed))
-        if not self.stateful:  # a feed-forward: nothing to remember
-            return self.dropout(self.fn(h, **routed)), cache
-        out, cache.fn = self.fn(h, cache=cache.fn, return_cache=True, **routed)
-        return self.dropout(out), cache
+        routed = {name: inputs.get(name) for name in self.reads}
+        if not self.stateful:
+            out = self.fn(h, **routed)
+        else:
+            if place.cached and cache.fn is None:
+                cache.fn = self.fn.empty_cache(h.shape[0], h.device, h.dtype)
+            out = self.fn.attend(h, place, cache=None if cache is None else cache.fn, **routed)
+        return (self.dropout(out), cache) if place.cached else self.dropout(out)
 
     def step_of(self, cache, batch, first_real=None):
         """This branch's one-token step (``BranchStep``) on its ``BranchCache``, or None when
@@ -136,13 +135,13 @@ class _ModuleStep:
         return out if into is None else into.add_(out)
 
 
-def _shift_tokens_context_parallel(h, shifts, mask, place):
+def _shift_tokens_context_parallel(h, shifts, mask, group):
     """``shift_tokens`` across the slice's ends: the neighbours' boundary tokens (masked ones
     zeroed) extend the slice, zeros at the sequence's ends as without a split."""
     if mask is not None:
         h = h.masked_fill(~mask[..., None], 0.0)
     before, after = max(max(shifts), 0), max(-min(shifts), 0)
-    ((previous, following),) = exchange_boundaries([(h, 1)], place, before, after)
+    ((previous, following),) = exchange_boundaries([(h, 1)], group, before, after)
     n = h.shape[1]
     return shift_tokens(torch.cat((previous, h, following), dim=1), shifts)[:, before : before + n]
 
@@ -159,9 +158,17 @@ class FoldAxially(nn.Module):
             raise ValueError(f"local_attn_window_size (the stride of attend_axially) must be a positive int, got {width!r}")
         self.width, self.attn = width, attn
 
-    def forward(self, x, input_mask=None, cache=None, return_cache=False):
-        if return_cache:
-            return self._forward_cached(x, input_mask, cache)
+    def forward(self, x, input_mask=None):
+        return self.attend(x, PLAIN, input_mask)
+
+    def empty_cache(self, batch_size, device=None, dtype=torch.float32):
+        return AxialCache(self.attn.empty_cache(batch_size * self.width, device, dtype), 0)
+
+    def attend(self, x, place=PLAIN, input_mask=None, cache=None):
+        """The output at ``place`` (plain or cached: the model refuses the others);
+        ``cache``: an ``AxialCache`` when ``place.cached``, updated in place."""
+        if place.cached:
+            return self._cached(x, input_mask, cache)
         b, n, _ = x.shape
         if n % self.width and (input_mask is not None or not self.attn.causal):
             input_mask = torch.ones(b, n, dtype=torch.bool, device=x.device) if input_mask is None else input_mask
@@ -173,11 +180,9 @@ class FoldAxially(nn.Module):
         out = self.attn(x, input_mask=input_mask)
         return rearrange(out, "(b w) i d -> b (i w) d", b=b)[:, :n]
 
-    def _forward_cached(self, x, input_mask, cache):
+    def _cached(self, x, input_mask, cache):
         b, n, _ = x.shape
         w = self.width
-        if cache is None:
-            cache = AxialCache(self.attn.empty_cache(b * w, x.device, x.dtype), 0)
         inner, position = cache.inner, cache.position
         outs = []
         # whole rounds of w tokens, aligned to the residue classes, go through the folded
@@ -185,8 +190,7 @@ class FoldAxially(nn.Module):
         head = min(n, -position % w)
         full = (n - head) // w * w
         for t in range(head):
-            out, inner = self._step(x[:, t : t + 1], _cut(input_mask, t, t + 1), inner, position + t)
-            outs.append(out)
+            outs.append(self._step(x[:, t : t + 1], _cut(input_mask, t, t + 1), inner, position + t))
         if full:
             xs = rearrange(x[:, head : head + full], "b (i w) d -> (b w) i d", w=w)
             ms = _cut(input_mask, head, head + full)
@@ -194,10 +198,9 @@ class FoldAxially(nn.Module):
             out, _ = self.attn(xs, input_mask=ms, cache=inner, return_cache=True)
             outs.append(rearrange(out, "(b w) i d -> b (i w) d", b=b))
         for t in range(head + full, n):
-            out, inner = self._step(x[:, t : t + 1], _cut(input_mask, t, t + 1), inner, position + t)
-            outs.append(out)
+            outs.append(self._step(x[:, t : t + 1], _cut(input_mask, t, t + 1), inner, position + t))
         cache.position = position + n
-        return torch.cat(outs, dim=1), cache
+        return torch.cat(outs, dim=1)
 
     def _step(self, x, mask, inner, position):
         """One token at absolute ``position``: it continues the rows of residue position mod w
@@ -207,7 +210,7 @@ class FoldAxially(nn.Module):
         sub = map_tensors(inner, lambda t: t.index_select(0, rows))
         out, sub = self.attn(x, input_mask=mask, cache=sub, return_cache=True)
         copy_rows(inner, rows, sub)
-        return out, inner
+        return out
 
 
 def _cut(mask, start, stop):
@@ -247,7 +250,7 @@ def _parameters(factory):
 _LOCAL_OPTIONS = frozenset({"n_local_attn_heads", "blindspot_size"}) | {
     name for name in _parameters(Attention) if name.startswith("local_attn_") and name != "local_attn_window_size"
 }
-_SEQUENCE_OPTIONS = _LOCAL_OPTIONS | {"chunk_size", "use_local_conv", "local_conv_kernel"}
+_SEQUENCE_OPTIONS = _LOCAL_OPTIONS | {"chunk_size", "kernel", "use_local_conv", "local_conv_kernel"}
 # what the model itself decides for every attention layer: not options to hand over
 _SET_BY_MODEL = frozenset({"dim", "heads", "dim_head", "causal", "receives_context", "local_attn_window_size", "dropout"})
 
@@ -335,26 +338,11 @@ class LinearAttentionTransformer(nn.Module):
     """
 
     def __init__(
-        self,
-        dim,
-        depth,
-        max_seq_len,
-        heads=8,
-        dim_head=None,
-        causal=False,
-        local_attn_window_size=None,
-        attn_layer_dropout=0.0,
-        reversible=False,
-        checkpoint=False,
-        receives_context=False,
-        attend_axially=False,
-        pkm_layers=(),
-        pkm_num_keys=128,
-        linformer_settings: Optional[LinformerSettings] = None,
-        context_linformer_settings: Optional[LinformerContextSettings] = None,
-        shift_tokens=False,
-        use_rotary_emb=False,
-        **options,
+        self, dim, depth, max_seq_len, heads=HEADS, dim_head=None, causal=False, local_attn_window_size=None,
+        attn_layer_dropout=0.0, reversible=False, checkpoint=False, receives_context=False, attend_axially=False,
+        pkm_layers=(), pkm_num_keys=128, linformer_settings: Optional[LinformerSettings] = None,
+        context_linformer_settings: Optional[LinformerContextSettings] = None, shift_tokens=False,
+        use_rotary_emb=False, **options
     ):
         super().__init__()
         if not isinstance(depth, int) or depth < 1:
@@ -423,17 +411,15 @@ class LinearAttentionTransformer(nn.Module):
                 return ProductKeyMemory(dim, pkm_num_keys)
             return FeedForward(dim, **ff_options)
 
-        def branch(fn, *routes):
-            return Branch(dim, fn, shifts, routes)
+        def branch(fn):
+            return Branch(dim, fn, shifts)
 
-        def attention_branch(fn, *routes, shifts=shifts):
-            return Branch(dim, fn, shifts, routes, dropout=attn_layer_dropout)
+        def attention_branch(fn, *reads, shifts=shifts):
+            return Branch(dim, fn, shifts, reads, dropout=attn_layer_dropout)
 
         blocks = []
         for layer in range(depth):
-            self_routes = ("input_mask",) if self.linformer else ("input_mask", "rotary", "segment_ids",
-                                                                   "context_parallel")
-            blocks.append((attention_branch(self_attention[layer], *self_routes), branch(feedforward(layer))))
+            blocks.append((attention_branch(self_attention[layer], "input_mask"), branch(feedforward(layer))))
 
             if attend_axially:
                 axial = Attention(dim, causal=causal, **shared, **axial_options)
@@ -481,100 +467,82 @@ class LinearAttentionTransformer(nn.Module):
         rank's contiguous slice, in rank order, all slices of the same length; returns this
         rank's slice of the output. Rotary positions start at rank * n_local (``positions``,
         if given, are the slice's). Each attention layer checks what it supports
-        (``Attention.check_context_parallel``) before any communication; Linformer,
+        (``Attention.check_place``) before any communication; Linformer,
         attend_axially, cross-attention, segment_ids and a cache are refused. None: off.
 
         ``context`` / ``context_mask`` need ``receives_context=True``, and ``positions`` (the
         rotary embedding's) ``use_rotary_emb=True``: without them they raise ValueError."""
         if x.ndim != 3 or x.shape[-1] != self.dim or x.shape[1] < 1:
             raise ValueError(f"x must have shape (batch, seq_len >= 1, {self.dim}), got {tuple(x.shape)}")
+        if positions is not None and self.rotary is None:
+            raise ValueError("positions are the rotary embedding's, and this model was built without use_rotary_emb=True")
+        place = Place.of(x, cache, return_cache, segment_ids, context_parallel, check=self.check_place)
+        # updated in place and returned; read without return_cache, it is left as it was
+        out = self.attend(x, place, input_mask, context, context_mask, cache if return_cache or cache is None
+                          else cache.clone(), positions)
+        return out[0] if place.cached and not return_cache else out
+
+    def check_place(self, place, length, parallel=False):
+        """Raise ValueError naming what this model cannot do at ``place`` (``place.py``) for x
+        of ``length`` tokens (one rank's slice when ``parallel``); each attention layer checks
+        its own options (``Attention.check_place``). ``Place.of`` calls it before any
+        communication."""
+        if place.cached:
+            self.check_cacheable()
+        if not parallel and place.position + length > self.max_seq_len:
+            raise ValueError(f"sequence length {place.position + length} exceeds max_seq_len={self.max_seq_len}")
+        whole = {"segment_ids": place.segments is not None, "context_parallel": parallel}
+        for option in (name for name, given in whole.items() if given):
+            for refused, what in ((self.linformer, "Linformer self-attention (linformer_settings) projects the whole "
+                                   "sequence at once"),
+                                  (self.attend_axially, "attend_axially mixes positions across the whole row"),
+                                  (self.receives_context, "cross-attention (receives_context) reads one context per "
+                                   "row")):
+                if refused:
+                    raise ValueError(f"{option} is not supported here: {what}")
+        for module in self.modules():
+            if isinstance(module, Attention):
+                module.check_place(place, length, parallel)
+
+    def attend(self, x, place=PLAIN, input_mask=None, context=None, context_mask=None, cache=None, positions=None):
+        """The layers at ``place`` (``Place.of`` with ``check_place``) -> out, or with
+        ``place.cached`` (out, DecodingCache): ``cache`` (made when None) updated in place.
+        ``positions``: the rotary embedding's (default ``place.positions``)."""
         check_mask(input_mask, x, "input_mask")
         if not self.receives_context and (context is not None or context_mask is not None):
             raise ValueError("context / context_mask given, but this model was built without receives_context=True: "
                              "build it with receives_context=True to attend to a context")
-        if positions is not None and self.rotary is None:
-            raise ValueError("positions are the rotary embedding's, and this model was built without use_rotary_emb=True")
-        if context_parallel is not None:
-            place = self.context_parallel_place(context_parallel, x, segment_ids, cache, return_cache)
-            kwargs = dict(input_mask=input_mask, context_parallel=place)
-            if self.rotary is not None:
-                if positions is None:
-                    positions = torch.arange(place.start, place.start + x.shape[1], device=x.device)
-                kwargs["rotary"] = self.rotary(positions)
-            return self.layers(x, **kwargs)
-        start = 0 if cache is None else cache.position
-        if start + x.shape[1] > self.max_seq_len:
-            raise ValueError(f"sequence length {start + x.shape[1]} exceeds max_seq_len={self.max_seq_len}")
-        if segment_ids is not None:
-            segment_ids = self._check_segment_ids(segment_ids, x, cache, return_cache)
-            if self.rotary is not None and positions is None:
-                positions = positions_in_segment(segment_ids)
+        group = place.group
+        if group is not None and group.world_size * group.length > self.max_seq_len:
+            raise ValueError(f"sequence length {group.world_size * group.length} ({group.world_size} slices of "
+                             f"{group.length}) exceeds max_seq_len={self.max_seq_len}")
         if self.receives_context and cache is None:
             if context is None:
                 raise ValueError("this model has receives_context=True: pass context=(batch, ctx_len, dim)")
             if context.ndim != 3 or context.shape[-1] != self.dim:
                 raise ValueError(f"context must have shape (batch, ctx_len, {self.dim}), got {tuple(context.shape)}")
             check_mask(context_mask, context, "context_mask")
-        kwargs = dict(input_mask=input_mask, context=context, context_mask=context_mask, segment_ids=segment_ids)
         if self.rotary is not None:
-            if positions is None:
-                positions = torch.arange(start, start + x.shape[1], device=x.device)
-            kwargs["rotary"] = self.rotary(positions)
-        if cache is None and not return_cache:
-            return self.layers(x, **kwargs)
-        # updated in place and returned; read without return_cache, it is left as it was
-        out, cache = self._forward_cached(x, cache if return_cache or cache is None else cache.clone(), kwargs)
-        return (out, cache) if return_cache else out
+            place = place.but(rotary=self.rotary(place.positions(x.shape[1], x.device) if positions is None
+                                                 else positions))
+        inputs = dict(input_mask=input_mask, context=context, context_mask=context_mask)
+        if not place.cached:
+            return self.layers(x, place=place, **inputs)
+        return self._forward_cached(x, cache, place, inputs)
 
-    def context_parallel_place(self, context_parallel, x, segment_ids=None, cache=None, return_cache=False):
-        """Check that this model can run x (b, n_local, …) split over ``context_parallel``
-        (refusals first, before any communication), then return its ``ContextParallel``."""
-        for refused, what in ((self.linformer, "Linformer self-attention (linformer_settings)"),
-                              (self.attend_axially, "attend_axially"),
-                              (self.receives_context, "cross-attention (receives_context=True)"),
-                              (segment_ids is not None, "packed sequences (segment_ids)"),
-                              (cache is not None or return_cache, "a cache (cache / return_cache): decoding continues "
-                                                                  "one sequence on one rank")):
-            if refused:
-                raise ValueError(f"context_parallel is not supported with {what} yet")
-        for module in self.modules():
-            if isinstance(module, Attention):
-                module.check_context_parallel(x.shape[1])
-        place = ContextParallel.of(context_parallel, x.shape[0], x.shape[1], x.device)
-        if place.world_size * place.length > self.max_seq_len:
-            raise ValueError(f"sequence length {place.world_size * place.length} ({place.world_size} slices of "
-                             f"{place.length}) exceeds max_seq_len={self.max_seq_len}")
-        return place
-
-    def _check_segment_ids(self, segment_ids, x, cache, return_cache):
-        """Validate packed-sequence ids and canonicalise them once to the run index that every
-        layer takes (``ops/segments.py``)."""
-        check_segment_ids(segment_ids, x.shape[:2])
-        if cache is not None or return_cache:
-            raise ValueError("segment_ids cannot be combined with a cache (cache / return_cache): "
-                             "a cache continues one sequence; decode each segment on its own")
-        for refused, what in ((self.linformer, "Linformer self-attention (linformer_settings) projects the whole "
-                               "sequence at once"),
-                              (self.attend_axially, "attend_axially mixes positions across the whole row"),
-                              (self.receives_context, "cross-attention (receives_context) reads one context per row")):
-            if refused:
-                raise ValueError(f"segment_ids is not supported here: {what}")
-        return segment_runs(segment_ids)
-
-    def _forward_cached(self, x, cache, kwargs):
+    def _forward_cached(self, x, cache, place, inputs):
         """The layers one branch at a time, each continuing from its cache (updated in place;
         made when None). Reversible pairs follow their composition rule: y1 = x1 + f(x2),
         y2 = x2 + g(y1), out = (y1 + y2) / 2."""
-        self.check_cacheable()
         blocks = self.layers.blocks
         if cache is None:
             cache = DecodingCache(0, [[None, None] for _ in blocks])
         reversible = isinstance(self.layers, ReversibleSequence)
         x1 = x2 = x
         for (f, g), pair in zip(blocks, cache.layers):
-            out, pair[0] = f(x2 if reversible else x1, cache=pair[0], return_cache=True, **kwargs)
+            out, pair[0] = f(x2 if reversible else x1, place, pair[0], **inputs)
             y1 = x1 + out
-            out, pair[1] = g(y1, cache=pair[1], return_cache=True, **kwargs)
+            out, pair[1] = g(y1, place, pair[1], **inputs)
             x1, x2 = (y1, x2 + out) if reversible else (y1 + out, None)
         cache.position += x.shape[1]
         return ((x1 + x2) / 2 if reversible else x1), cache

@@ -241,6 +241,13 @@ def test_segments_make_no_sync_and_stay_exact(exp_features, decay, blindspot, pa
 CPU, CUDA, META = torch.device("cpu"), torch.device("cuda"), torch.device("meta")
 
 
+@pytest.fixture
+def without_fla(monkeypatch):
+    """The table's rows for a machine without fla (on a GPU with fla installed, 'auto' on
+    CUDA is the fla form: tests/ops/test_fla.py checks that row)."""
+    monkeypatch.setattr(FORMS, "fla_missing", lambda *args, **kwargs: "fla is not installed")
+
+
 @pytest.mark.parametrize("device, compiling, form, expected", [
     (CPU, False, "auto", ("loop", False, 64)),
     (CUDA, False, "auto", ("log_depth", True, 16)),
@@ -251,13 +258,15 @@ CPU, CUDA, META = torch.device("cpu"), torch.device("cuda"), torch.device("meta"
     (CPU, True, "auto", ("blocked", False, 64)),
     (CUDA, True, "auto", ("blocked", True, 16)),
     (CUDA, True, "sequential", ("blocked", False, 64)),
+    (CPU, False, "torch", ("loop", False, 64)),
+    (CUDA, False, "torch", ("log_depth", True, 16)),
 ])
-def test_pick_form_follows_its_table(device, compiling, form, expected):
+def test_pick_form_follows_its_table(device, compiling, form, expected, without_fla):
     """The rows of forms.py's table, for exponential features without a blindspot."""
     assert tuple(FORMS.pick_form(device, compiling, form, exp_features=True)) == expected
 
 
-def test_pick_form_options_decide_exact_chunks_and_the_chunk():
+def test_pick_form_options_decide_exact_chunks_and_the_chunk(without_fla):
     """Exact chunks only for exponential features outside the blindspot form; chunks of 16
     for them and for a per-feature decay of given features; the blindspot block otherwise."""
     assert FORMS.pick_form(CUDA, exp_features=False) == ("log_depth", False, 64)
@@ -270,7 +279,8 @@ def test_pick_form_options_decide_exact_chunks_and_the_chunk():
 def test_a_bad_form_is_refused_naming_the_choices():
     q = k = v = torch.rand(1, 1, 4, 2)
     for bad in ("fast", "Parallel", None):
-        with pytest.raises(ValueError, match=r"form must be one of 'auto', 'sequential', 'parallel', 'blocked'"):
+        with pytest.raises(ValueError, match=r"form must be one of 'auto', 'sequential', 'parallel', 'blocked', 'fla', "
+                                             r"'torch'"):
             FORMS.pick_form(CPU, form=bad)
         with pytest.raises(ValueError, match="form must be one of"):
             with FORMS.use_form(bad):

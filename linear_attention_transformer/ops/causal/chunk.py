@@ -49,6 +49,7 @@ from einops import rearrange
 from ..common import NEG_INF, _append_ones, _apply_key_mask, _check_mask, _compute_dtype, _divide
 from ..non_finite import poisoned, quarantine, seen
 from ..segments import positions_in_segment, segment_runs
+from .fla import fla_causal_linear_attention
 from .forms import CHUNK_SIZE, check_form, pick_form, reads_back, scoped_form
 from .recurrent import CausalState, recurrent_causal_linear_attention
 from .scan import Summary, key_factors, scan, summarize
@@ -315,10 +316,18 @@ def causal_linear_attention(q, k, v, log_decay=None, mask=None, blindspot_size=1
         q, k, v = q.to(dtype).contiguous(), k.to(dtype).contiguous(), v.to(dtype)
         log_decay = None if log_decay is None else log_decay.to(dtype)
         plan = pick_form(q.device, torch.compiler.is_compiling(), form, exp_features, blindspot_size,
-                         log_decay is not None and log_decay.ndim == 4, chunk_size)
+                         log_decay is not None and log_decay.ndim == 4, chunk_size, dtype)
         blocked, exact_chunks, C = plan.scan == "blocked", plan.exact_chunks, plan.chunk
         real = None if mask is None else rearrange(mask, "b n -> b 1 n")
         (q, k, v, log_decay), bad = quarantine((q, k, v, log_decay), reads_back(plan), real)
+        if plan.scan == "fla":  # flash-linear-attention's kernels (fla.py); non-finite inputs as below
+            out = fla_causal_linear_attention(q, k, v, log_decay, mask, blindspot_size, exp_features, state,
+                                              return_state, segments)
+            out, last = out if return_state else (out, None)
+            if bad is not None:
+                out = poisoned(out, _sees_non_finite(bad, n, blindspot_size,
+                                                     None if segments is None else segment_runs(segments)))
+            return (out.to(out_dtype), _non_finite_state(bad, last)) if return_state else out.to(out_dtype)
         k, v, log_decay = _apply_key_mask(k, v, log_decay, mask, exp_features)
         v = _append_ones(v)
 

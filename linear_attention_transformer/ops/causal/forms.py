@@ -28,6 +28,12 @@ any          torch.compile       blocked    as above      the loop would unroll 
                                                           recompile per chunk count under dynamic
                                                           shapes); the log-depth scan branches on
                                                           the chunk count
+torch        anywhere            as auto, never fla           a layer's ``kernel='torch'``: today's forms
+auto, fla    CUDA, eager, fla    fla        (exact)       flash-linear-attention's fused Triton
+             imports, float32                             kernels (``fla.py``); 'auto' never on the
+             compute                                      CPU; forced on the CPU only in Triton's
+                                                          interpreter (tests); refused with the
+                                                          reason elsewhere (``fla.fla_missing``)
 ===========  ==================  =========  ============  =========================================
 
 Exact chunks only exist for exponential features outside the blindspot form: given
@@ -51,6 +57,8 @@ from typing import NamedTuple
 
 import torch
 
+from .fla import fla_missing
+
 __all__ = ["Form", "FORMS", "FORM_NAMES", "check_form", "device_form", "pick_form", "reads_back", "scoped_form",
            "use_form"]
 
@@ -61,7 +69,7 @@ PER_FEATURE_CHUNK = 16
 class Form(NamedTuple):
     """How ``causal_linear_attention`` computes (see the module docstring)."""
 
-    scan: str  # "loop", "log_depth" or "blocked"
+    scan: str  # "loop", "log_depth", "blocked", or "fla" (fla's own kernels, ``fla.py``)
     exact_chunks: bool
     chunk: int = 0  # the chunk length (0 in ``FORMS``: set by ``pick_form``)
 
@@ -70,8 +78,9 @@ FORMS = {
     "sequential": Form("loop", False),
     "parallel": Form("log_depth", True),
     "blocked": Form("blocked", False),
+    "fla": Form("fla", False, 64),  # fla's kernels carry the state; exact by their own factors (fla.py)
 }
-FORM_NAMES = ("auto", *FORMS)
+FORM_NAMES = ("auto", *FORMS, "torch")
 
 _SCOPED = contextvars.ContextVar("causal_linear_attention_form", default="auto")
 
@@ -108,16 +117,23 @@ def device_form(device) -> str:
 
 
 def pick_form(device, compiling=False, form="auto", exp_features=False, blindspot_size=1,
-              per_feature_decay=False, chunk_size=CHUNK_SIZE) -> Form:
+              per_feature_decay=False, chunk_size=CHUNK_SIZE, dtype=torch.float32) -> Form:
     """The ``Form`` that runs: the module docstring's table.
 
     Args:
         device: the inputs' device. compiling: inside torch.compile's trace.
         form: the request, one of ``FORM_NAMES`` ('auto': by the device).
         exp_features, blindspot_size, per_feature_decay, chunk_size: the call's options.
+        dtype: the compute dtype (the fla form's kernels are float32).
     """
     form = check_form(form)
-    if form == "auto":
+    if form == "fla" or (form == "auto" and device.type == "cuda" and torch.cuda.is_available()):
+        why_not = fla_missing(device, compiling, dtype)
+        if why_not is None:
+            return FORMS["fla"]
+        if form == "fla":
+            raise ValueError(f"form='fla' cannot run this call: {why_not}")
+    if form in ("auto", "torch"):
         form = device_form(device)
     chosen = FORMS[form]
     if compiling:

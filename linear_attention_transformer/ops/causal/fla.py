@@ -1,0 +1,230 @@
+"""The chunked causal kernel on flash-linear-attention's Triton kernels (``fla-core``, the
+optional ``cuda`` extra; ``forms.py`` picks it).
+
+fla's ``chunk_gla`` runs, per head, the gated recurrence
+
+    S_t = diag(exp(gk_t)) S_{t-1} + k_t v_tᵀ,    o_t = S_tᵀ q_t      (scale 1 here)
+
+with one log gate per key feature; ``chunk_simple_gla`` the same with one gate per head, or
+none. Both start from a given state (``initial_state``), return the last one
+(``output_final_state``) and run packed sequences (``cu_seqlens``: the state restarts at each
+sequence's first token). ``causal_linear_attention`` is that recurrence once its options are
+written in fla's terms:
+
+* the normaliser is the all-ones value column (``_append_ones``), as in every form here, and
+  the output is divided after; the state is then exactly ``CausalState.kv`` (d x e+1);
+* given features: q, k as they are; ``log_decay`` is fla's g (per head) or gk (per feature);
+* exponential features, exactly: with r_t the decayed running maximum of the key logits,
+  r_t = max(r_{t-1} + a_t, k_t) per feature (``scan.references`` taken token by token, from
+  the state's ``ref``), the pair (i, j <= i) of feature d is
+
+      exp(q_id + r_id - M_i) * exp(k_jd - r_jd) * prod_{j<s<=i} exp(a_sd + r_{s-1,d} - r_sd)
+
+  whose product telescopes back to exp(q_id + k_jd + a_{j+1..i}) / exp(M_i). The query factor
+  is <= 1 with M_i = max_d (q_id + r_id) (M cancels in the ratio; its largest factor is 1), the
+  key factor is <= 1, and the third is a per-feature gate a_t + r_{t-1} - r_t <= 0: a GLA
+  recurrence. A key that sets r_id is a term of exactly 1 for query i, so the denominator is
+  >= 1 and every term the kernels' float32 exponentials drop is < e^-87 of it: exact at any
+  logit spread. The references carry no gradient (any r cancels). Where r is -inf (no key
+  yet) or a segment starts, the gate acts on an empty state: it is set to 0;
+* ``mask``: masked keys and values are zero (logits -inf) and do not decay
+  (``_apply_key_mask``);
+* ``segments``: the batch is flattened into one row and each segment is one of fla's
+  sequences (``cu_seqlens``; finding the starts reads them back to the host);
+* a state: ``initial_state`` is ``state.kv``, the final state comes back with the last
+  reference r (exponential features);
+* the blindspot (query i sees key j when j's block of B tokens is before i's): a plain causal
+  sequence of each block's queries, then its keys (2n - B tokens, the last block's keys left
+  out): query tokens carry the decay, key tokens are taken decayed to their block's end and
+  carry none, so key j reaches query i decayed by exactly a_{j+1..i}. With segments a query
+  whose segment starts in its own block sees nothing (no query factor), and each segment's
+  first key starts one of fla's sequences. The returned state is the one after the last
+  query token, with the last block's keys pending (``scan.summarize``), joined when that
+  block is complete (``recurrent._complete_block``).
+
+Not mapped: torch.compile (not tested) and float64 (the kernels are float32). Non-finite
+inputs are quarantined by the caller as for every form (``non_finite.py``): read as 0 here,
+then the queries that see one are NaN.
+
+fla is imported only when this form is asked for; the package imports and runs without it.
+The kernels compute in the inputs' compute dtype (float32 for half inputs, as every form
+here: the normaliser sums up to n terms).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+import torch.nn.functional as F
+from einops import rearrange
+
+from ..common import NEG_INF, _append_ones, _apply_key_mask, _divide, _exp_ratio, _log_ratio, _queries_relative_to
+from ..segments import segment_runs
+from .recurrent import CausalState, _complete_block
+from .scan import references, summarize
+
+__all__ = ["fla_causal_linear_attention", "fla_missing"]
+
+KERNEL_DTYPES = (torch.float32,)  # the compute dtypes fla's kernels are built and tested for
+
+
+def _kernels():
+    """(chunk_simple_gla, chunk_gla) from fla: the one place this form reaches fla (the
+    tests put a float64 recurrence with their contract here)."""
+    from fla.ops.gla import chunk_gla
+    from fla.ops.simple_gla import chunk_simple_gla
+
+    return chunk_simple_gla, chunk_gla
+
+
+@functools.lru_cache(maxsize=None)
+def _import_error():
+    """Why fla's kernels do not import (a phrase), or None; tried once per process."""
+    try:
+        _kernels()
+    except Exception as error:  # (an fla that does not match its Triton fails on import, not always ImportError)
+        return (f"fla-core does not import ({type(error).__name__}: {error}); "
+                "pip install 'linear-attention-transformer[cuda]'")
+    return None
+
+
+def _interpreted():
+    """Whether Triton runs its kernels in its CPU interpreter (TRITON_INTERPRET=1 set before
+    triton is imported)."""
+    try:
+        import triton
+    except ImportError:
+        return False
+    knobs = getattr(triton, "knobs", None)  # (Triton < 3.4 reads the variable itself)
+    return bool(knobs.runtime.interpret) if knobs is not None else os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def fla_missing(device, compiling=False, dtype=torch.float32):
+    """Why the fla form cannot run such a call on ``device`` in compute dtype ``dtype`` (a
+    phrase), or None when it can. Imports fla only once the cheaper reasons are ruled out."""
+    if compiling:
+        return "fla's kernels are not tested under torch.compile"
+    if dtype not in KERNEL_DTYPES:
+        return f"fla's kernels compute in float32 (half inputs included), not in {dtype}"
+    if device.type == "cpu" and not _interpreted():
+        return ("on the CPU fla's Triton kernels run only in Triton's interpreter (TRITON_INTERPRET=1 before "
+                "triton's import)")
+    if device.type not in ("cpu", "cuda"):
+        return f"fla's Triton kernels run on CUDA, not on {device.type}"
+    return _import_error()
+
+
+def _exp_feature_factors(q, k, log_decay, start, starts):
+    """Exponential features as a GLA recurrence (module docstring): (query factors, key
+    factors, per-feature log gate (b, h, n, d), last reference (b, h, d)).
+
+    k: logits, -inf for masked keys; log_decay: None or (b, h, n[, d]) (0 where masked);
+    start: the state's reference or None; starts: None or (b, n), a segment's first token."""
+    decay = None if log_decay is None else log_decay if log_decay.ndim == 4 else log_decay[..., None]
+    if starts is not None:  # a segment's first token drops what came before it
+        decay = torch.zeros_like(k[..., :1]) if decay is None else decay
+        decay = decay.masked_fill(rearrange(starts, "b n -> b 1 n 1"), NEG_INF)
+    r_prev, r = references(k, decay, start, dim=2, drops=starts is not None)
+    gate = _log_ratio(r_prev if decay is None else r_prev + decay, r)
+    gate = torch.where(torch.isfinite(gate), gate, 0.0)  # an empty state (no key yet, a new segment)
+    return _queries_relative_to(q, r), _exp_ratio(k, r), gate, r[:, :, -1]
+
+
+def _blindspot_sequence(q, k, v, log_decay, B, exp_features, runs):
+    """The blindspot as a plain causal sequence: each block's queries, then its keys (module
+    docstring). q, k, v, log_decay as ``_gla`` takes them, for n tokens; runs: None or the
+    (b, n) run index. Returns (q, k, v, log_decay, starts) of the (2c - 1) B tokens (c blocks;
+    the last block's keys, read by no query here, are left out), and the last block's
+    ``Summary`` of keys (its pending keys)."""
+    b, h, n, d = q.shape
+    c = -(-n // B)
+    pad = c * B - n
+
+    def blocks(t, value=0.0):  # (b, h, n, ...) -> (b, h, c, B, ...), padded with invisible tokens
+        return F.pad(t, (0, 0, 0, pad) if t.ndim == 4 else (0, pad), value=value).unflatten(2, (c, B))
+
+    no_key = NEG_INF if exp_features else 0.0
+    q, k, v = blocks(q), blocks(k, no_key), blocks(v)
+    if log_decay is not None:  # each key decayed to its block's end: the key tokens then need no gate
+        log_decay = blocks(log_decay)
+        G = log_decay.cumsum(dim=3)
+        to_end = G[:, :, :, -1:] - G
+        to_end = to_end if to_end.ndim == 5 else to_end[..., None]
+        k = k + to_end if exp_features else k * to_end.exp()
+    pending = summarize(k[:, :, -1], v[:, :, -1], exp_features=exp_features)[0]
+    starts = None
+    if runs is not None:
+        # a query whose segment starts in its own block sees nothing (no query factor); a
+        # segment's first key starts one of fla's sequences (as does each row)
+        runs = blocks(runs[:, None], -1)[:, 0]  # (b, c, B); padding joins no segment
+        before = F.pad(runs[:, :-1, -1], (1, 0), value=-2)  # the run of the token before each block
+        q = q.masked_fill(~(runs == before[..., None])[:, None, ..., None], no_key)
+        first = runs != torch.cat((before[..., None], runs[:, :, :-1]), dim=2)
+        first[:, 0, 0] = False  # (the row's first token: its block's queries start the sequence)
+        starts = torch.stack((torch.zeros_like(first), first), dim=2)
+        starts[:, 0, 0, 0] = True
+    query_tokens = (q, torch.full_like(k, no_key), torch.zeros_like(v))
+    key_tokens = (torch.zeros_like(q), k, v)
+    interleaved = [torch.stack(pair, dim=3) for pair in zip(query_tokens, key_tokens)]  # (b, h, c, 2, B, ...)
+    if log_decay is not None:
+        interleaved.append(torch.stack((log_decay, torch.zeros_like(log_decay)), dim=3))
+    length = (2 * c - 1) * B
+    q, k, v, *decay = (t.flatten(2, 4)[:, :, :length] for t in interleaved)
+    starts = None if starts is None else starts.flatten(1, 3)[:, :length]
+    return q, k, v, (decay[0] if decay else None), starts, pending
+
+
+def _gla(q, k, v, log_decay, starts, exp_features, state, return_state):
+    """The recurrence on fla's kernels: (out with the normaliser column (b, h, n, e + 1), last
+    kv or None, last reference or None). k, v, log_decay: masked (``_apply_key_mask``), v with
+    the ones column; starts: None or (b, n) bool, True at each of fla's sequence starts (then
+    True at every row's first token)."""
+    b, h, n, d = q.shape
+    chunk_simple_gla, chunk_gla = _kernels()
+    ref = None
+    if exp_features:
+        q, k, log_decay, ref = _exp_feature_factors(q, k, log_decay, None if state is None else state.ref.to(q.dtype),
+                                                    starts)
+    # fla's layout: (batch, time, heads, features); packed sequences as one row
+    to_fla = "b h n d -> b n h d" if starts is None else "b h n d -> 1 (b n) h d"
+    q, k, v = (rearrange(t, to_fla).contiguous() for t in (q, k, v))
+    cu_seqlens = None
+    if starts is not None:
+        cu_seqlens = F.pad(starts.flatten().nonzero().flatten(), (0, 1), value=b * n)
+    options = dict(scale=1.0, initial_state=None if state is None else state.kv.to(q.dtype).contiguous(),
+                   output_final_state=return_state, cu_seqlens=cu_seqlens)
+    if log_decay is not None and log_decay.ndim == 4:
+        out, last = chunk_gla(q, k, v, g=rearrange(log_decay, to_fla).contiguous(), **options)
+    else:
+        g = None if log_decay is None else rearrange(log_decay[..., None], to_fla)[..., 0].contiguous()
+        out, last = chunk_simple_gla(q, k, v, g=g, **options)
+    return rearrange(out, "b n h e -> b h n e" if starts is None else "1 (b n) h e -> b h n e", b=b), last, ref
+
+
+def fla_causal_linear_attention(q, k, v, log_decay=None, mask=None, blindspot_size=1, exp_features=False, state=None,
+                                return_state=False, segments=None):
+    """``causal_linear_attention`` on fla's chunk kernels: its arguments, checked there, q, k,
+    v already in the compute dtype; with a blindspot, a state only at a block boundary (as
+    ``causal_linear_attention`` hands it on). Returns (b, h, n, e), and the ``CausalState``
+    after the last token when ``return_state``."""
+    n = q.shape[2]
+    k, v, log_decay = _apply_key_mask(k, v, log_decay, mask, exp_features)
+    v = _append_ones(v)
+    runs = None if segments is None else segment_runs(segments)
+    position = (0 if state is None else state.position) + n
+    if blindspot_size == 1:
+        starts = None if runs is None else F.pad(runs[:, 1:] != runs[:, :-1], (1, 0), value=True)
+        out, last, ref = _gla(q, k, v, log_decay, starts, exp_features, state, return_state)
+        return (_divide(out), CausalState(last, ref, position=position)) if return_state else _divide(out)
+
+    B = blindspot_size
+    *tokens, starts, pending = _blindspot_sequence(q, k, v, log_decay, B, exp_features, runs)
+    out, last, ref = _gla(*tokens, starts, exp_features, state, return_state)
+    out = _divide(out.unflatten(2, (-1, B))[:, :, ::2].flatten(2, 3)[:, :, :n])  # the query tokens
+    if not return_state:
+        return out
+    if n % B:  # the last block is unfinished: its keys wait in `pending`
+        return out, CausalState(last, ref, pending.kv, pending.ref, position)
+    return out, CausalState(*_complete_block(last, ref, pending.kv, pending.ref, exp_features), position)

@@ -1,0 +1,71 @@
+"""Runs test_fla.py's cases, and an LM's training step and cached forward, through the fla form on fla's real
+Triton kernels, in Triton's interpreter on the CPU, and saves outputs and gradients for
+test_fla.py to judge.
+
+    python fla_interpreted.py cases.pt results.pt
+
+A script of its own: TRITON_INTERPRET must be set before triton is first imported.
+"""
+
+import os
+import sys
+
+os.environ["TRITON_INTERPRET"] = "1"
+
+import torch  # noqa: E402
+from triton.runtime import autotuner  # noqa: E402
+
+import torch.nn.functional as F  # noqa: E402
+
+from linear_attention_transformer import LinearAttentionTransformerLM  # noqa: E402
+from linear_attention_transformer.ops import causal_linear_attention  # noqa: E402
+from linear_attention_transformer.ops.causal.forms import use_form  # noqa: E402
+
+# The autotuner times its configurations with a benchmarker that needs a GPU driver. Timing
+# every configuration as 0 makes it keep the first, which is all the interpreter needs.
+autotuner.Autotuner.do_bench = property(lambda self: lambda kernel_call, quantiles=None, **_: [0.0] * len(quantiles))
+
+
+def run(case):
+    leaves = [None if case[name] is None else case[name].clone().requires_grad_()
+              for name in ("q", "k", "v", "log_decay")]
+    options = dict(exp_features=case["exp_features"], blindspot_size=case["blindspot_size"], form="fla")
+    split = case["split"]
+    if split is None:
+        out = causal_linear_attention(*leaves, mask=case["mask"], segments=case["segments"], **options)
+    else:  # a prefix returns the state, the rest continues from it
+        def part(t, sl):
+            return None if t is None else t[:, sl] if t.ndim == 2 else t[:, :, sl]
+
+        head, state = causal_linear_attention(*(part(t, slice(0, split)) for t in leaves),
+                                              mask=part(case["mask"], slice(0, split)), return_state=True, **options)
+        tail = causal_linear_attention(*(part(t, slice(split, None)) for t in leaves), state=state,
+                                       mask=part(case["mask"], slice(split, None)), **options)
+        out = torch.cat((head, tail), dim=2)
+    present = [t for t in leaves if t is not None]
+    grads = torch.autograd.grad((out * case["weight"]).sum(), present)
+    return dict(out=out.detach(), grads=[g.detach() for g in grads])
+
+
+def run_lm(config, tokens):
+    """An LM's logits and parameter gradients (cross-entropy of the next token) in the fla form,
+    with its parameters."""
+    torch.manual_seed(0)
+    model = LinearAttentionTransformerLM(**config)
+    with use_form("fla"):
+        logits = model(tokens[:, :-1])
+    F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten()).backward()
+    # the same logits from a cache: a prefill that ends inside a blindspot block, then several
+    # tokens, one token, and the rest, each continuing from the state the last returned
+    cached, cache = [], None
+    with use_form("fla"), torch.no_grad():
+        for piece in (slice(0, 29), slice(29, 37), slice(37, 38), slice(38, tokens.shape[1] - 1)):
+            out, cache = model(tokens[:, piece], cache=cache, return_cache=True)
+            cached.append(out)
+    return dict(state=model.state_dict(), logits=logits.detach(), cached=torch.cat(cached, dim=1),
+                grads={name: p.grad for name, p in model.named_parameters()})
+
+
+if __name__ == "__main__":
+    cases, lm = torch.load(sys.argv[1])
+    torch.save(([run(case) for case in cases], run_lm(lm["config"], lm["tokens"])), sys.argv[2])

@@ -1,0 +1,435 @@
+"""The fla form (``ops/causal/fla.py``): ``causal_linear_attention`` on flash-linear-attention's
+chunk kernels, judged by ``naive_causal_linear_attention`` in float64.
+
+Two halves:
+
+* the adapter: fla's kernels replaced (at ``fla._kernels``) by ``gla_recurrence``, fla's gated
+  recurrence written out token by token in float64 (held equal to fla's own naive recurrences
+  below), for every configuration the form maps, gradients included;
+* fla's real Triton kernels, run on the CPU in Triton's interpreter (float32, small sizes):
+  TRITON_INTERPRET must be set before triton is imported, so they run in a subprocess
+  (``fla_interpreted.py``), which writes its outputs and gradients back for judging here.
+
+And the picker: where 'auto' takes fla, and every refusal of form='fla' names its reason.
+"""
+
+import importlib
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from linear_attention_transformer.ops import causal_linear_attention, naive_causal_linear_attention
+from linear_attention_transformer.ops.causal import fla as fla_form
+from linear_attention_transformer.ops.causal import forms
+from linear_attention_transformer import Attention
+
+DOUBLE = torch.float64
+CPU, CUDA = torch.device("cpu"), torch.device("cuda")
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def gla_recurrence(q, k, v, g=None, scale=None, initial_state=None, output_final_state=False, cu_seqlens=None):
+    """fla's chunk kernels' contract, one token at a time: S_t = exp(g_t) S_{t-1} + k_t v_tᵀ,
+    o_t = scale S_tᵀ q_t, per head; g None, (B, T, H) or (B, T, H, K); the state restarts
+    (from 0) at each start in ``cu_seqlens`` (then B is 1). Returns (o, final states or None)."""
+    B, T, H, K = q.shape
+    scale = K ** -0.5 if scale is None else scale
+    starts = set() if cu_seqlens is None else set(cu_seqlens[1:-1].tolist())
+    outs, finals = torch.zeros(B, T, H, v.shape[-1], dtype=q.dtype), []
+    for row in range(B):
+        S = q.new_zeros(H, K, v.shape[-1]) if initial_state is None else initial_state[row]
+        for t in range(T):
+            if t in starts:
+                finals.append(S)
+                S = torch.zeros_like(S)
+            if g is not None:
+                S = S * (g[row, t][:, None, None] if g.ndim == 3 else g[row, t][..., None]).exp()
+            S = S + k[row, t][:, :, None] * v[row, t][:, None, :]
+            outs[row, t] = scale * torch.einsum("hk,hkv->hv", q[row, t], S)
+        finals.append(S)
+    return outs, torch.stack(finals) if output_final_state else None
+
+
+@pytest.fixture
+def recurrences(monkeypatch):
+    """fla's kernels replaced by ``gla_recurrence``, CPU counted as interpreted: the form runs
+    here, and ``calls`` records which kernel each call took."""
+    calls = []
+
+    def kernel(name):
+        def run(q, k, v, g=None, **options):
+            calls.append(name)
+            return gla_recurrence(q, k, v, g, **options)
+        return run
+
+    monkeypatch.setattr(fla_form, "_kernels", lambda: (kernel("chunk_simple_gla"), kernel("chunk_gla")))
+    monkeypatch.setattr(fla_form, "_import_error", lambda: None)
+    monkeypatch.setattr(fla_form, "_interpreted", lambda: True)
+    monkeypatch.setattr(fla_form, "KERNEL_DTYPES", (torch.float32, torch.float64))  # (the stand-in's)
+    return calls
+
+
+def test_the_recurrence_is_flas_own_naive_recurrences():
+    """``gla_recurrence`` (the stand-in) equals fla's naive recurrent forms (plain PyTorch, float32),
+    per head and per feature, from a state and to one."""
+    from fla.ops.gla.naive import naive_recurrent_gla
+    from fla.ops.simple_gla.naive import naive_recurrent_simple_gla
+
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 37, 3, 8, generator=gen) for _ in range(3))
+    state = torch.randn(2, 3, 8, 8, generator=gen)
+    gk = F.logsigmoid(torch.randn(2, 37, 3, 8, generator=gen))
+    for ours, theirs in [(gla_recurrence(q, k, v, gk, None, state, True),
+                          naive_recurrent_gla(q, k, v, gk, state, True)),
+                         (gla_recurrence(q, k, v, gk[..., 0], 1.0, state, True),
+                          naive_recurrent_simple_gla(q, k, v, gk[..., 0], 1.0, state, True))]:
+        for a, b in zip(ours, theirs):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+FEATURE_MAPS = {"elu": lambda x: F.elu(x) + 1, "relu": F.relu, "callable": lambda x: F.relu(x) ** 2 + 1e-3}
+
+
+def inputs(b, h, n, d, e, seed, exp_features, scale=1.0, feature_map="elu", decay=None, dtype=DOUBLE):
+    """q, k (features or logits of standard deviation ``scale``), v, log_decay (None, 'head',
+    'feature'), all leaves."""
+    gen = torch.Generator().manual_seed(seed)
+    q, k = (torch.randn(b, h, n, d, dtype=dtype, generator=gen) * scale for _ in range(2))
+    if not exp_features:
+        q, k = FEATURE_MAPS[feature_map](q), FEATURE_MAPS[feature_map](k)
+    v = torch.randn(b, h, n, e, dtype=dtype, generator=gen)
+    log_decay = None
+    if decay is not None:
+        shape = (b, h, n) if decay == "head" else (b, h, n, d)
+        log_decay = F.logsigmoid(torch.randn(*shape, dtype=dtype, generator=gen) + 2)
+    return [t if t is None else t.requires_grad_() for t in (q, k, v, log_decay)]
+
+
+def mask_and_segments(b, n, seed, masked, packed):
+    gen = torch.Generator().manual_seed(seed + 1)
+    mask = (torch.rand(b, n, generator=gen) < 0.8) if masked else None
+    if mask is not None:
+        mask[:, :3] = False  # queries that see no key: 0
+    segments = torch.cumsum(torch.rand(b, n, generator=gen) < 0.06, dim=1) if packed else None
+    return mask, segments
+
+
+def grads(out, leaves, seed):
+    weight = torch.randn(out.shape, dtype=out.dtype, generator=torch.Generator().manual_seed(seed + 2))
+    present = [t for t in leaves if t is not None]
+    return torch.autograd.grad((out * weight).sum(), present)
+
+
+def assert_close(actual, expected, rtol, what, atol=0.0):
+    """|actual - expected| <= rtol max|expected| + atol everywhere, actual finite."""
+    err = (actual.double() - expected).abs().max().item()
+    scale = expected.abs().max().item()
+    assert torch.isfinite(actual).all(), f"{what}: non-finite"
+    assert err <= rtol * scale + atol, \
+        f"{what}: max error {err:.2e} vs scale {scale:.2e} (rtol {rtol:g}, atol {atol:g})"
+
+
+# float64 gradients: relative to their largest value, and within 1e-12 absolute (v and the
+# outputs are O(1)) where that is itself ~0: the queries' at logits x1000 under a blindspot,
+# where the weights are saturated (8e-15 .. 7e-18 in the judge, rounding there 9e-16)
+GRAD_ATOL = 1e-12
+
+
+CONFIGS = [  # (exp_features, logit scale, feature map, decay)
+    *[(False, 1.0, fmap, decay) for fmap in FEATURE_MAPS for decay in (None, "head", "feature")],
+    *[(True, scale, None, decay) for scale in (1.0, 100.0, 1000.0) for decay in (None, "head", "feature")],
+]
+
+
+@pytest.mark.parametrize("exp_features, scale, feature_map, decay", CONFIGS)
+@pytest.mark.parametrize("masked, packed", [(False, False), (True, True)])
+@pytest.mark.parametrize("blindspot_size", [1, 5])
+def test_adapter_equals_the_naive_form(recurrences, exp_features, scale, feature_map, decay, masked, packed,
+                                       blindspot_size):
+    """Output and gradients (q, k, v, log_decay) equal the float64 judge, for given features
+    (elu + 1, relu, a callable's), exponential features at logits x1 ... x1000, no / per-head /
+    per-feature decay, with a mask (queries that see nothing included) and segments, with and
+    without a blindspot (blocks of 5 in 23 tokens); and the kernel is the one the decay calls for."""
+    b, h, n, d, e = 2, 2, 23, 4, 3
+    leaves = inputs(b, h, n, d, e, 7, exp_features, scale, feature_map, decay)
+    mask, segments = mask_and_segments(b, n, 7, masked, packed)
+    options = dict(mask=mask, exp_features=exp_features, segments=segments, blindspot_size=blindspot_size)
+    out = causal_linear_attention(*leaves, form="fla", **options)
+    judge = naive_causal_linear_attention(*leaves, **options)
+    assert_close(out, judge, 1e-10, "output")
+    for name, got, want in zip("q k v log_decay".split(), grads(out, leaves, 7), grads(judge, leaves, 7)):
+        assert_close(got, want, 1e-9, f"grad {name}", GRAD_ATOL)
+    per_feature = exp_features or decay == "feature"
+    assert recurrences == ["chunk_gla" if per_feature else "chunk_simple_gla"]
+
+
+@pytest.mark.parametrize("exp_features, scale", [(False, 1.0), (True, 1.0), (True, 1000.0)])
+@pytest.mark.parametrize("decay", [None, "feature"])
+@pytest.mark.parametrize("blindspot_size, split", [(1, 11), (4, 12), (4, 11), (4, 26)])
+def test_adapter_state_in_and_out(recurrences, exp_features, scale, decay, blindspot_size, split, helpers):
+    """A prefix with return_state, then the rest from that state, equals one pass (and the
+    judge), gradients through the state included; the state is the project's (the sequential
+    form's, to rounding; with a blindspot its pending keys too, the prefix ending at, inside or
+    one block after a block's end), and either form continues from the other's."""
+    b, h, n, d, e = 2, 2, 30, 4, 3
+    leaves = inputs(b, h, n, d, e, 3, exp_features, scale, "elu", decay)
+    mask, _ = mask_and_segments(b, n, 3, True, False)
+    q, k, v, log_decay = leaves
+
+    def part(t, sl):
+        return None if t is None else t[:, sl] if t.dtype == torch.bool else t[:, :, sl]
+
+    def run(sl, form, state=None):
+        return causal_linear_attention(*(part(t, sl) for t in (q, k, v, log_decay)), mask=part(mask, sl),
+                                       exp_features=exp_features, state=state, return_state=True, form=form,
+                                       blindspot_size=blindspot_size)
+
+    head, tail = slice(0, split), slice(split, n)
+    out_head, state = run(head, "fla")
+    out_tail, last = run(tail, "fla", state)
+    out = torch.cat((out_head, out_tail), dim=2)
+    judge = naive_causal_linear_attention(*leaves, mask=mask, exp_features=exp_features,
+                                          blindspot_size=blindspot_size)
+    assert_close(out, judge, 1e-10, "output")
+    for name, got, want in zip("q k v log_decay".split(), grads(out, leaves, 3), grads(judge, leaves, 3)):
+        assert_close(got, want, 1e-9, f"grad {name}", GRAD_ATOL)
+    _, state_sequential = run(head, "sequential")
+    helpers.assert_same_state(state.detach(), state_sequential.detach())
+    _, last_sequential = run(tail, "sequential", state)  # the other form, from fla's state
+    helpers.assert_same_state(last.detach(), last_sequential.detach())
+    out_mixed, _ = run(tail, "fla", state_sequential)  # fla, from the other form's state
+    assert_close(out_mixed, judge[:, :, split:], 1e-10, "output from the sequential form's state")
+
+
+@pytest.mark.parametrize("exp_features", [False, True])
+@pytest.mark.parametrize("blindspot_size", [1, 4])
+def test_non_finite_inputs_poison_what_sees_them_as_in_the_other_forms(recurrences, exp_features, blindspot_size):
+    """A NaN key, an inf value and a NaN decay make exactly the outputs that see them NaN
+    (``non_finite.py``), as the sequential form does; the rest, and the state, equal it."""
+    q, k, v, log_decay = (t.detach() for t in inputs(2, 2, 30, 4, 3, 4, exp_features, decay="feature"))
+    k[0, 1, 9, 2] = float("nan")
+    v[1, 0, 17, 1] = float("inf")
+    log_decay[1, 1, 21, 0] = float("nan")
+    options = dict(exp_features=exp_features, blindspot_size=blindspot_size, return_state=True)
+    out, state = causal_linear_attention(q, k, v, log_decay, form="fla", **options)
+    expected, expected_state = causal_linear_attention(q, k, v, log_decay, form="sequential", **options)
+    assert torch.equal(out.isnan(), expected.isnan()) and expected.isnan().any() and not expected.isnan().all()
+    assert_close(out.nan_to_num(0.0), expected.nan_to_num(0.0), 1e-10, "finite outputs")
+    assert torch.equal(state.kv.isnan(), expected_state.kv.isnan())
+
+
+def test_the_form_leaves_its_inputs_alone(recurrences):
+    leaves = inputs(1, 2, 20, 4, 3, 1, True, decay="feature")
+    state = causal_linear_attention(*leaves, exp_features=True, return_state=True, form="fla")[1]
+    before = [t.detach().clone() for t in (*leaves, state.kv, state.ref)]
+    causal_linear_attention(*leaves, exp_features=True, state=state, form="fla")
+    assert all(torch.equal(a, b) for a, b in zip(before, (*leaves, state.kv, state.ref)))
+
+
+def test_use_form_scopes_the_fla_form(recurrences):
+    leaves = inputs(1, 1, 9, 4, 3, 2, False)
+    with forms.use_form("fla"):
+        causal_linear_attention(*leaves)
+    causal_linear_attention(*leaves)  # (the CPU's 'auto' stays the sequential form)
+    assert recurrences == ["chunk_simple_gla"]
+
+
+# ------------------------------------------------------------------ where the form runs
+
+
+@pytest.fixture
+def fla_importable(monkeypatch):
+    monkeypatch.setattr(fla_form, "_import_error", lambda: None)
+
+
+def test_auto_takes_fla_on_cuda_when_it_maps(monkeypatch, fla_importable):
+    """On a CUDA machine with fla importable 'auto' is the fla form, except where it does not
+    map (torch.compile, float64) or fla does not import: then today's form."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert forms.pick_form(CUDA) == forms.FORMS["fla"]
+    assert forms.pick_form(CUDA, exp_features=True, blindspot_size=4) == forms.FORMS["fla"]
+    assert forms.pick_form(CUDA, exp_features=True, dtype=DOUBLE) == ("log_depth", True, 16)
+    assert forms.pick_form(CUDA, compiling=True, exp_features=True) == ("blocked", True, 16)
+    monkeypatch.setattr(fla_form, "_import_error", lambda: "fla-core does not import")
+    assert forms.pick_form(CUDA, exp_features=True) == ("log_depth", True, 16)
+
+
+def test_auto_on_the_cpu_never_asks_for_fla(monkeypatch):
+    """No CPU change: 'auto' there neither imports fla nor checks for it."""
+    def asked(*args):
+        raise AssertionError("fla_missing called for the CPU's 'auto'")
+
+    monkeypatch.setattr(forms, "fla_missing", asked)
+    assert forms.pick_form(CPU, exp_features=True) == ("loop", False, 64)
+
+
+@pytest.mark.parametrize("device, compiling, dtype, interpreted, import_error, reason", [
+    (CPU, False, torch.float32, False, None, "TRITON_INTERPRET=1"),
+    (CUDA, True, torch.float32, True, None, "torch.compile"),
+    (CUDA, False, DOUBLE, True, None, "float32 .*not in torch.float64"),
+    (torch.device("meta"), False, torch.float32, True, None, "run on CUDA, not on meta"),
+    (CUDA, False, torch.float32, True, "fla-core does not import (ImportError)", r"does not import \(ImportError\)"),
+])
+def test_forcing_fla_where_it_cannot_run_names_why(monkeypatch, device, compiling, dtype, interpreted, import_error,
+                                                     reason):
+    monkeypatch.setattr(fla_form, "_interpreted", lambda: interpreted)
+    monkeypatch.setattr(fla_form, "_import_error", lambda: import_error)
+    with pytest.raises(ValueError, match=f"form='fla' cannot run this call: .*{reason}"):
+        forms.pick_form(device, compiling, "fla", dtype=dtype)
+
+
+def test_forcing_fla_on_float64_is_refused_by_the_kernel():
+    leaves = inputs(1, 1, 8, 4, 3, 0, False)
+    with pytest.raises(ValueError, match="fla's kernels compute in float32"):
+        causal_linear_attention(*leaves, form="fla")
+
+
+def test_the_package_runs_without_fla():
+    """With fla unimportable the package imports and computes as before, and form='fla' says
+    that fla does not import."""
+    script = (
+        "import sys; sys.modules['fla'] = None\n"
+        "import torch\n"
+        "from linear_attention_transformer.ops import causal_linear_attention\n"
+        "q = k = v = torch.rand(1, 1, 5, 2)\n"
+        "assert causal_linear_attention(q, k, v).shape == (1, 1, 5, 2)\n"
+        "try:\n"
+        "    causal_linear_attention(q, k, v, form='fla')\n"
+        "except ValueError as e:\n"
+        "    print(e)\n"
+    )
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, (str(ROOT), os.environ.get("PYTHONPATH")))),
+           "TRITON_INTERPRET": "1"}
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert "form='fla' cannot run this call: fla-core does not import" in result.stdout
+
+
+# ------------------------------------------------------------------ fla's real kernels, interpreted
+
+
+def interpreter_cases():
+    """Small float32 cases for the interpreted kernels (each costs seconds there): lengths
+    that are and are not a multiple of fla's chunk of 64. The tolerance is float32's rounding
+    with a margin; at logits x1000 that of logits of that size (measured 2026-11-25: the fla
+    form 3.3e-5 output / 5.3e-5 gradients, the sequential form 1.5e-5 / 3.1e-5 on the same case)."""
+    cases = []
+    for name, n, exp_features, scale, decay, masked, packed, split, blindspot_size in [
+        ("features, per-head decay, mask, segments", 100, False, 1.0, "head", True, True, None, 1),
+        ("features, per-feature decay", 64, False, 1.0, "feature", False, False, None, 1),
+        ("logits x1000, per-feature decay, mask, segments", 100, True, 1000.0, "feature", True, True, None, 1),
+        ("logits x1, no decay, state in and out", 100, True, 1.0, None, True, False, 64, 1),
+        ("logits x1, per-head decay, blindspot 16, mask, segments", 100, True, 1.0, "head", True, True, None, 16),
+    ]:
+        q, k, v, log_decay = (t if t is None else t.detach().float()
+                              for t in inputs(1, 2, n, 16, 16, n, exp_features, scale, "elu", decay, torch.float32))
+        mask, segments = mask_and_segments(1, n, n, masked, packed)
+        weight = torch.randn(1, 2, n, 16, generator=torch.Generator().manual_seed(5))
+        cases.append(dict(name=name, q=q, k=k, v=v, log_decay=log_decay, mask=mask, segments=segments,
+                          exp_features=exp_features, split=split, weight=weight, blindspot_size=blindspot_size,
+                          rtol=1e-5 if scale == 1 else 3e-4))
+    return cases
+
+
+# a small LM with every option the fla form meets inside a model: a blindspot, gates, local
+# heads beside the global ones, token shift (``fla_interpreted.py`` runs it in the fla form)
+LM = dict(num_tokens=50, dim=32, heads=4, depth=1, max_seq_len=100, causal=True, dim_head=8, blindspot_size=8,
+          n_local_attn_heads=2, local_attn_window_size=16, use_gate=True, shift_tokens=True)
+
+
+@pytest.fixture(scope="module")
+def interpreted(tmp_path_factory):
+    """(cases, results, lm): the cases, and an LM's training step (``LM``), run by
+    ``fla_interpreted.py`` on fla's Triton kernels."""
+    folder = tmp_path_factory.mktemp("fla")
+    cases = interpreter_cases()
+    tokens = torch.randint(0, LM["num_tokens"], (2, 71), generator=torch.Generator().manual_seed(3))
+    torch.save((cases, dict(config=LM, tokens=tokens)), folder / "cases.pt")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, (str(ROOT), os.environ.get("PYTHONPATH"))))}
+    result = subprocess.run([sys.executable, str(Path(__file__).with_name("fla_interpreted.py")),
+                             str(folder / "cases.pt"), str(folder / "results.pt")],
+                            capture_output=True, text=True, env=env, timeout=600)
+    assert result.returncode == 0, result.stderr[-4000:]
+    results, lm = torch.load(folder / "results.pt")
+    return cases, results, dict(lm, tokens=tokens)
+
+
+@pytest.mark.parametrize("index", range(5), ids=[c["name"] for c in interpreter_cases()])
+def test_flas_kernels_interpreted_equal_the_naive_form(interpreted, index):
+    """fla's Triton kernels (float32, in Triton's interpreter) against the float64 judge of the
+    same float32 inputs: output, gradients, and with a state the continuation from it."""
+    cases, results, _ = interpreted
+    case, result = cases[index], results[index]
+    leaves = [None if case[name] is None else case[name].double().requires_grad_()
+              for name in ("q", "k", "v", "log_decay")]
+    judge = naive_causal_linear_attention(*leaves, mask=case["mask"], exp_features=case["exp_features"],
+                                          segments=case["segments"], blindspot_size=case["blindspot_size"])
+    assert_close(result["out"], judge, case["rtol"], "output")
+    wanted = torch.autograd.grad((judge * case["weight"].double()).sum(), [t for t in leaves if t is not None])
+    for name, got, want in zip("q k v log_decay".split(), result["grads"], wanted):
+        assert_close(got, want, case["rtol"], f"grad {name}")
+
+
+def test_an_lm_in_the_fla_form_interpreted_equals_its_float64_self(interpreted):
+    """The LM's logits and parameter gradients with its global heads on fla's Triton kernels
+    (float32, interpreted) equal the same LM in float64 in the CPU's form; so do the logits
+    computed piece by piece from the cache (the prefill's state, and each piece's after it)."""
+    from linear_attention_transformer import LinearAttentionTransformerLM
+
+    lm = interpreted[2]
+    model = LinearAttentionTransformerLM(**LM).double()
+    model.load_state_dict(lm["state"])
+    tokens = lm["tokens"]
+    logits = model(tokens[:, :-1])
+    F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten()).backward()
+    assert_close(lm["logits"], logits.detach(), 1e-5, "logits")
+    assert_close(lm["cached"], logits.detach(), 1e-5, "logits from the cache")
+    for name, parameter in model.named_parameters():
+        assert_close(lm["grads"][name], parameter.grad, 1e-5, f"grad {name}")
+
+
+# ------------------------------------------------------------------ the layer's kernel option
+
+chunk_module = importlib.import_module("linear_attention_transformer.ops.causal.chunk")
+
+
+def test_kernel_torch_never_asks_for_fla(monkeypatch):
+    """kernel='torch' keeps today's forms even where 'auto' would take fla."""
+    monkeypatch.setattr(forms, "fla_missing", lambda *args, **kwargs: None)  # fla could run anywhere
+    cuda = torch.device("cuda")
+    assert forms.pick_form(cuda, form="torch", exp_features=True).scan == "log_depth"
+    assert forms.pick_form(torch.device("cpu"), form="torch").scan == "loop"
+
+
+def test_the_layers_kernel_option_reaches_the_kernel(monkeypatch):
+    torch.manual_seed(0)
+    x = torch.randn(2, 20, 16)  # (float32: fla's kernels refuse float64 first)
+    layers = {kernel: Attention(16, heads=2, causal=True, kernel=kernel) for kernel in ("auto", "torch", "fla")}
+    for layer in layers.values():
+        layer.load_state_dict(layers["auto"].state_dict())
+    assert torch.equal(layers["torch"](x), layers["auto"](x))
+    # without the interpreter, the CPU cannot run fla: the forced kernel says why
+    with pytest.raises(ValueError, match="form='fla' cannot run this call: on the CPU"):
+        layers["fla"](x)
+    # where fla can run, the layer's call goes to the fla form (here its adapter, spied on)
+    calls = []
+    monkeypatch.setattr(forms, "fla_missing", lambda *args, **kwargs: None)
+    monkeypatch.setattr(chunk_module, "fla_causal_linear_attention",
+                        lambda q, *args, **kwargs: calls.append(q.shape) or torch.zeros_like(q))
+    assert torch.equal(layers["fla"](x), layers["fla"]._combine([torch.zeros(2, 2, 20, 8)], x))
+    assert calls == [(2, 2, 20, 8)]
+
+
+@pytest.mark.parametrize("options, named", [
+    (dict(causal=True, kernel="triton"), "kernel must be one of 'auto', 'torch', 'fla'"),
+    (dict(causal=False, kernel="fla"), "kernel applies to causal self-attention"),
+    (dict(receives_context=True, kernel="torch"), "kernel applies to causal self-attention"),
+])
+def test_a_kernel_the_layer_cannot_use_is_refused(options, named):
+    with pytest.raises(ValueError, match=named):
+        Attention(16, heads=2, **options)
