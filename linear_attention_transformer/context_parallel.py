@@ -77,8 +77,7 @@ class ContextParallel:
     def of(cls, context_parallel, batch: int, length: int, device=None) -> "ContextParallel":
         """``context_parallel`` (a process group, or a ``ContextParallel`` already built for
         this slice) -> ``ContextParallel``. ``batch``, ``length``: this rank's slice (b, n_local).
-        Raises TypeError for anything else, ValueError when the ranks' slices differ in batch
-        size or length (on every rank alike: they all see the same gathered shapes)."""
+        TypeError for anything else, ValueError (on every rank alike) when slices differ."""
         if isinstance(context_parallel, ContextParallel):
             if context_parallel.length != length:
                 raise ValueError(f"context_parallel describes slices of {context_parallel.length} tokens, "

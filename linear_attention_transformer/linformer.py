@@ -64,9 +64,8 @@ SHARING = ("none", "headwise", "kv", "layerwise")
 
 @dataclass(frozen=True)
 class LinformerSettings:
-    """Use Linformer self-attention in every layer (non-causal, fixed maximal length).
-
-    The sequence length projected from is the model's ``max_seq_len``.
+    """Use Linformer self-attention in every layer (non-causal), projecting from the model's
+    ``max_seq_len``.
 
     Args:
         k: number of positions keys and values are projected down to (in the first layer).
@@ -256,8 +255,7 @@ def linformer_layers(settings, dim, seq_len, depth, heads=8, dim_head=None, attn
             context of length <= ``settings.seq_len``; ``seq_len`` is then not used).
         dim, depth, heads, dim_head: the model's.
         attn_dropout: dropout on the attention weights.
-    Returns:
-        list of ``depth`` ``LinformerSelfAttention``.
+    Returns a list of ``depth`` ``LinformerSelfAttention``.
     """
     if isinstance(settings, LinformerContextSettings):
         seq_len = settings.seq_len

@@ -88,8 +88,8 @@ class CausalState:
         return self._map(torch.Tensor.detach)
 
     def as_causal_state(self, position):
-        """The state these buffers stand for after ``position`` tokens, without waiting slots
-        (new tensors): what ``causal_linear_attention`` continues from."""
+        """New tensors: the state after ``position`` tokens without waiting slots (what
+        ``causal_linear_attention`` continues from)."""
         pending, pending_ref = self.pending, self.pending_ref
         if pending_ref is not None:  # (sums under -inf stand for nothing)
             pending = torch.where(torch.isfinite(pending_ref)[..., None], pending, 0.0)
@@ -111,11 +111,9 @@ class CausalState:
             self._empty_slots()
 
     def where(self, p, blindspot_size, zero, hidden):
-        """What a step at position p (an int on eager steps, else a long tensor of no
-        dimension) needs to know of its blindspot block (None without one): with waiting
-        slots, (slot, joining): p mod B and whether p completes its block (ints, or a long
-        tensor (1,) and a bool tensor); else ``join_flags``. ``zero``, ``hidden``: 0 and -inf
-        in the state's dtype."""
+        """What a step at position p (an int eagerly, else a long tensor) needs of its blindspot
+        block (None without one): with waiting slots (slot, joining), p mod B and whether p
+        completes the block; else ``join_flags`` (``zero``, ``hidden``: 0 and -inf)."""
         if blindspot_size == 1:
             return None
         if self.keys is None:
@@ -171,10 +169,8 @@ class CausalState:
         pending_ref.add_(b)
 
     def _step_waiting(self, q, k, v, slot, joining, all_seen=False, out=None):
-        """The step with waiting slots: the key and value go to ``slot``, the query reads the
-        state (it does not see its own block), and the block joins where ``joining`` holds
-        (eager: ints and bools, the join run only then; traced: tensors, the join computed
-        at every step and kept where it applies)."""
+        """The key and value go to ``slot``, the query reads the state (not its own block), the
+        block joins where ``joining`` holds (eager: a bool; traced: a tensor, computed always)."""
         if isinstance(slot, int):
             key_slots, value_slots = self._slot_views
             key_slots[slot].copy_(k)
@@ -190,9 +186,8 @@ class CausalState:
         return out
 
     def _join_waiting(self, joining=None):
-        """The block's keys (and ``pending``) join the state: at once when ``joining`` is None,
-        else where the bool tensor ``joining`` holds (elsewhere every buffer keeps its values
-        bit for bit)."""
+        """The block's keys (and ``pending``) join the state: all (``joining`` None), or where the
+        bool tensor ``joining`` holds (elsewhere every buffer stays bit for bit)."""
         kv, ref, pending, pending_ref = self.kv, self.ref, self.pending, self.pending_ref
         joined, new_ref = _with_slots((kv, pending), (ref, pending_ref), self.keys, self.values)
         if joining is None:

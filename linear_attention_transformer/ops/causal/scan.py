@@ -97,12 +97,10 @@ def common_reference(*refs):
 
 
 def join_factors(ref, other_ref, other_finite=False):
-    """Two sums held under log references ``ref`` and ``other_ref`` brought to their common
-    one: (new_ref, exp(ref - new_ref), exp(other_ref - new_ref)). Both factors are <= 1, the
-    largest term stays 1, and a reference of -inf (nothing yet) gets the factor 0. The
-    gradient flows through the factors, not through new_ref. ``other_finite``: the caller
-    knows other_ref is finite (a real key), so new_ref is too and ``_exp_ratio``'s guard for
-    a -inf reference has nothing to do: left out (a decoding step's cost)."""
+    """Two sums held under log references ``ref`` and ``other_ref`` brought to their common one:
+    (new_ref, exp(ref - new_ref), exp(other_ref - new_ref)), factors <= 1, 0 for a reference of
+    -inf, the gradient through the factors only. ``other_finite``: the caller knows other_ref
+    is finite (a real key), and ``_exp_ratio``'s guard is left out (a decoding step's cost)."""
     new_ref = common_reference(ref, other_ref)
     if other_finite:
         return new_ref, (ref - new_ref).exp(), (other_ref - new_ref).exp()
@@ -162,10 +160,9 @@ def scan(summaries: Summary, initial: Optional[Summary] = None, dim: int = 0, dr
 
 
 def references(m, log_decay, start, dim, drops=True, blocked=False):
-    """(r_prev, r) along ``dim``: r_c = max(r_{c-1} + g_c, m_c), r_prev_c = r_{c-1} (``start``
-    or -inf before the first). No gradient. m: (…, c, d); log_decay: (…, c, 1 or d) or None;
-    start: (…, d) or None. ``blocked``: with drops, the (max, +) scan in the blocked form of
-    ``blocked_linear_scan`` (a graph independent of c) instead of the log-depth one."""
+    """(r_prev, r) along ``dim``, without gradient: r_c = max(r_{c-1} + g_c, m_c), r_prev_c =
+    r_{c-1} (``start``, or -inf, before the first). m (…, c, d); log_decay (…, c, 1 or d) or
+    None; start (…, d) or None. ``blocked``: the (max, +) scan in ``_blocked_scan``'s form."""
     with torch.no_grad():
         m = m.detach()
         if start is None:
