@@ -30,7 +30,7 @@ from .ops import (
     linear_attention_summary,
 )
 from .ops.causal.forms import CHUNK_SIZE
-from .ops.causal.recurrent import RecurrentState
+from .ops.causal.recurrent import CausalState
 from .ops.segments import aligned_layout, from_layout, to_layout
 from .ops.windowed_attention import Window, windowed_attention, windowed_attention_by_position
 from .place import PLAIN, Place
@@ -272,7 +272,7 @@ class Attention(nn.Module):
             log_gate = None if self.forget_gate is None else self.forget_gate(x)
             q, k, exp_features = fm.causal_features(q, k)
             return context_parallel_causal_linear_attention(q, k, v, group, log_gate, mask, self.chunk_size,
-                                                            exp_features, self.blindspot_size)
+                                                            exp_features, self.blindspot_size, self.form)
         key_scale = None
         if self.forget_gate is not None:
             log_gate = self.forget_gate(x)
@@ -500,7 +500,7 @@ class Attention(nn.Module):
         if self.n_local:
             local = LocalCache.zeros(batch_size, self.n_local, self.local_window.most_keys, dh, device, dtype)
         if n_global and not self.receives_context:
-            state = RecurrentState.zeros(batch_size, n_global, self.feature_map.feature_dim(dh), dh, self.blindspot_size,
+            state = CausalState.zeros(batch_size, n_global, self.feature_map.feature_dim(dh), dh, self.blindspot_size,
                                          self.feature_map.is_softmax, device, torch.promote_types(dtype, torch.float32),
                                          waiting=self.forget_gate is None)
             conv = None

@@ -353,6 +353,3 @@ def read_state(q, kv, ref, all_seen=False, out=None):
     top = logits.amax(dim=-1, keepdim=True).clamp(min=-torch.finfo(logits.dtype).max)
     num = ((logits - top).exp()[..., None] * kv).sum(dim=-2)
     return torch.div(num[..., :-1], num[..., -1:].clamp(min=1.0), out=out)
-
-
-RecurrentState = CausalState  # (the name attention.py imports, until it moves to CausalState)
