@@ -98,14 +98,15 @@ def test_the_layer_runs_the_picked_form(monkeypatch):
     layer = Attention(32, heads=4, causal=True, n_local_attn_heads=2, local_attn_window_size=W).to(D).eval()
     x = torch.randn(2, 37, 32, dtype=D)
     mask = torch.rand(2, 37) > 0.2
+    segment_ids = torch.tensor([[0] * 15 + [1] * 22, [0] * 37])
 
     def refuse(*args):
         raise AssertionError("flex form called on the CPU")
 
     monkeypatch.setattr(attention_module, "flex_windowed_attention", refuse)
-    blocked = layer(x, input_mask=mask)  # 'auto' on the CPU: today's form
+    blocked = layer(x, input_mask=mask, segment_ids=segment_ids)  # 'auto' on the CPU: today's form
     monkeypatch.undo()
     monkeypatch.setattr(attention_module, "local_form", lambda *args: "flex")
-    flex = layer(x, input_mask=mask)
+    flex = layer(x, input_mask=mask, segment_ids=segment_ids)
     err = (flex - blocked).abs().max().item()
     assert err <= 1e-12, f"max error {err:.2e}"
