@@ -1,24 +1,17 @@
 """One token through an attention layer, on its cache's buffers, in place.
 
 ``Attention``'s cached path runs this for a single real token (no mask, no gradient), and
-``Decoder`` (``decoding.py``) runs it at every step. Each piece's math lives with the piece:
-the window's rule and the ring's readout in ``ops/windowed_attention.py``, the recurrence in
-``ops/causal/recurrent.py``, the convolution's and the gate's step in ``gating.py``. What is
-here is the layer's composition for one token, made fast:
+``Decoder`` at every step. The math lives with the pieces (``ops/windowed_attention.py``,
+``ops/causal/recurrent.py``, ``gating.py``); here is the layer's composition, made fast:
 
-* one matmul projects the token to every head's q, k and v at once, and to the gates' inputs
-  (the projection weights concatenated once, when the step is made: the model's parameters
-  and state_dict are untouched, and parameters changed afterwards are not seen);
-* local heads: keys and values go to the cache's ring (slot = position mod slots), so nothing
-  is concatenated or sliced; the query sees the slots whose position lies in its window: a
-  0 / -inf bias. Once every slot holds a real key (``steady``) that bias depends on the slot
-  alone and is a row of a table made once;
-* the position as an int (``StepContext.host_position``, eager steps) spares work that a
-  compiled step does as tensor operations on the device's position (and fuses): a slot is
-  written through a view made once (``copy_`` rather than ``index_copy_``), a blindspot block
-  joins only at its last position, outputs are written into buffers made once, and the
-  branch's output is added to the residual stream by one ``addmm_``. Nothing either form
-  does reads a value back to the host.
+* one matmul projects the token to every head's q, k, v and the gates' inputs (weights
+  concatenated once when the step is made: parameters changed afterwards are not seen);
+* local heads: keys and values go to the cache's ring (slot = position mod slots); the query
+  sees the slots in its window through a 0 / -inf bias, a row of a table made once when every
+  slot holds a real key (``steady``);
+* eager steps know the position as an int (``StepContext.host_position``): slots written
+  through views made once, a blindspot block joined only at its end, outputs written into
+  buffers made once, one ``addmm_`` into the residual stream. Neither form reads back.
 """
 
 from __future__ import annotations
@@ -201,12 +194,10 @@ class AttentionStep:
 
 
 class _Ring:
-    """A step's bookkeeping of a ``LocalCache`` ring: entering position p writes p into its
-    slot and gives the bias (b or 1, 1, slots): 0 on the slots whose key the query sees
-    (``Window.visible``: stored keys all sit at positions <= p, so those from its first key
-    on), -inf on the others. With ``steady`` (a decoder), from the position on which every
-    slot holds a real key the bias is a row of a table of one row per slot (made once;
-    ``steady_after``: the position the ring continues from)."""
+    """A step's bookkeeping of a ``LocalCache`` ring: entering position p writes p into its slot
+    and gives the bias (b or 1, 1, slots), 0 on the slots from the query's first key on, -inf
+    elsewhere. With ``steady_after`` (the position the ring continues from), once every slot
+    holds a real key the bias is a row of a table made once."""
 
     def __init__(self, window, cache, steady_after=None):
         if not window.causal:

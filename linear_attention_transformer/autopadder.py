@@ -1,9 +1,5 @@
-"""Autopadder: kept for users of upstream linear-attention-transformer's API.
-
-Every model in this library already accepts any length up to ``max_seq_len``: local
-windows, blindspot blocks and axial folds pad and mask internally. ``Autopadder(net)``
-therefore adds nothing but upstream's wrapping, and checks that what it wraps is a model of
-this library, so that wrapping keeps working the way users expect.
+"""Autopadder: upstream's wrapper, kept for its users. Every model here already accepts any
+length up to ``max_seq_len`` (it pads and masks internally), so it only checks what it wraps.
 """
 
 from __future__ import annotations
@@ -15,12 +11,7 @@ from .transformer import LinearAttentionTransformer
 
 
 class Autopadder(nn.Module):
-    """Wraps a ``LinearAttentionTransformer`` or ``LinearAttentionTransformerLM``.
-
-    Args:
-        net: the model. forward(x, **kwargs) calls it unchanged and returns its output,
-            of the input's length.
-    """
+    """Wraps a ``LinearAttentionTransformer`` or ``LinearAttentionTransformerLM``; forward calls it."""
 
     def __init__(self, net):
         super().__init__()

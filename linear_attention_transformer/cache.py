@@ -1,24 +1,19 @@
 """What cached decoding keeps between calls, layer by layer: fixed-shape buffers, updated in place.
 
-Causal linear attention is a recurrence, so a decoder needs only a fixed-size state per
-layer to continue a sequence: the running KᵀV of the global heads, a ring of the last keys
-of the local heads' window, the last inputs of the local convolution, the previous token for
-token shifting. ``LinearAttentionTransformerLM.forward(x, return_cache=True)`` returns a
-``DecodingCache``; give it back with the next tokens (``cache=``).
-
-One design serves every way of decoding: the buffers keep their shapes whatever the length,
-and each call (``model(x, cache=cache, return_cache=True)``, ``Decoder.step``) writes the new
-state into them **in place** and returns the same cache. To branch from a cache (beam search,
-several samples from one prompt), ``clone()`` it first; a call with a cache but without
-``return_cache`` reads it and leaves it as it was. ``cache.to(device)`` returns a moved copy.
-All classes here hold tensors whose first dimension is the batch.
+A decoder needs a fixed-size state per layer: the global heads' running KᵀV, a ring of the
+local heads' last keys, the convolution's last inputs, the previous token for token shift.
+``model(x, return_cache=True)`` returns a ``DecodingCache``; give it back with the next tokens
+(``cache=``). Each call with ``return_cache`` (and ``Decoder.step``) writes the new state into
+the same buffers **in place**: to branch (beam search, several samples), ``clone()`` first. A
+call without ``return_cache`` leaves the cache as it was; ``cache.to(device)`` is a moved copy.
+Every tensor here has the batch as its first dimension.
 """
 
 from __future__ import annotations
 
 import torch
 
-from .ops.causal.recurrent import RecurrentState
+from .ops.causal.recurrent import CausalState
 
 # the position of a ring slot that holds no key (before the prompt, or its padding): below
 # the first key of every window
@@ -56,7 +51,7 @@ def map_tensors(obj, fn):
         return fn(obj)
     if isinstance(obj, (tuple, list)):
         return type(obj)(map_tensors(o, fn) for o in obj)
-    if isinstance(obj, (_Cache, RecurrentState)):
+    if isinstance(obj, (_Cache, CausalState)):
         return obj._map(fn)
     return obj
 
@@ -69,7 +64,7 @@ def copy_rows(into, rows, part):
     elif isinstance(into, (tuple, list)):
         for a, b in zip(into, part):
             copy_rows(a, rows, b)
-    elif isinstance(into, (_Cache, RecurrentState)):
+    elif isinstance(into, (_Cache, CausalState)):
         for name in getattr(into, "fields", into.__slots__):
             field = getattr(into, name)
             if isinstance(field, int):  # (a position: the part's count is the one after the call)
@@ -79,11 +74,9 @@ def copy_rows(into, rows, part):
 
 
 class LocalCache(_Cache):
-    """Local heads: a ring of ``slots`` keys and values, kv (b, 2, h, slots, d) (the key at
-    position t in slot t mod slots), and each slot's key position per row, positions
-    (b, slots) (``NO_KEY`` where the slot holds no real key). ``slots`` is the most keys a
-    query of the window sees (``Window.most_keys``), so the ring holds every key a later
-    query can reach."""
+    """Local heads: a ring of ``slots`` (``Window.most_keys``) keys and values, kv (b, 2, h, slots,
+    d) (position t in slot t mod slots), and each slot's key position per row, positions
+    (b, slots) (``NO_KEY``: no real key)."""
 
     __slots__ = ("kv", "positions")
 
@@ -125,7 +118,7 @@ class LocalCache(_Cache):
 
 
 class GlobalCache(_Cache):
-    """Global heads: their ``RecurrentState`` (running KᵀV, normaliser, references, blindspot
+    """Global heads: their ``CausalState`` (running KᵀV, normaliser, references, blindspot
     block) and the local convolution's last inputs of q, k and v, conv (b, 3, h, kernel - 1,
     d), or None."""
 

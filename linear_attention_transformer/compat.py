@@ -34,37 +34,23 @@ def _linformer_options(k, one_kv_head, share_kv, dropout, options):
 
 def Linformer(dim, seq_len, depth, k=256, heads=8, dim_head=None, one_kv_head=False, share_kv=False,
               reversible=False, dropout=0.0, **options):
-    """The ``linformer`` package's ``Linformer``: a non-causal Linformer encoder.
-
-    The arguments keep that package's order and meaning: ``k`` is the projected length,
-    ``one_kv_head`` shares one key/value head, ``share_kv`` uses one projection for keys and
-    values, ``dropout`` is the rate of both the attention weights' dropout (``attn_dropout``)
-    and the feed-forward's (``ff_dropout``). ``options``: any other
-    ``LinearAttentionTransformer`` keyword.
-    Shapes: x (b, n, dim), n <= seq_len -> (b, n, dim).
-    """
+    """The ``linformer`` package's ``Linformer`` (a non-causal encoder), with its argument order
+    and meanings (``k``, ``one_kv_head``, ``share_kv`` as ``LinformerSettings``; ``dropout`` both
+    ``attn_dropout`` and ``ff_dropout``); ``options``: any other ``LinearAttentionTransformer``
+    keyword. Shapes: x (b, n, dim), n <= seq_len -> (b, n, dim)."""
     refuse_unknown_keywords("Linformer", options, LinearAttentionTransformer.option_names())
     settings, options = _linformer_options(k, one_kv_head, share_kv, dropout, options)
-    return LinearAttentionTransformer(
-        dim, depth, seq_len, heads=heads, dim_head=dim_head, reversible=reversible,
-        linformer_settings=settings, **options,
-    )
+    return LinearAttentionTransformer(dim, depth, seq_len, heads=heads, dim_head=dim_head, reversible=reversible,
+                                      linformer_settings=settings, **options)
 
 
 def LinformerLM(num_tokens, dim, seq_len, depth, k=256, heads=8, dim_head=None, one_kv_head=False,
                 share_kv=False, reversible=False, dropout=0.0, **options):
-    """The ``linformer`` package's ``LinformerLM``, with its argument order and meanings.
-
-    ``k``, ``heads``, ``dim_head``, ``one_kv_head``, ``share_kv``, ``reversible``,
-    ``dropout`` as in ``Linformer``. Positions are a learned absolute embedding, as in that
-    package, unless ``use_axial_pos_emb=True`` is given. ``options``: any other
-    ``LinearAttentionTransformerLM`` keyword.
-    Shapes: tokens (b, n), n <= seq_len -> logits (b, n, num_tokens).
-    """
+    """The ``linformer`` package's ``LinformerLM``: arguments as ``Linformer``; positions a learned
+    absolute embedding, as there, unless ``use_axial_pos_emb=True``; ``options``: any other
+    ``LinearAttentionTransformerLM`` keyword. Shapes: tokens (b, n), n <= seq_len -> (b, n, num_tokens)."""
     refuse_unknown_keywords("LinformerLM", options, LinearAttentionTransformerLM.option_names())
     settings, options = _linformer_options(k, one_kv_head, share_kv, dropout, options)
     options.setdefault("use_axial_pos_emb", False)
-    return LinearAttentionTransformerLM(
-        num_tokens, dim, depth, seq_len, heads=heads, dim_head=dim_head, reversible=reversible,
-        linformer_settings=settings, **options,
-    )
+    return LinearAttentionTransformerLM(num_tokens, dim, depth, seq_len, heads=heads, dim_head=dim_head,
+                                        reversible=reversible, linformer_settings=settings, **options)

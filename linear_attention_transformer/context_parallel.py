@@ -1,50 +1,22 @@
 """Context parallelism: one sequence split over the processes of a ``torch.distributed`` group.
 
-Rank r of a group of P holds the contiguous slice r of the sequence (in rank order, slices
-of equal length n_local, so its first token sits at position ``start = r * n_local``). Each
-rank gets back its slice of the output and, after backward, the gradients of the whole
-sequence: parameter gradients summed over the ranks equal the one-process gradients.
+Rank r of P holds the contiguous slice r (equal lengths n_local, first position ``r *
+n_local``), gets back its slice of the output and, after backward, gradients whose sum over
+the ranks equals the one-process gradients. What a layer exchanges is independent of n (LASP-2):
 
-What a layer's global heads exchange, independent of n (LASP-2):
+* causal global heads: each rank's ``Summary`` of its slice (``ops/causal/scan.py``), gathered
+  by one autograd-aware all-reduce of a (P, …) tensor with each rank's summary in its slot
+  (``gather_summaries``); an exclusive ``scan`` over the ranks gives the state before the
+  slice, from which the chunked kernel runs. Every rank scans all P summaries, so the gather
+  takes part in every rank's backward (rank 0's too, or the others would wait for it);
+* non-causal global heads: one autograd-aware all-reduce of kᵀv with its normaliser column
+  (the softmax map first all-reduces the keys' per-feature maxima);
+* local heads, the convolution and token shift: a few of the neighbours' boundary tokens
+  (``exchange_boundaries``), one all-reduce of a (P, F) tensor. Slice lengths must be
+  multiples of the local window and of ``blindspot_size``.
 
-* causal heads: each rank summarises its slice, ``Summary(kv, log_decay, ref)`` of
-  ``ops/causal/scan.py`` (the state the slice adds from a zero start, its total log decay, and for
-  exponential features the per-feature reference of kv), in O(n d e) without running the
-  kernel; one autograd-aware all-gather of the packed summaries (done as an all-reduce of
-  a (P, …) tensor holding each rank's summary in its slot, see ``gather_summaries``); an
-  exclusive scan over the ranks gives the state before the rank's slice, from which the
-  chunked kernel runs (``causal_linear_attention(..., state=...)``). The gather's backward sends each summary's
-  gradient back to the rank that made it, so a key's gradient counts every later rank's
-  queries. Every rank computes the exclusive scan over all P summaries and keeps its own
-  entry: the gather then takes part in every rank's backward (rank 0 reads nothing from it,
-  yet its backward must join the collective, or the others would wait for it forever).
-* non-causal heads: one autograd-aware all-reduce of kᵀv with its normaliser column;
-  with the softmax feature map (a softmax of the keys over the whole sequence) first an
-  all-reduce (max, no gradient) of the keys' per-feature maxima, then the exponentiated
-  keys' sums ride along in the same all-reduce of kᵀv.
-
-Local heads, the convolution and token shift read a few of the neighbours' tokens
-(``exchange_boundaries``): one autograd-aware all-reduce of a (P, F) tensor, F the rank's
-boundary entries (local heads: look_backward * w keys and values and their mask from the
-previous rank, look_forward * w from the next; the convolution: its kernel_size - 1 inputs of
-q, k and v; token shift: one token each way it shifts). Slice lengths must be multiples of
-the local window and of ``blindspot_size`` (refused otherwise).
-
-Bytes per layer and rank (``summary_bytes``): P b h (d (e + 1) + d_g + d) elements for causal
-heads (d_g: 1 per-head decay, d per-feature, 0 without a gate; the last d only for
-exponential features), b h d (e + [1: the normaliser column, unless the softmax map without a
-gate] + [1: the softmax map's sums]) for non-causal heads, plus b h d for the softmax keys'
-maxima (forward only); the halos on top. Backward sends as much again (the maxima aside).
-
-``AutoregressiveWrapper``'s loss: rank r passes its n_local tokens and the one after them
-(slices overlap by one token, so each boundary's target is counted once, by the rank that
-predicts it) and returns its targets' summed loss over the whole sequence's count of targets:
-one all-gather of 4 b + 1 integers (the slices' end tokens and mask entries, checked to
-overlap, and the counts).
-
-Only ``torch.distributed``: ``torch.distributed.nn.functional``'s autograd-aware all_reduce
-(it warns that it is deprecated in favour of the functional collectives; the warning is
-silenced here: its autograd form is the one this module needs).
+``summary_bytes`` counts what the global heads send. ``torch.distributed.nn.functional``'s
+all_reduce is the autograd-aware collective (its deprecation warning is silenced here).
 """
 
 from __future__ import annotations
@@ -52,26 +24,15 @@ from __future__ import annotations
 import warnings
 
 import torch
-import torch.nn.functional as F
 
-from .ops import CausalState, causal_linear_attention, linear_attention_readout
+from .ops import CausalState, causal_linear_attention, linear_attention_readout, linear_attention_summary
 from .ops.causal.forms import CHUNK_SIZE
 from .ops.causal.scan import Summary, scan, summarize
-from .ops.common import _append_ones, _apply_key_mask, _compute_dtype
+from .ops.common import NEG_INF, _append_ones, _apply_key_mask, _compute_dtype
 
-__all__ = [
-    "ContextParallel",
-    "causal_summary",
-    "gather_summaries",
-    "state_before",
-    "context_parallel_causal_linear_attention",
-    "noncausal_summary",
-    "context_parallel_linear_attention",
-    "summary_bytes",
-    "exchange_boundaries",
-]
-
-NEG_INF = float("-inf")
+__all__ = ["ContextParallel", "causal_summary", "gather_summaries", "state_before",
+           "context_parallel_causal_linear_attention", "noncausal_summary", "context_parallel_linear_attention",
+           "summary_bytes", "exchange_boundaries"]
 
 
 def _dist():
@@ -91,8 +52,7 @@ class ContextParallel:
         rank, world_size: this process's rank in ``group`` and the group's size.
         length: n_local, the length of every slice. start: ``rank * length``, the position
             of this slice's first token in the whole sequence.
-    Build it with ``ContextParallel.of(group, batch, length)``: that checks (one all-gather
-    of two integers) that every rank holds a slice of the same batch size and length.
+    Build it with ``ContextParallel.of(group, batch, length)`` (checks every rank's slice shape).
     """
 
     __slots__ = ("group", "rank", "world_size", "length", "start")
@@ -117,8 +77,7 @@ class ContextParallel:
     def of(cls, context_parallel, batch: int, length: int, device=None) -> "ContextParallel":
         """``context_parallel`` (a process group, or a ``ContextParallel`` already built for
         this slice) -> ``ContextParallel``. ``batch``, ``length``: this rank's slice (b, n_local).
-        Raises TypeError for anything else, ValueError when the ranks' slices differ in batch
-        size or length (on every rank alike: they all see the same gathered shapes)."""
+        TypeError for anything else, ValueError (on every rank alike) when slices differ."""
         if isinstance(context_parallel, ContextParallel):
             if context_parallel.length != length:
                 raise ValueError(f"context_parallel describes slices of {context_parallel.length} tokens, "
@@ -153,24 +112,26 @@ def _autograd_all_reduce(t, group):
         return all_reduce(t, group=group)
 
 
-# ------------------------------------------------------------------------- boundaries
+def _gather_by_sum(packed, rank, world, group):
+    """Every rank's ``packed`` (the same shape on each), stacked in rank order (P, …), with
+    gradients back to the rank that sent each: an autograd-aware all-reduce of this rank's
+    tensor in its own slot, zeros elsewhere. (Not the autograd all_gather: on gloo its backward
+    reads the group ranks as global ranks, wrong in any group but the world's first ranks.)"""
+    zeros = packed.new_zeros((world - 1,) + packed.shape)
+    return _autograd_all_reduce(torch.cat((zeros[:rank], packed[None], zeros[rank:])), group)
 
 
 def exchange_boundaries(parts, place: ContextParallel, before: int, after: int):
-    """The neighbours' boundary tokens: for each (tensor, dim) of ``parts``, the previous
-    rank's last ``before`` entries and the next rank's first ``after`` entries along ``dim``
-    (zeros at the sequence's ends), with gradients back to the ranks they came from.
+    """The neighbours' boundary tokens, with gradients back to the ranks they came from.
 
-    One autograd-aware all-reduce of a (P, F) tensor, each rank's boundary entries (F of
-    them, fixed: independent of the slice length) in its own slot.
     Args:
         parts: sequence of (tensor, dim); every tensor holds the slice's n_local tokens
             along ``dim`` (n_local >= before and >= after), the same shapes on every rank;
             a bool tensor (a mask) comes back as bool, with False at the sequence's ends.
         place: the slice's ``ContextParallel``. before, after: how many tokens each side.
     Returns:
-        [(halo_before, halo_after)] per part: shaped like the tensor with ``before`` /
-        ``after`` entries along ``dim``.
+        [(halo_before, halo_after)] per part: the previous rank's last ``before`` and the next
+        rank's first ``after`` entries along ``dim`` (zeros at the sequence's ends).
     """
     if before < 0 or after < 0:
         raise ValueError("before and after must be >= 0")
@@ -188,21 +149,16 @@ def exchange_boundaries(parts, place: ContextParallel, before: int, after: int):
         for piece in (head, tail):
             shapes.append(piece.shape)
             pieces.append(piece.to(dtype).flatten())
-    packed = torch.cat(pieces)[None]
+    gathered = _gather_by_sum(torch.cat(pieces), place.rank, place.world_size, place.group)
     rank, world = place.rank, place.world_size
-    slots = torch.cat((packed.new_zeros(rank, packed.shape[1]), packed, packed.new_zeros(world - rank - 1,
-                                                                                         packed.shape[1])))
-    gathered = _autograd_all_reduce(slots, place.group)
     # every rank reads some row of the result, even at the ends (times 0): the all-reduce
     # then takes part in every rank's backward, or the ranks that read it would wait forever
     previous = gathered[(rank - 1) % world] * float(rank > 0)
     following = gathered[(rank + 1) % world] * float(rank < world - 1)
-    out, offset = [], 0
+    sizes, out = [shape.numel() for shape in shapes], []
+    previous, following = previous.split(sizes), following.split(sizes)
     for i, (t, dim) in enumerate(parts):
-        head_size, tail_size = shapes[2 * i].numel(), shapes[2 * i + 1].numel()
-        tail_prev = previous[offset + head_size : offset + head_size + tail_size].view(shapes[2 * i + 1])
-        head_next = following[offset : offset + head_size].view(shapes[2 * i])
-        offset += head_size + tail_size
+        tail_prev, head_next = previous[2 * i + 1].view(shapes[2 * i + 1]), following[2 * i].view(shapes[2 * i])
         if t.dtype == torch.bool:
             tail_prev, head_next = tail_prev.detach() > 0.5, head_next.detach() > 0.5
         else:
@@ -211,25 +167,11 @@ def exchange_boundaries(parts, place: ContextParallel, before: int, after: int):
     return out
 
 
-# ----------------------------------------------------------------------------- causal
-
-
 def causal_summary(k, v, log_decay=None, mask=None, exp_features=False) -> Summary:
-    """The ``Summary`` of a slice of causal linear attention from a zero start, in O(n d e).
-
-    Args:
-        k: (b, h, n, d) key features, or logits with ``exp_features``.
-        v: (b, h, n, e) values.
-        log_decay: optional (b, h, n) or (b, h, n, d): log a_t <= 0 (a masked token's is
-            ignored: padding does not decay the state).
-        mask: optional (b, n) bool, True for real tokens.
-        exp_features: the features are exp(k) (see ``ops/causal/chunk.py``).
-    Returns:
-        Summary(kv (b, h, d, e + 1) with the normaliser column last, log_decay (b, h, 1 or d)
-        or None, ref (b, h, d) without gradient or None): what ``CausalState`` holds after
-        the slice from a zero start (for exponential features relative to ``ref``).
-        Computed in at least float32.
-    """
+    """The ``Summary`` of a slice from a zero start, in O(n d e): k (b, h, n, d) features (logits
+    with ``exp_features``), v (b, h, n, e), log_decay and mask as ``causal_linear_attention``.
+    Returns Summary(kv (b, h, d, e + 1), log_decay (b, h, 1 or d) or None, ref (b, h, d) or
+    None), in at least float32."""
     dtype = _compute_dtype(k)
     k, v, ld = _apply_key_mask(k.to(dtype), v.to(dtype), None if log_decay is None else log_decay.to(dtype), mask,
                                exp_features)
@@ -246,23 +188,9 @@ def causal_summary(k, v, log_decay=None, mask=None, exp_features=False) -> Summa
 
 
 def gather_summaries(summary: Summary, group) -> Summary:
-    """Every rank's ``Summary`` in rank order, with gradients back to the rank that made each.
-
-    One autograd-aware all-reduce (sum) of a (P, …) tensor holding this rank's packed
-    summary in its own slot and zeros elsewhere: the all-gather as a sum. Not
-    ``torch.distributed.nn.functional.all_gather``: on gloo its backward scatters from the
-    group ranks as if they were global ranks, and fails (or reads the wrong rank) in any
-    group but the first ranks of the world, such as the context-parallel groups of a 2-D
-    mesh. The all-reduce's backward is the all-reduce of the gradients, whose slot r is the
-    gradient of rank r's summary summed over every rank's loss.
-
-    Args:
-        summary: this rank's Summary(kv (b, h, d, E), log_decay (b, h, g) or None,
-            ref (b, h, d) or None); the same shapes on every rank.
-        group: the process group.
-    Returns:
-        Summary of (P, b, h, …) tensors; ``ref`` without gradient.
-    """
+    """Every rank's ``Summary`` (kv (b, h, d, E), log_decay (b, h, g) or None, ref (b, h, d) or
+    None; the same shapes on every rank) in rank order: a Summary of (P, b, h, …) tensors, with
+    gradients back to the rank that made each (``ref`` without gradient)."""
     dist = _dist()
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     kv, g, ref = summary
@@ -272,10 +200,7 @@ def gather_summaries(summary: Summary, group) -> Summary:
         parts.append(g.to(kv.dtype))
     if ref is not None:
         parts.append(ref.detach().to(kv.dtype))
-    packed = (torch.cat(parts, dim=-1) if len(parts) > 1 else parts[0])[None]  # (1, b, h, F)
-    slots = torch.cat((packed.new_zeros((rank,) + packed.shape[1:]), packed,
-                       packed.new_zeros((world - rank - 1,) + packed.shape[1:])), dim=0)
-    gathered = _autograd_all_reduce(slots, group)  # (P, b, h, F)
+    gathered = _gather_by_sum(torch.cat(parts, dim=-1), rank, world, group)  # (P, b, h, F)
     kv_all = gathered[..., : d * e].unflatten(-1, (d, e))
     offset = d * e
     g_all = ref_all = None
@@ -288,17 +213,9 @@ def gather_summaries(summary: Summary, group) -> Summary:
 
 
 def state_before(summaries: Summary, rank: int, start: int = 0, blindspot_size: int = 1) -> CausalState:
-    """The ``CausalState`` before rank ``rank``'s slice: the exclusive scan of the gathered
-    summaries (``ops/causal/scan.py``'s ``scan``, over the rank axis 0), this rank's entry.
-
-    The scan runs over all P ranks (P small) and this rank's entry is selected, so that the
-    gather is part of every rank's backward, rank 0's included.
-    Args:
-        summaries: ``gather_summaries``' output, (P, b, h, …).
-        rank: this rank. start: the position of the slice's first token.
-        blindspot_size: B; the slices must then start at block boundaries (start a
-            multiple of B), so that no block is pending.
-    """
+    """The ``CausalState`` before rank ``rank``'s slice (first position ``start``, a multiple of
+    ``blindspot_size``): this rank's entry of the exclusive scan of ``gather_summaries``'
+    (P, b, h, …) output over all P ranks."""
     if start % blindspot_size:
         raise ValueError(f"context_parallel: a slice must start at a blindspot block boundary (a multiple of "
                          f"blindspot_size={blindspot_size}), got start {start}")
@@ -312,19 +229,9 @@ def state_before(summaries: Summary, rank: int, start: int = 0, blindspot_size: 
 
 def context_parallel_causal_linear_attention(q, k, v, place: ContextParallel, log_decay=None, mask=None,
                                              chunk_size=CHUNK_SIZE, exp_features=False, blindspot_size=1):
-    """``causal_linear_attention`` on this rank's slice of a sequence split over
-    ``place.group``: equal to the whole sequence's output at the slice's positions.
-
-    Args:
-        q, k: (b, h, n_local, d) features, or logits with ``exp_features``.
-        v: (b, h, n_local, e).
-        place: the slice's ``ContextParallel``.
-        log_decay: optional (b, h, n_local) or (b, h, n_local, d).
-        mask: optional (b, n_local) bool. chunk_size: the kernel's chunk length.
-        blindspot_size: B (n_local a multiple of B): a query sees the keys of earlier blocks.
-    Returns:
-        (b, h, n_local, e)
-    """
+    """``causal_linear_attention`` on this rank's slice (the arguments' n: n_local, a multiple of
+    ``blindspot_size``) of a sequence split over ``place.group``: (b, h, n_local, e), equal to
+    the whole sequence's output at the slice's positions."""
     if place.length % blindspot_size:
         raise ValueError(f"context_parallel: the slice length ({place.length}) must be a multiple of "
                          f"blindspot_size ({blindspot_size})")
@@ -334,26 +241,12 @@ def context_parallel_causal_linear_attention(q, k, v, place: ContextParallel, lo
                                    exp_features=exp_features, state=state)
 
 
-# ------------------------------------------------------------------------- non-causal
-
-
 def noncausal_summary(k, v, group, mask=None, normalize=True, softmax_keys=False, key_scale=None):
-    """kᵀv of the whole sequence's keys (``linear_attention_summary``'s result), from this
-    rank's slice of them: one all-reduce (autograd-aware, sum) of the slice's kᵀv.
-
-    Args:
-        k: (b, h, n_local, d) key features, or with ``softmax_keys`` key logits that take a
-            softmax over the whole sequence (the softmax feature map without a causal order;
-            masked keys then take no part in it unless every key is masked, as in
-            ``FeatureMap.noncausal_keys``).
-        v: (b, h, n_local, e). group: the process group.
-        mask: optional (b, n_local) bool, True for keys to attend to.
-        normalize: append the normaliser column (as ``linear_attention_summary``).
-        key_scale: optional factor on each key's features after the softmax, broadcastable
-            to k (a forget gate's values without a causal order).
-    Returns:
-        (kv (b, h, d, e [+ 1]), normalize): the summary ``linear_attention_readout`` reads.
-    """
+    """``linear_attention_summary`` of the whole sequence's keys from this rank's slice (k, v,
+    mask: (b, h, n_local, …)): one autograd-aware all-reduce of the slice's kᵀv.
+    ``softmax_keys``: k are logits taking a softmax over the whole sequence (masked keys take
+    no part, as in ``FeatureMap.noncausal_keys``); ``key_scale``: a factor on each key's
+    features after it, broadcastable to k (a forget gate without a causal order)."""
     dist = _dist()
     dtype = torch.promote_types(k.dtype, torch.float32)
     k, v = k.to(dtype), v.to(dtype)
@@ -369,11 +262,7 @@ def noncausal_summary(k, v, group, mask=None, normalize=True, softmax_keys=False
         z = k.sum(dim=2)  # the slice's part of the softmax's denominator (masked keys included)
     if key_scale is not None:
         k = k * key_scale.to(dtype)
-    if keep is not None:
-        k, v = k.masked_fill(~keep, 0.0), v.masked_fill(~keep, 0.0)
-    if normalize:
-        v = F.pad(v, (0, 1), value=1.0)
-    kv = torch.einsum("bhnd,bhne->bhde", k, v)
+    kv, _ = linear_attention_summary(k, v, mask, normalize)
     if z is None:
         return _autograd_all_reduce(kv, group), normalize
     total = _autograd_all_reduce(torch.cat((kv, z[..., None]), dim=-1), group)
@@ -382,14 +271,8 @@ def noncausal_summary(k, v, group, mask=None, normalize=True, softmax_keys=False
 
 def context_parallel_linear_attention(q, k, v, place: ContextParallel, mask=None, normalize=True,
                                       softmax_keys=False, key_scale=None):
-    """Non-causal linear attention of this rank's queries over the whole sequence's keys.
-
-    Args:
-        q: (b, h, n_local, d) query features. k, v, mask, normalize, softmax_keys,
-            key_scale: as ``noncausal_summary``. place: the slice's ``ContextParallel``.
-    Returns:
-        (b, h, n_local, e)
-    """
+    """Non-causal linear attention of this rank's queries q (b, h, n_local, d) over the whole
+    sequence's keys (the rest as ``noncausal_summary``): (b, h, n_local, e)."""
     summary = noncausal_summary(k, v, place.group, mask, normalize, softmax_keys, key_scale)
     return linear_attention_readout(q, summary)
 

@@ -1,26 +1,19 @@
 """Fast decoding: a running decoder that takes one token per row per step.
 
 ``Decoder`` is the loop of ``AutoregressiveWrapper.generate``: primed once with the prompt
-(``start_decoding``: the model's cached path, ``DecodingCache``), then ``step(tokens)`` feeds
-one token per row and returns the next logits. It keeps only the loop: the position, the
-thread count of an eager step, and on CUDA the buffers' static addresses. Each layer steps
-itself (``LMStep`` in ``lm.py``, made by ``model.step_of``, ``BranchStep`` in ``transformer.py``, ``AttentionStep`` in
-``attention_step.py``, and the pieces' steps beside their full forms) on the cache's
-buffers, in place: the decoder's state *is* the cache (``decoder.cache``).
+(``start_decoding``: the model's cached path), then ``step(tokens)`` feeds one token per row
+and returns the next logits. It keeps only the loop: the position, the thread count of an
+eager step, and on CUDA the buffers' static addresses. Each layer steps itself
+(``model.step_of``: ``LMStep``, ``BranchStep``, ``AttentionStep`` and the pieces' steps beside
+their full forms) on the cache's buffers, in place: the decoder's state *is* the cache.
 
-The position is a tensor on the model's device, advanced in place. Nothing a step does
-depends on a Python value that changes from step to step (every choice that follows from the
-position is a tensor operation), so a step reads nothing back to the host (no sync:
-``tests/test_decoding.py`` counts them with a dispatch mode), allocates nothing that lasts,
-and ``torch.compile(decoder.step, fullgraph=True)`` traces it into one graph that is reused
-at every position (no recompile), which ``mode="reduce-overhead"`` can capture as a CUDA
-graph (on a CUDA device the buffers are marked as static addresses, so that the graph may
-update them in place). Eager steps also know the position on the host (a count the decoder
-keeps) and the layers use it where it saves work.
-
-Every step equals the full forward to rounding (tests/test_decoding.py, float64). A model
-with a layer that has no step (``attend_axially``) gets ``CacheDecoder``, the same interface
-over the cached path.
+The position is a tensor on the model's device, advanced in place, and every choice that
+follows from it is a tensor operation: a step reads nothing back to the host, allocates
+nothing that lasts, and ``torch.compile(decoder.step, fullgraph=True)`` traces one graph for
+every position (``mode="reduce-overhead"``: a CUDA graph, the buffers marked static). Eager
+steps also know the position on the host and use it where it saves work. A model with a layer
+that has no step (``attend_axially``) gets ``CacheDecoder``, the same interface over the
+cached path.
 """
 
 from __future__ import annotations
@@ -38,10 +31,8 @@ _INTEGER_DTYPES = (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int6
 
 def start_decoding(model, x, input_mask=None, context=None, context_mask=None):
     """Prime a decoder with the prompt ``x`` (b, n). Returns (logits (b, num_tokens) at the
-    prompt's last position, decoder): ``Decoder`` when every layer of the model has a step,
-    else ``CacheDecoder``."""
-    # without gradients but outside inference mode: the cache's buffers are then ordinary
-    # tensors, which a step may update in place with or without inference mode (and compiled)
+    prompt's last position, ``Decoder``, or ``CacheDecoder`` when a layer has no step)."""
+    # not in inference mode: the buffers are then ordinary tensors, updatable in place in any mode
     with torch.no_grad():
         out, cache = model._body(x, input_mask, context, context_mask, None, True)
         logits = model._output(out[:, -1])
@@ -79,30 +70,18 @@ def _check_step_tokens(tokens, batch):
 class Decoder:
     """One running sequence per row, one token per row per step, the cache updated in place.
 
-    Built by ``start_decoding`` (or ``LinearAttentionTransformerLM.start_decoding``) from the
-    model and the ``DecodingCache`` of its prompt, which it then owns and steps
-    (``decoder.cache``: clone it to keep a copy). The attention layers' projection weights
-    are concatenated when it is built: parameters changed afterwards are not seen. Eager
-    steps under autocast take the form a compiled step traces.
+    Built by ``start_decoding`` from the model and its prompt's ``DecodingCache``, which it then
+    owns and steps (``decoder.cache``: clone it to keep a copy). The attention layers'
+    projection weights are concatenated when it is built: parameters changed afterwards are
+    not seen. Eager steps under autocast take the form a compiled step traces.
 
-    ``step(tokens (b,) integer) -> logits (b, num_tokens)`` for the token after them. It makes
-    no host sync and keeps every buffer at its shape, so that
-    ``torch.compile(decoder.step, fullgraph=True)`` gives one graph for every position
-    (``mode="reduce-overhead"``: a CUDA graph). Run eagerly it checks ``max_seq_len`` against a
-    count kept on the host; compiled, on the device (``torch._assert_async``).
-
-    ``position``: tokens consumed so far (prompt included), an int. After compiled steps it is
-    read back from the device once (a sync: read it between steps, not inside a loop that
-    must not wait).
-
-    ``step_threads``: the torch thread count an eager step runs with, torch's own count
-    restored after it (None: torch's count as it is). On a CPU it is 1 for at most
-    ``ONE_THREAD_MAX_BATCH`` rows: a step is some fifty small operations, which a second
-    thread does not speed up, and each that uses one waits for it; when another process
-    holds the other core that wait is milliseconds (benchmark model, 2 threads on a busy
-    2-core machine, 2026-11-24: a step of one row 0.53 ms at best and 0.61 ms median on one
-    thread against 0.57 ms and 37 ms on two; eight rows 1.26 / 2.1 ms against 1.9 / 12 ms).
-    Set it to None, or to a count, on the decoder to choose otherwise.
+    ``step(tokens (b,) integer) -> logits (b, num_tokens)`` for the token after them, without
+    host sync; eagerly ``max_seq_len`` is checked on the host, compiled on the device.
+    ``position``: tokens consumed (prompt included), an int (after compiled steps read back
+    from the device once). ``step_threads``: the torch thread count an eager step runs with
+    (None: torch's own); on a CPU 1 for at most ``ONE_THREAD_MAX_BATCH`` rows, as a step's
+    fifty small operations gain nothing from a second thread and wait for it when another
+    process holds the core (measurements: benchmarks/README.md).
     """
 
     compilable = True  # (AutoregressiveWrapper.generate's compile_step)

@@ -19,8 +19,7 @@ class FeedForward(nn.Module):
         dropout: dropout on the hidden activations.
         glu: use the GLU variant (Shazeer 2020): hidden = act(gate) * value.
         activation: 'gelu' (default) or 'relu' (``linformer-pytorch``'s two choices).
-        chunks: apply the network to this many slices of the sequence in turn, so the
-            (n, dim * mult) hidden activations of only one slice exist at a time.
+        chunks: run over this many slices of the sequence in turn (one slice's hidden at a time).
     Shapes: x (b, n, dim) -> (b, n, dim).
     """
 

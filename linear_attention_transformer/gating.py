@@ -1,14 +1,11 @@
 """The two improvements to linear attention: sigmoid gates and a short local convolution.
 
-* ``ForgetGate``: a data-dependent decay of the causal state, a_t = sigmoid(x_t W + b) ** (1 / tau)
-  from a low-rank projection, per head and key feature (Gated Linear Attention, Yang et al.
-  2023) or one per head (as in Mamba-2). S_t = diag(a_t) S_{t-1} + phi(k_t) v_tᵀ: the layer
-  learns what to forget.
-  Without a causal order it gates each key's contribution instead.
+* ``ForgetGate``: a data-dependent decay a_t = sigmoid(x_t W + b) ** (1 / tau) of the causal
+  state, S_t = diag(a_t) S_{t-1} + phi(k_t) v_tᵀ, per head (Mamba-2) or per head and key feature
+  (GLA); without a causal order it gates each key's contribution.
 * ``OutputGate``: sigmoid(x W_o) times the heads' output.
-* ``LocalConv``: a depthwise convolution along the sequence on q, k and v, so that
-  neighbouring tokens mix before the global feature map (a local inductive bias that linear
-  attention lacks). Causal models pad on the left only.
+* ``LocalConv``: a depthwise convolution along the sequence on q, k and v (causal: padded on
+  the left only), so that neighbouring tokens mix before the global feature map.
 """
 
 from __future__ import annotations
@@ -29,14 +26,9 @@ class ForgetGate(nn.Module):
         dim: input width. heads, dim_head: the heads it decays and their key width.
         rank: width of the low-rank projection. temperature: tau.
         granularity: ``'head'`` (the default), one scalar decay per head and position
-            (Mamba-2, Gated DeltaNet): the state forgets all its features at once; or
-            ``'feature'``, one gate per head and key feature (GLA). Chosen by measurement
-            (examples/README.md, 2026-11-23): on real text the two reach the same validation
-            BPC at equal steps (byte-level LM dim 128, 1000 steps, 2 seeds: 2.1748 vs
-            2.1798, paired differences -0.016 and +0.006), and a step with the head gate is
-            cheaper (0.85x the feature gate's at that size; one layer at dim 512: 1.35x vs
-            1.33x the ungated layer at n = 4096, 1.25x vs 1.33x at 16384), so at equal
-            training time the head gate is ahead (by 0.06 and 0.07 bpc on the two seeds).
+            (Mamba-2, Gated DeltaNet); or ``'feature'``, one per head and key feature (GLA).
+            The default by measurement (examples/README.md, 2026-11-23): the same validation
+            BPC at equal steps on real text, and a cheaper step.
     Shapes: x (b, n, dim) -> (b, heads, n, dim_head), or (b, heads, n) per head.
     """
 
@@ -52,11 +44,9 @@ class ForgetGate(nn.Module):
         per_head = 1 if granularity == "head" else dim_head
         self.gate_down = nn.Linear(dim, rank, bias=False)
         self.gate_up = nn.Linear(rank, heads * per_head)
-        # Start with gates close to 1, i.e. with the long memory of ungated linear attention:
-        # a gate that starts near sigmoid(0) ** (1/16) = 0.957 would halve every memory within
-        # 16 tokens before the model has learnt what is worth keeping. The biases are spread so
-        # that memory half-lives run from ~35 to ~4500 tokens (sigmoid(1..6)): over the
-        # features of each head, or over the heads (longest first, for a single head).
+        # start near 1, the long memory of ungated linear attention (sigmoid(0) ** (1/16) would
+        # halve every memory within 16 tokens): biases spread half-lives from ~35 to ~4500
+        # tokens over each head's features, or over the heads (longest first)
         with torch.no_grad():
             self.gate_up.weight.mul_(0.1)
             spread = torch.linspace(6.0, 1.0, heads) if granularity == "head" else torch.linspace(1.0, 6.0, dim_head).repeat(heads)
@@ -95,9 +85,7 @@ class LocalConv(nn.Module):
         channels: heads * dim_head of the tensors it convolves.
         kernel_size: taps. causal: pad kernel_size - 1 on the left (position t sees t-k+1..t);
             otherwise centred, which needs an odd kernel.
-    Starts as the identity (the tap on the current token is 1, the others 0), so a model with
-    the convolution begins as the one without, and learns how much of its neighbours to mix in.
-    Shapes: x (b, h, n, d) with h * d == channels, mask (b, n) bool, segments (b, n) run
+    Starts as the identity (the current token's tap 1, the others 0). Shapes: x (b, h, n, d) with h * d == channels, mask (b, n) bool, segments (b, n) run
     index (``ops/segments.py``: no tap reaches into another segment) -> (b, h, n, d).
     """
 

@@ -1,15 +1,9 @@
-"""Linear attention over the pixels of a feature map ("Efficient Attention", Shen et al.).
-
-Every output position i attends to every key position j with weight
+"""Linear attention over the pixels of a feature map ("Efficient Attention", Shen et al.):
 
     w_ij = sum_d softmax_d(q_i)[d] * softmax_j(k_{:, d})[j]
 
-(a softmax of the queries over their ``key_dim`` features and a softmax of each key
-feature over the positions), computed as q (kᵀ v) per head in O(positions · key_dim ·
-value_dim) without forming the (positions x positions) matrix. Both softmaxes already
-make every row of w sum to one, so the kernel runs with ``normalize=False``. As in the
-original, queries and keys are scaled by key_dim ** -0.25 before their softmaxes (the
-usual 1/sqrt(d) temperature, split between the two).
+computed as q (kᵀ v) per head (rows already sum to one: ``normalize=False``). Queries and keys
+are scaled by key_dim ** -0.25 before their softmaxes, as in the original.
 """
 
 from __future__ import annotations
@@ -45,56 +39,24 @@ class ImageLinearAttention(nn.Module):
     """Multi-head linear attention between the positions of an image (feature map).
 
     Args:
-        chan: input channels.
-        chan_out: output channels (default ``chan``).
-        kernel_size, padding, stride: int or pair, of the query/key/value convolutions
-            ``to_q``, ``to_k``, ``to_v`` (Conv2d chan -> heads * key_dim / heads * value_dim).
-            The output convolution ``to_out`` (Conv2d heads * value_dim -> chan_out) uses
-            the same ``kernel_size`` and ``padding`` but stride 1.
-        key_dim: query/key features per head.
-        value_dim: value features per head.
-        heads: number of heads.
-        norm_queries: softmax the queries over their features. Without it the query
-            features are used raw (after the temperature) and rows no longer sum to one.
+        chan, chan_out: input and output channels (``chan_out`` default ``chan``).
+        kernel_size, padding, stride: int or pair, of the Conv2d ``to_q``, ``to_k``, ``to_v``;
+            ``to_out`` (heads * value_dim -> chan_out) takes the same kernel and padding, stride 1.
+        key_dim, value_dim: query/key and value features per head. heads: number of heads.
+        norm_queries: softmax the queries over their features (else raw: rows need not sum to 1).
 
     Shapes (forward):
         img: (b, chan, H, W).
-        context: optional (b, chan, *spatial): extra key/value positions, see below.
-        returns: (b, chan_out, H_out, W_out). The attention works on the grid of the
-            q/k/v convolutions, H' = (H + 2 padding - kernel_size) // stride + 1 (same for
-            W), and ``to_out`` maps it to H_out = H' + 2 padding - kernel_size + 1. With
-            ``padding = kernel_size // 2`` (odd kernel) this is the strided size H'; with
-            stride 1 as well it is H, as in ``attn(torch.randn(1, 32, 256, 256))`` ->
-            (1, 32, 256, 256).
-
-    Context. Its positions are appended to the image's key/value positions before the
-    key softmax (queries come from ``img`` only). Keys and values are computed with the
-    same ``to_k`` / ``to_v`` convolutions:
-
-    * a 4-d context (b, chan, Hc, Wc) is a feature map and is convolved exactly like
-      ``img`` (kernel, padding and stride over its own 2-d grid), then flattened;
-    * any other context (b, chan, L) or (b, chan, d1, d2, d3, ...) is flattened to a
-      one-pixel-high image (b, chan, 1, L), as in the original implementation, and
-      convolved; with ``kernel_size > 1`` that convolves along the flattened positions
-      with the kernel's middle row (needs ``padding >= (kernel_size - 1) / 2`` vertically
-      to keep the height at one).
-
-    With ``kernel_size = 1`` (the default) the two routes agree and every context
-    position is projected on its own.
+        context: optional (b, chan, *spatial): key/value positions appended to the image's
+            (through the same ``to_k`` / ``to_v``): a 4-d context is convolved like ``img``,
+            any other is flattened to a one-pixel-high image (b, chan, 1, L) first.
+        returns: (b, chan_out, H_out, W_out): the q/k/v grid H' = (H + 2 padding -
+            kernel_size) // stride + 1, then ``to_out``: H_out = H' + 2 padding - kernel_size
+            + 1 (H itself with stride 1 and padding = kernel_size // 2, odd kernel).
     """
 
-    def __init__(
-        self,
-        chan: int,
-        chan_out: Optional[int] = None,
-        kernel_size=1,
-        padding=0,
-        stride=1,
-        key_dim: int = 64,
-        value_dim: int = 64,
-        heads: int = 8,
-        norm_queries: bool = True,
-    ):
+    def __init__(self, chan: int, chan_out: Optional[int] = None, kernel_size=1, padding=0, stride=1, key_dim: int = 64,
+                 value_dim: int = 64, heads: int = 8, norm_queries: bool = True):
         super().__init__()
         _check_int("chan", chan)
         chan_out = chan if chan_out is None else chan_out
@@ -119,10 +81,8 @@ class ImageLinearAttention(nn.Module):
         self.to_out = nn.Conv2d(value_dim * heads, chan_out, self.kernel_size, padding=self.padding)
 
     def extra_repr(self):
-        return (
-            f"chan={self.chan}, chan_out={self.chan_out}, heads={self.heads}, key_dim={self.key_dim}, "
-            f"value_dim={self.value_dim}, norm_queries={self.norm_queries}"
-        )
+        return (f"chan={self.chan}, chan_out={self.chan_out}, heads={self.heads}, key_dim={self.key_dim}, "
+                f"value_dim={self.value_dim}, norm_queries={self.norm_queries}")
 
     def _grid(self, size, stride=True):
         """Spatial size after a convolution with this module's kernel and padding."""
@@ -147,28 +107,22 @@ class ImageLinearAttention(nn.Module):
         grid = self._grid(img.shape[-2:])
         out_grid = self._grid(grid, stride=False)
         if min(grid + out_grid) < 1:
-            raise ValueError(
-                f"img of spatial size {tuple(img.shape[-2:])} is too small for kernel_size={self.kernel_size}, "
-                f"padding={self.padding}, stride={self.stride}"
-            )
+            raise ValueError(f"img of spatial size {tuple(img.shape[-2:])} is too small for kernel_size="
+                             f"{self.kernel_size}, padding={self.padding}, stride={self.stride}")
 
         q, k, v = self.to_q(img), self.to_k(img), self.to_v(img)
-        q, k = (rearrange(t, "b (h d) x y -> b h (x y) d", h=self.heads) for t in (q, k))
-        v = rearrange(v, "b (h e) x y -> b h (x y) e", h=self.heads)
+        q, k, v = (rearrange(t, "b (h d) x y -> b h (x y) d", h=self.heads) for t in (q, k, v))
 
         if context is not None:
             self._check_input("context", context, b)
             if context.ndim != 4:
                 context = rearrange(context, "b c ... -> b c 1 (...)")
             if min(self._grid(context.shape[-2:])) < 1:
-                raise ValueError(
-                    f"context of spatial size {tuple(context.shape[-2:])} (after flattening) is too small for "
-                    f"kernel_size={self.kernel_size}, padding={self.padding}, stride={self.stride}"
-                )
-            ck = rearrange(self.to_k(context), "b (h d) x y -> b h (x y) d", h=self.heads)
-            cv = rearrange(self.to_v(context), "b (h e) x y -> b h (x y) e", h=self.heads)
-            k = torch.cat((k, ck), dim=2)
-            v = torch.cat((v, cv), dim=2)
+                raise ValueError(f"context of spatial size {tuple(context.shape[-2:])} (after flattening) is too "
+                                 f"small for kernel_size={self.kernel_size}, padding={self.padding}, "
+                                 f"stride={self.stride}")
+            ck, cv = (rearrange(f(context), "b (h d) x y -> b h (x y) d", h=self.heads) for f in (self.to_k, self.to_v))
+            k, v = torch.cat((k, ck), dim=2), torch.cat((v, cv), dim=2)
 
         out_dtype = v.dtype
         dtype = torch.promote_types(q.dtype, torch.float32)

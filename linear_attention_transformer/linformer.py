@@ -18,26 +18,22 @@ is ``parameter_sharing`` (the paper's section 4, as in tatp22's ``linformer-pyto
 E and an F per key/value head and layer), 'headwise' (one E and one F per layer), 'kv' (E = F per layer),
 'layerwise' (one E = F for every layer). ``k_reduce_by_layer`` lets k shrink with depth.
 
-Because the projection along the sequence and the feature projections W_k, W_v are both
-linear and bias-free, they commute; the module mixes positions first (Eᵀ X, then W_k),
-which costs O(m k dim) instead of O(m dim h d) and, with ``share_kv``, is done once for
-keys and values.
+The projections along the sequence and W_k, W_v are linear and bias-free, so they commute:
+positions are mixed first (Eᵀ X, O(m k dim)), once for keys and values with ``share_kv``.
 """
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field, fields, make_dataclass
 from typing import Optional
 
 import torch
 from einops import rearrange
 from torch import nn
 
+from .ops.common import _check_mask
+
 __all__ = ["LinformerSettings", "LinformerContextSettings", "LinformerSelfAttention", "linformer_layers"]
-
-
-# --------------------------------------------------------------------------- validation
 
 
 def _check_int(name, value, minimum=1):
@@ -63,38 +59,13 @@ def _check_features(name, t, dim):
         raise ValueError(f"{name} must have feature size dim = {dim}, got {t.shape[-1]}")
 
 
-def _check_mask(name, mask, batch, length):
-    if mask is None:
-        return
-    if not isinstance(mask, torch.Tensor):
-        raise TypeError(f"{name} must be a bool torch.Tensor, got {type(mask).__name__}")
-    if mask.dtype != torch.bool:
-        raise TypeError(f"{name} must be a bool tensor, got {mask.dtype}")
-    if tuple(mask.shape) != (batch, length):
-        raise ValueError(f"{name} must have shape (batch, length) = {(batch, length)}, got {tuple(mask.shape)}")
-
-
-# --------------------------------------------------------------------------- settings
-
-
 SHARING = ("none", "headwise", "kv", "layerwise")
-
-
-def _check_sharing(settings):
-    if settings.parameter_sharing not in SHARING:
-        raise ValueError(f"parameter_sharing must be one of {SHARING}, got {settings.parameter_sharing!r}")
-    _check_int("k_reduce_by_layer", settings.k_reduce_by_layer, minimum=0)
-    if settings.k_reduce_by_layer and settings.parameter_sharing == "layerwise":
-        raise ValueError(
-            "k_reduce_by_layer > 0 with parameter_sharing='layerwise': one projection for every layer has one k"
-        )
 
 
 @dataclass(frozen=True)
 class LinformerSettings:
-    """Use Linformer self-attention in every layer (non-causal, fixed maximal length).
-
-    The sequence length projected from is the model's ``max_seq_len``.
+    """Use Linformer self-attention in every layer (non-causal), projecting from the model's
+    ``max_seq_len``.
 
     Args:
         k: number of positions keys and values are projected down to (in the first layer).
@@ -114,90 +85,59 @@ class LinformerSettings:
         _check_int("k", self.k)
         _check_bool("one_kv_head", self.one_kv_head)
         _check_bool("share_kv", self.share_kv)
-        _check_sharing(self)
+        if self.parameter_sharing not in SHARING:
+            raise ValueError(f"parameter_sharing must be one of {SHARING}, got {self.parameter_sharing!r}")
+        _check_int("k_reduce_by_layer", self.k_reduce_by_layer, minimum=0)
+        if self.k_reduce_by_layer and self.parameter_sharing == "layerwise":
+            raise ValueError("k_reduce_by_layer > 0 with parameter_sharing='layerwise': one projection for every "
+                             "layer has one k")
 
 
-@dataclass(frozen=True)
-class LinformerContextSettings:
-    """Use Linformer for the attention to a context (encoder output) of length <= ``seq_len``.
-
-    Args:
-        seq_len: maximal context length, the length projected from.
-        k, one_kv_head, share_kv, parameter_sharing, k_reduce_by_layer: as in
-            ``LinformerSettings``.
-    """
-
-    seq_len: int
-    k: int = 256
-    one_kv_head: bool = False
-    share_kv: bool = False
-    parameter_sharing: str = "headwise"
-    k_reduce_by_layer: int = 0
-
-    def __post_init__(self):
-        _check_int("seq_len", self.seq_len)
-        _check_int("k", self.k)
-        _check_bool("one_kv_head", self.one_kv_head)
-        _check_bool("share_kv", self.share_kv)
-        _check_sharing(self)
+def _check_context_settings(self):
+    _check_int("seq_len", self.seq_len)
+    LinformerSettings.__post_init__(self)
 
 
-# --------------------------------------------------------------------------- module
+# ``LinformerSettings``' fields after a first one, seq_len (positional, as upstream's named tuple)
+LinformerContextSettings = make_dataclass(
+    "LinformerContextSettings",
+    [("seq_len", int), *((f.name, f.type, field(default=f.default)) for f in fields(LinformerSettings))],
+    frozen=True, namespace={"__post_init__": _check_context_settings, "__module__": __name__, "__doc__": (
+        "Use Linformer for the attention to a context (encoder output) of length <= ``seq_len`` (the "
+        "length projected from); the other fields as ``LinformerSettings``.")},
+)
 
 
 class LinformerSelfAttention(nn.Module):
     """Multi-head attention whose keys and values are projected along the sequence to length k.
 
     Args:
-        dim: model (feature) size of x, of the context and of the output.
-        seq_len: maximal length of the key/value sequence (x without context, the context
-            with it). Shorter sequences are handled as if zero-padded to ``seq_len``.
-        k: projected length (>= 1). May exceed ``seq_len``, though that saves nothing.
-        heads: number of query heads.
-        dim_head: size of each head; defaults to ``dim // heads`` (``dim`` must then be
-            divisible by ``heads``).
-        one_kv_head: compute one key/value head of size ``dim_head``, shared by all query heads.
-        share_kv: use the same sequence projection for keys and values (F = E). The
-            feature projections ``to_k`` and ``to_v`` stay separate.
-        dropout: dropout probability on the attention weights.
+        dim: feature size of x, of the context and of the output.
+        seq_len: maximal key/value length (x's without context, else the context's).
+        k: projected length (>= 1). heads, dim_head (default dim // heads): the query heads.
+        one_kv_head: one key/value head shared by all query heads.
+        share_kv: one sequence projection for keys and values (F = E; to_k, to_v stay two).
+        dropout: on the attention weights.
         per_head: a sequence projection per key/value head (parameter_sharing 'none').
-        projection: an existing (seq_len, k) parameter to use as E = F (parameter_sharing
-            'layerwise': the same one in every layer); implies ``share_kv``.
-
-    Parameters:
-        to_q: Linear(dim, heads * dim_head), no bias.
-        to_k, to_v: Linear(dim, kv_heads * dim_head), no bias, kv_heads = 1 or heads.
-        proj_k (E), proj_v (F, absent with ``share_kv``): (seq_len, k), or (kv_heads, seq_len,
-            k) with ``per_head``; Xavier-uniform, bound sqrt(6 / (seq_len + k)).
-        to_out: Linear(heads * dim_head, dim), with bias.
+        projection: an existing (seq_len, k) parameter as E = F (parameter_sharing
+            'layerwise'); implies ``share_kv``.
+    Parameters: to_q, to_k, to_v (no bias), to_out; proj_k (E) and proj_v (F, absent with
+    ``share_kv``): (seq_len, k), or (kv_heads, seq_len, k) ``per_head``, Xavier-uniform.
 
     Shapes (forward):
         x: (b, n, dim). Without context n <= seq_len; with context n is free.
         context: optional (b, m, dim), m <= seq_len: keys and values come from it.
-        input_mask: optional bool (b, n), True for real tokens. Without context it masks
-            the keys/values taken from x; with context it is validated but changes nothing
-            (queries are independent rows; padded query rows are the caller's to ignore).
+        input_mask: optional bool (b, n), True for real tokens: masks the keys/values taken
+            from x (refused with a context: mask those with context_mask).
         context_mask: optional bool (b, m), True for real context positions; only with context.
         returns: (b, n, dim).
-
-    A masked or padded key/value position is zeroed before the projection, so its content
-    never changes any output. Logits and softmax are computed in at least float32 (also
-    under autocast) and cast back.
+    A masked key/value position is zeroed before the projection. Logits and softmax are
+    computed in at least float32 (also under autocast) and cast back.
     """
 
-    def __init__(
-        self,
-        dim: int,
-        seq_len: int,
-        k: int = 256,
-        heads: int = 8,
-        dim_head: Optional[int] = None,
-        one_kv_head: bool = False,
-        share_kv: bool = False,
-        dropout: float = 0.0,
-        per_head: bool = False,
-        projection: Optional[nn.Parameter] = None,
-    ):
+    def __init__(self, dim: int, seq_len: int, k: int = 256, heads: int = 8, dim_head: Optional[int] = None,
+                 one_kv_head: bool = False, share_kv: bool = False, dropout: float = 0.0, per_head: bool = False,
+                 projection: Optional[nn.Parameter] = None):
         super().__init__()
         _check_int("dim", dim)
         _check_int("seq_len", seq_len)
@@ -240,10 +180,8 @@ class LinformerSelfAttention(nn.Module):
         return linformer_layers(settings, dim, seq_len, 1, heads=heads, dim_head=dim_head, attn_dropout=dropout)[0]
 
     def extra_repr(self):
-        return (
-            f"dim={self.dim}, seq_len={self.seq_len}, k={self.k}, heads={self.heads}, "
-            f"dim_head={self.dim_head}, one_kv_head={self.one_kv_head}, share_kv={self.share_kv}"
-        )
+        return (f"dim={self.dim}, seq_len={self.seq_len}, k={self.k}, heads={self.heads}, dim_head={self.dim_head}, "
+                f"one_kv_head={self.one_kv_head}, share_kv={self.share_kv}")
 
     @staticmethod
     def _mix(kv_input, proj):
@@ -263,7 +201,7 @@ class LinformerSelfAttention(nn.Module):
     def forward(self, x, context=None, input_mask=None, context_mask=None):
         _check_features("x", x, self.dim)
         b, n, _ = x.shape
-        _check_mask("input_mask", input_mask, b, n)
+        _check_mask(input_mask, b, n, "input_mask")
         if context is None:
             if context_mask is not None:
                 raise ValueError("context_mask was given without context")
@@ -279,7 +217,7 @@ class LinformerSelfAttention(nn.Module):
                 raise ValueError(f"context has batch size {context.shape[0]}, x has {b}")
             if context.shape[1] > self.seq_len:
                 raise ValueError(f"context has length {context.shape[1]}, longer than seq_len = {self.seq_len}")
-            _check_mask("context_mask", context_mask, b, context.shape[1])
+            _check_mask(context_mask, b, context.shape[1], "context_mask")
             kv_input, kv_mask = context, context_mask
 
         m = kv_input.shape[1]
@@ -307,14 +245,9 @@ class LinformerSelfAttention(nn.Module):
         return self.to_out(out)
 
 
-# --------------------------------------------------------------------------- a model's layers
-
-
 def linformer_layers(settings, dim, seq_len, depth, heads=8, dim_head=None, attn_dropout=0.0):
-    """The ``depth`` Linformer layers of a model, built from its settings.
-
-    This is the Linformer layer kind's whole hand-off from ``LinearAttentionTransformer``:
-    its keyword arguments are exactly the model options a Linformer layer honours.
+    """The ``depth`` Linformer layers of a model (its keyword arguments: exactly the model
+    options a Linformer layer honours).
 
     Args:
         settings: ``LinformerSettings`` (keys/values from the layer's own input, of length
@@ -322,8 +255,7 @@ def linformer_layers(settings, dim, seq_len, depth, heads=8, dim_head=None, attn
             context of length <= ``settings.seq_len``; ``seq_len`` is then not used).
         dim, depth, heads, dim_head: the model's.
         attn_dropout: dropout on the attention weights.
-    Returns:
-        list of ``depth`` ``LinformerSelfAttention``.
+    Returns a list of ``depth`` ``LinformerSelfAttention``.
     """
     if isinstance(settings, LinformerContextSettings):
         seq_len = settings.seq_len
@@ -331,14 +263,11 @@ def linformer_layers(settings, dim, seq_len, depth, heads=8, dim_head=None, attn
         raise TypeError(f"settings must be LinformerSettings or LinformerContextSettings, got {type(settings).__name__}")
     sharing = settings.parameter_sharing
     shared = nn.Parameter(_xavier(torch.empty(seq_len, settings.k))) if sharing == "layerwise" else None
-    return [
-        LinformerSelfAttention(
-            dim, seq_len, k=max(1, settings.k - layer * settings.k_reduce_by_layer), heads=heads, dim_head=dim_head,
-            one_kv_head=settings.one_kv_head, share_kv=settings.share_kv or sharing == "kv", dropout=attn_dropout,
-            per_head=sharing == "none", projection=shared,
-        )
-        for layer in range(depth)
-    ]
+    return [LinformerSelfAttention(dim, seq_len, k=max(1, settings.k - layer * settings.k_reduce_by_layer), heads=heads,
+                                   dim_head=dim_head, one_kv_head=settings.one_kv_head,
+                                   share_kv=settings.share_kv or sharing == "kv", dropout=attn_dropout,
+                                   per_head=sharing == "none", projection=shared)
+            for layer in range(depth)]
 
 
 def _xavier(t):

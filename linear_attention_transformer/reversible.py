@@ -19,12 +19,9 @@ typically ``f`` = (pre-norm) attention and ``g`` = (pre-norm) feed-forward. Each
         x1, x2 = y1, y2
     return (y1 + y2) / 2
 
-Each block is invertible given its outputs (``x2 = y2 - g(y1)``, then
-``x1 = y1 - f(x2)``), so the backward pass rebuilds every block's inputs from the
-final outputs instead of keeping them: activation memory does not grow with depth.
-Cached (one token at a time) decoding calls ``f`` and ``g`` directly with the very
-same rule, so the rule is part of the interface and is kept explicit above and in
-``ReversibleSequence._compose``.
+Each block is invertible given its outputs (``x2 = y2 - g(y1)``, then ``x1 = y1 -
+f(x2)``), so backward rebuilds every block's inputs from the final outputs: activation
+memory does not grow with depth. Cached decoding applies the same rule token by token.
 """
 
 from __future__ import annotations
@@ -41,16 +38,10 @@ from torch.autograd.function import once_differentiable
 __all__ = ["SequentialSequence", "ReversibleSequence"]
 
 
-# --------------------------------------------------------------------------- blocks
-
-
 def _build_blocks(blocks: Any) -> nn.ModuleList:
     """Validate ``blocks`` and wrap them as ``ModuleList[ModuleList([f, g])]``."""
     if isinstance(blocks, nn.Module) and not isinstance(blocks, nn.ModuleList):
-        raise TypeError(
-            "blocks must be a sequence of (f, g) pairs of nn.Module, got a single "
-            f"{type(blocks).__name__}"
-        )
+        raise TypeError(f"blocks must be a sequence of (f, g) pairs of nn.Module, got a single {type(blocks).__name__}")
     if not isinstance(blocks, Iterable):
         raise TypeError(f"blocks must be a sequence of (f, g) pairs, got {type(blocks).__name__}")
     pairs = []
@@ -76,25 +67,14 @@ def _check_input(x: Any) -> None:
 
 
 class SequentialSequence(nn.Module):
-    """Plain residual composition of ``(f, g)`` blocks, the reference the reversible one must equal.
+    """Plain residual composition of ``(f, g)`` blocks (the module docstring's first rule).
 
     Args:
-        blocks: sequence of ``(f, g)`` pairs of ``nn.Module``. ``f(x, **kwargs)`` and
-            ``g(x, **kwargs)`` take ``x`` of shape ``(batch, seq, dim)`` (any shape
-            works) and return a tensor of the same shape.
-        checkpoint: gradient checkpointing: when gradients are needed, each block keeps
-            only its input and is run again in backward (``torch.utils.checkpoint``,
-            non-reentrant, RNG state preserved); the gradients are those without it.
-
-    Attributes:
-        blocks: ``nn.ModuleList`` of ``nn.ModuleList([f, g])``.
-
-    Forward:
-        x: ``(batch, seq, dim)``.
-        **kwargs: passed unchanged to every ``f`` and ``g`` call (e.g. ``mask``,
-            ``context``).
-
-        Returns ``(batch, seq, dim)``: for each block, ``x = x + f(x); x = x + g(x)``.
+        blocks: sequence of ``(f, g)`` pairs of ``nn.Module``, each taking ``x`` (batch, seq,
+            dim) and ``**kwargs`` and returning a tensor of x's shape.
+        checkpoint: when gradients are needed, each block keeps only its input and runs again
+            in backward (``torch.utils.checkpoint``, non-reentrant, RNG state preserved).
+    Forward: x (batch, seq, dim); ``**kwargs`` go to every ``f`` and ``g``. Returns x's shape.
     """
 
     def __init__(self, blocks, checkpoint=False):
@@ -113,11 +93,8 @@ class SequentialSequence(nn.Module):
         _check_input(x)
         for f, g in self.blocks:
             if self.checkpoint and torch.is_grad_enabled():
-                # keep only the block's input; backward runs the block again under the same
-                # RNG state (dropout masks replay) and autocast state
-                x = torch.utils.checkpoint.checkpoint(
-                    self._block, f, g, x, use_reentrant=False, preserve_rng_state=True, **kwargs
-                )
+                x = torch.utils.checkpoint.checkpoint(self._block, f, g, x, use_reentrant=False,
+                                                      preserve_rng_state=True, **kwargs)
             else:
                 x = self._block(f, g, x, **kwargs)
         return x
@@ -133,14 +110,9 @@ def _sharded_inside(blocks: nn.Module) -> bool:
     return any(isinstance(m, kinds) for m in blocks.modules())
 
 
-# --------------------------------------------------------------------------- replay state
-
-
 def _device_module(device_type: str):
-    getter = getattr(torch, "get_device_module", None)
-    if getter is not None:
-        return getter(device_type)
-    return getattr(torch, device_type)  # pragma: no cover - torch < 2.3
+    getter = getattr(torch, "get_device_module", None)  # (torch < 2.3: torch.<device_type>)
+    return getter(device_type) if getter is not None else getattr(torch, device_type)
 
 
 def _rng_devices(tensors: Iterable[torch.Tensor]) -> list[torch.device]:
@@ -153,12 +125,9 @@ def _rng_devices(tensors: Iterable[torch.Tensor]) -> list[torch.device]:
 
 
 class _RngState:
-    """The CPU generator state and those of ``devices``, taken at construction.
-
-    ``replay()`` is a context that forks the generators (so the caller's streams are
-    left untouched), installs the recorded states and so repeats the random draws
-    (dropout masks) that the recorded call made.
-    """
+    """The CPU generator state and those of ``devices``, taken at construction; ``replay()``
+    forks the generators (the caller's streams stay untouched) and installs them, so the
+    recorded call's random draws (dropout masks) repeat."""
 
     __slots__ = ("cpu", "devices")
 
@@ -193,9 +162,7 @@ def _capture_autocast(device_types: Iterable[str]) -> list[tuple[str, bool, torc
     state = []
     for device_type in dict.fromkeys(device_types):
         if _autocast_available(device_type):
-            state.append(
-                (device_type, torch.is_autocast_enabled(device_type), torch.get_autocast_dtype(device_type))
-            )
+            state.append((device_type, torch.is_autocast_enabled(device_type), torch.get_autocast_dtype(device_type)))
     return state
 
 
@@ -203,11 +170,8 @@ def _capture_autocast(device_types: Iterable[str]) -> list[tuple[str, bool, torc
 def _restore_autocast(state: list[tuple[str, bool, torch.dtype]], cache_enabled: bool):
     with contextlib.ExitStack() as stack:
         for device_type, enabled, dtype in state:
-            stack.enter_context(
-                torch.autocast(
-                    device_type=device_type, dtype=dtype, enabled=enabled, cache_enabled=cache_enabled
-                )
-            )
+            stack.enter_context(torch.autocast(device_type=device_type, dtype=dtype, enabled=enabled,
+                                               cache_enabled=cache_enabled))
         yield
 
 
@@ -222,28 +186,13 @@ def _nested_grad_tensor(value: Any) -> bool:
     return False
 
 
-# --------------------------------------------------------------------------- reversible autograd
-
-
 class _ReversibleFunction(torch.autograd.Function):
-    """Runs the reversible stack without storing block activations.
-
-    ``apply(blocks, spec, x, *kwarg_tensors, *params)`` returns ``(y1, y2)``, the two
-    streams after the last block.
-
-    * ``spec`` holds the names of the tensor kwargs (their values come as the
-      explicit inputs ``kwarg_tensors``, so autograd can route gradients to, say, an
-      encoder ``context``) and the non-tensor kwargs, passed through as they are.
-    * ``params`` are the distinct parameters of the blocks that require grad. They
-      are explicit inputs so that autograd, not this function, owns their
-      accumulation: ``backward`` computes them with ``torch.autograd.grad`` (which
-      never touches ``.grad`` or fires accumulate-grad hooks) and returns them summed
-      over every use, so each parameter is accumulated exactly once per backward.
-      That is what DDP needs (no "marked ready twice"), and a module shared between
-      blocks gets the sum of its uses.
-
-    Saved for backward: only ``y1``, ``y2`` and the tensor kwargs, whatever the depth.
-    """
+    """``apply(blocks, spec, x, *kwarg_tensors, *params)`` -> (y1, y2), the two streams after the
+    last block, saving only them and the tensor kwargs. ``spec``: the tensor kwargs' names
+    (their values are inputs, so autograd routes their gradients) and the other kwargs.
+    ``params``: the blocks' distinct parameters that require grad, as inputs, so that autograd
+    accumulates each exactly once per backward (what DDP needs; a shared module gets the sum
+    of its uses): backward computes them with ``torch.autograd.grad``."""
 
     @staticmethod
     def forward(ctx, blocks, spec, x, *tensors):
@@ -256,21 +205,9 @@ class _ReversibleFunction(torch.autograd.Function):
         ctx.autocast = _capture_autocast(["cpu", x.device.type, *(d.type for d in devices)])
         ctx.autocast_cache = torch.is_autocast_cache_enabled()
 
-        states = []
-        x1 = x2 = x
-        for f, g in blocks:
-            f_state = _RngState(devices)
-            y1 = x1 + f(x2, **kwargs)
-            g_state = _RngState(devices)
-            y2 = x2 + g(y1, **kwargs)
-            states.append((f_state, g_state))
-            x1, x2 = y1, y2
-
-        ctx.blocks = blocks
-        ctx.names = names
-        ctx.static_kwargs = static_kwargs
-        ctx.rng_states = states
-        ctx.params = params
+        ctx.rng_states = []
+        x1, x2 = _compose(blocks, x, kwargs, lambda: ctx.rng_states.append(_RngState(devices)))
+        ctx.blocks, ctx.names, ctx.static_kwargs, ctx.params = blocks, names, static_kwargs, params
         ctx.param_versions = [p._version for p in params]
         ctx.save_for_backward(x1, x2, *kwarg_tensors)
         return x1, x2
@@ -282,24 +219,18 @@ class _ReversibleFunction(torch.autograd.Function):
         params = ctx.params
         for p, version in zip(params, ctx.param_versions):
             if p._version != version:
-                raise RuntimeError(
-                    "a parameter of a ReversibleSequence was modified in place between the "
-                    "forward and the backward pass; the blocks cannot be recomputed"
-                )
+                raise RuntimeError("a parameter of a ReversibleSequence was modified in place between the forward and "
+                                   "the backward pass; the blocks cannot be recomputed")
         registered = {id(p) for p in ctx.blocks.parameters()}
         if any(id(p) not in registered for p in params):
-            raise RuntimeError(
-                "the parameters of a ReversibleSequence were replaced between the forward "
-                "and the backward pass (e.g. by torch.func.functional_call); the blocks "
-                "cannot be recomputed with the parameters the forward used"
-            )
+            raise RuntimeError("the parameters of a ReversibleSequence were replaced between the forward and the "
+                               "backward pass (e.g. by torch.func.functional_call); the blocks cannot be recomputed "
+                               "with the parameters the forward used")
         n_names = len(ctx.names)
         needs_kwarg_grad = ctx.needs_input_grad[3 : 3 + n_names]
 
         # detached leaves that collect the gradients of the tensor kwargs
-        kwarg_leaves = [
-            t.detach().requires_grad_(need) for t, need in zip(kwarg_tensors, needs_kwarg_grad)
-        ]
+        kwarg_leaves = [t.detach().requires_grad_(need) for t, need in zip(kwarg_tensors, needs_kwarg_grad)]
         kwargs = dict(ctx.static_kwargs, **dict(zip(ctx.names, kwarg_leaves)))
         grad_kwarg_leaves = [t for t in kwarg_leaves if t.requires_grad]
         kwarg_grads: list[torch.Tensor | None] = [None] * len(grad_kwarg_leaves)
@@ -311,9 +242,7 @@ class _ReversibleFunction(torch.autograd.Function):
         def params_of(module: nn.Module) -> list[int]:
             key = id(module)
             if key not in module_params:
-                module_params[key] = [
-                    param_index[id(p)] for p in module.parameters() if id(p) in param_index
-                ]
+                module_params[key] = [param_index[id(p)] for p in module.parameters() if id(p) in param_index]
             return module_params[key]
 
         def accumulate(store, i, grad):
@@ -342,7 +271,8 @@ class _ReversibleFunction(torch.autograd.Function):
             return out.detach(), grads[0]
 
         y1, y2 = y1.detach(), y2.detach()
-        for (f, g), (f_state, g_state) in zip(reversed(ctx.blocks), reversed(ctx.rng_states)):
+        rng_states = list(zip(ctx.rng_states[0::2], ctx.rng_states[1::2]))
+        for (f, g), (f_state, g_state) in zip(reversed(ctx.blocks), reversed(rng_states)):
             # y2 = x2 + g(y1): undo it, and send dy2 through g into y1
             gy1, grad_y1 = recompute(g, g_state, y1, dy2)
             x2 = y2 - gy1
@@ -358,90 +288,41 @@ class _ReversibleFunction(torch.autograd.Function):
 
         dx = dy1 + dy2 if ctx.needs_input_grad[2] else None
         kwarg_grads_iter = iter(kwarg_grads)
-        kwarg_out = [
-            next(kwarg_grads_iter) if leaf.requires_grad else None for leaf in kwarg_leaves
-        ]
+        kwarg_out = [next(kwarg_grads_iter) if leaf.requires_grad else None for leaf in kwarg_leaves]
         return (None, None, dx, *kwarg_out, *param_grads)
 
 
 class ReversibleSequence(nn.Module):
-    """Reversible composition of ``(f, g)`` blocks whose activations are rebuilt in backward.
+    """Reversible composition of ``(f, g)`` blocks (the module docstring's second rule), whose
+    activations are rebuilt in backward.
 
-    Composition rule (also what cached decoding applies token by token, calling each
-    ``f`` and ``g`` directly)::
+    When gradients are needed the forward keeps only the final y1, y2 and the tensor kwargs;
+    backward inverts the blocks one at a time, recomputing ``f`` and ``g`` under the recorded
+    RNG (dropout masks replay) and autocast states: activation memory is one block's.
 
-        x1 = x2 = x
-        for f, g in blocks:
-            y1 = x1 + f(x2, **kwargs)
-            y2 = x2 + g(y1, **kwargs)
-            x1, x2 = y1, y2
-        out = (y1 + y2) / 2
-
-    When gradients are needed, the forward runs without autograd and keeps only the
-    final ``y1``, ``y2`` (and the tensor kwargs); the backward inverts the blocks one
-    at a time (``x2 = y2 - g(y1)``, ``x1 = y1 - f(x2)``), recomputing ``f`` and ``g``
-    under the recorded CPU/accelerator RNG states (dropout masks replay exactly) and
-    autocast state. Activation memory is therefore that of a single block, whatever
-    the depth. Under ``torch.no_grad`` / inference (or when nothing requires grad)
-    the rule is evaluated directly.
-
-    Gradient routing: the input, the top-level tensor kwargs and the (distinct)
-    parameters of the blocks are all explicit inputs of one autograd Function. Its
-    backward gets every gradient with ``torch.autograd.grad`` on the recomputed
-    block outputs (no nested ``.backward()``), sums the contributions of every use,
-    and returns them; autograd then accumulates each parameter's gradient exactly
-    once per backward, as DDP's reducer expects, and shared modules get the sum of
-    their uses.
-
-    Requirements on the blocks: ``f`` and ``g`` must be deterministic given the RNG
-    state (and the autocast state), use only parameters registered on themselves
-    (or their submodules), and return a tensor shaped like their input. Side
-    effects such as BatchNorm running-statistic updates happen again during the
-    recomputation. Parameters must not be modified in place, nor replaced (as
-    ``torch.func.functional_call`` does), between the forward and the backward: the
-    recomputation reads the modules' current parameters, so either raises a
-    RuntimeError rather than returning wrong gradients.
+    The blocks must be deterministic given the RNG and autocast states and use only their own
+    (registered) parameters; side effects (BatchNorm statistics) happen again when
+    recomputed. Parameters modified in place or replaced (``torch.func.functional_call``)
+    between forward and backward raise a RuntimeError rather than give wrong gradients.
 
     Args:
-        blocks: sequence of ``(f, g)`` pairs of ``nn.Module``; ``f(x, **kwargs)`` and
-            ``g(x, **kwargs)`` take ``x`` of shape ``(batch, seq, dim)`` (any shape
-            works) and return a tensor of the same shape. The same module may appear
-            in several blocks (shared weights).
-
-    Attributes:
-        blocks: ``nn.ModuleList`` of ``nn.ModuleList([f, g])``.
-
-    Forward:
-        x: ``(batch, seq, dim)``.
-        **kwargs: passed to every ``f`` and ``g`` call. Top-level tensors (e.g. an
-            encoder ``context`` of shape ``(batch, ctx_seq, dim)``, a ``mask`` of shape
-            ``(batch, seq)``) are routed through autograd and receive their gradients;
-            ``None``, ints and other values pass through unchanged. A tensor that
-            requires grad nested inside a list/tuple/dict kwarg raises ``TypeError``
-            (its gradient could not be delivered).
-
-        Returns ``(batch, seq, dim)``: ``(y1 + y2) / 2`` after the last block (``x``
-        itself when there are no blocks).
+        blocks: sequence of ``(f, g)`` pairs of ``nn.Module``, each taking ``x`` (batch, seq,
+            dim) and ``**kwargs`` and returning a tensor of x's shape; a module may appear in
+            several blocks (shared weights).
+    Forward: x (batch, seq, dim); ``**kwargs`` go to every ``f`` and ``g``: top-level tensors
+    (a ``context``, a ``mask``) get their gradients, other values pass unchanged, and a tensor
+    that requires grad nested in a container raises TypeError. Returns ``(y1 + y2) / 2`` (x
+    itself without blocks).
     """
 
     def __init__(self, blocks):
         super().__init__()
         self.blocks = _build_blocks(blocks)
 
-    def _compose(self, x: torch.Tensor, **kwargs) -> torch.Tensor:
-        """The composition rule evaluated directly (used when no gradient is needed)."""
-        x1 = x2 = x
-        for f, g in self.blocks:
-            y1 = x1 + f(x2, **kwargs)
-            y2 = x2 + g(y1, **kwargs)
-            x1, x2 = y1, y2
-        return (x1 + x2) / 2
-
     def forward(self, x: torch.Tensor, **kwargs) -> torch.Tensor:
         _check_input(x)
         if len(self.blocks) == 0:
             return x
-
         names, kwarg_tensors, static_kwargs = [], [], {}
         for name, value in kwargs.items():
             if isinstance(value, torch.Tensor):
@@ -449,26 +330,33 @@ class ReversibleSequence(nn.Module):
                 kwarg_tensors.append(value)
             else:
                 static_kwargs[name] = value
-
-        if not torch.is_grad_enabled():
-            return self._compose(x, **kwargs)
-
-        for name, value in static_kwargs.items():
-            if _nested_grad_tensor(value):
-                raise TypeError(
-                    f"kwarg {name!r} nests a tensor that requires grad inside a container; "
-                    "pass such tensors as top-level keyword arguments"
-                )
-        params = [p for p in self.parameters() if p.requires_grad]
-        if not (x.requires_grad or params or any(t.requires_grad for t in kwarg_tensors)):
-            return self._compose(x, **kwargs)
-
+        params = [p for p in self.parameters() if p.requires_grad] if torch.is_grad_enabled() else []
+        if torch.is_grad_enabled():
+            for name, value in static_kwargs.items():
+                if _nested_grad_tensor(value):
+                    raise TypeError(f"kwarg {name!r} nests a tensor that requires grad inside a container; pass "
+                                    "such tensors as top-level keyword arguments")
+        grads = torch.is_grad_enabled() and (x.requires_grad or params or any(t.requires_grad for t in kwarg_tensors))
+        if not grads:
+            y1, y2 = _compose(self.blocks, x, kwargs)
+            return (y1 + y2) / 2
         if _sharded_inside(self.blocks):
-            raise TypeError(
-                "a ReversibleSequence cannot hold FSDP units: its backward recomputes the blocks "
-                "outside FSDP's hooks, so their gradients would be lost; apply fully_shard to the "
-                "reversible stack (or a module around it) as one unit"
-            )
-        spec = (tuple(names), static_kwargs)
-        y1, y2 = _ReversibleFunction.apply(self.blocks, spec, x, *kwarg_tensors, *params)
+            raise TypeError("a ReversibleSequence cannot hold FSDP units: its backward recomputes the blocks outside "
+                            "FSDP's hooks, so their gradients would be lost; apply fully_shard to the reversible stack "
+                            "(or a module around it) as one unit")
+        y1, y2 = _ReversibleFunction.apply(self.blocks, (tuple(names), static_kwargs), x, *kwarg_tensors, *params)
         return (y1 + y2) / 2
+
+
+def _compose(blocks, x, kwargs, before_call=None):
+    """The reversible rule: (y1, y2) after the last block; ``before_call`` runs before each
+    call of ``f`` and of ``g`` (the forward records the RNG states there)."""
+    x1 = x2 = x
+    for f, g in blocks:
+        if before_call is not None:
+            before_call()
+        y1 = x1 + f(x2, **kwargs)
+        if before_call is not None:
+            before_call()
+        x1, x2 = y1, x2 + g(y1, **kwargs)
+    return x1, x2

@@ -1,9 +1,6 @@
-"""Token shifting: a slice of each position's features is replaced by its neighbour's.
-
-A cheap way to let every layer see the previous token directly, which speeds up
-convergence of language models. In causal models the features are split in two: the
-first half comes from the previous token, the second stays. Non-causal models split in
-three: previous, next, unchanged.
+"""Token shifting: a slice of each position's features is replaced by its neighbour's, so every
+layer sees the previous token directly. Causal: two slices (previous, unchanged); else three
+(previous, next, unchanged).
 """
 
 from __future__ import annotations
@@ -18,19 +15,12 @@ def token_shifts(causal: bool):
 
 
 def shift_tokens(x, shifts, mask=None, previous=None, segments=None):
-    """Shift slices of the feature dimension along the sequence.
+    """Shift slices of the feature dimension along the sequence: x (b, n, d) -> (b, n, d).
 
-    Args:
-        x: (b, n, d). shifts: one shift per slice, e.g. (1, 0): slice 0 comes from the
-            token before, slice 1 stays.
-        mask: optional (b, n) bool; padding is zeroed first so it never leaks into a
-            real token.
-        previous: optional (b, d) features of the token before x[:, 0] (cached decoding).
-        segments: optional (b, n) segment ids (a run index, ``ops/segments.py``): a token
-            shifted across a segment boundary arrives as zeros, as at a sequence's ends.
-    Returns:
-        (b, n, d)
-    """
+    ``shifts``: one per slice, e.g. (1, 0): slice 0 from the token before, slice 1 stays.
+    ``mask`` (b, n): padding is zeroed first. ``previous`` (b, d): the token before x[:, 0]
+    (cached decoding). ``segments`` (b, n) run index: nothing shifts across a boundary (zeros
+    arrive, as at the sequence's ends)."""
     if mask is not None:
         x = x.masked_fill(~rearrange(mask, "b n -> b n 1"), 0.0)
     if segments is not None and previous is not None:

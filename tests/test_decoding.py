@@ -1,5 +1,5 @@
 """The one-token decoder (decoding.py) equals the full forward, and the in-place recurrence
-step (``RecurrentState``, ops/causal/recurrent.py) equals the reference step beside it."""
+step (``CausalState``, ops/causal/recurrent.py) equals the reference step beside it."""
 
 import pytest
 import torch
@@ -12,7 +12,7 @@ from linear_attention_transformer import AutoregressiveWrapper, LinearAttentionT
 from linear_attention_transformer.decoding import CacheDecoder, Decoder
 from linear_attention_transformer.ops import CausalState
 from linear_attention_transformer.ops import causal_linear_attention_step
-from linear_attention_transformer.ops.causal.recurrent import RecurrentState, join_flags
+from linear_attention_transformer.ops.causal.recurrent import join_flags
 
 D = torch.float64
 
@@ -152,7 +152,7 @@ def test_global_step_equals_reference_step_float64(exp_features, logit_scale, bl
         shape = (b, h, n) if gate == "head" else (b, h, n, d)
         log_decay = -torch.rand(*shape, generator=g, dtype=D) * 3
     reference = CausalState.zeros(b, h, d, e, blindspot, exp_features, dtype=D)
-    lean = RecurrentState.zeros(b, h, d, e, blindspot, exp_features, dtype=D)
+    lean = CausalState.zeros(b, h, d, e, blindspot, exp_features, dtype=D)
     zero = torch.zeros((), dtype=D)
     for t in range(n):
         ld = None if log_decay is None else log_decay[:, :, t]
@@ -180,7 +180,7 @@ def test_global_step_equals_reference_step_float64(exp_features, logit_scale, bl
 @pytest.mark.parametrize("prompt", [0, 2, 4])  # 2, 4: the first block began in the prompt (pending)
 def test_step_after_a_prompt_equals_reference_step_float64(exp_features, logit_scale, traced, prompt):
     """The in-place step loaded with the state after a prompt of ``prompt`` tokens
-    (``RecurrentState.load``, as a cached call leaves it): every output and the state after
+    (``CausalState.load``, as a cached call leaves it): every output and the state after
     every step equal the reference step's, with the join given as the position an eager step
     knows (an int: joined only at a block's end) or as tensor flags (the form a compiled step
     traces: computed at every step, a no-op where the block is not complete)."""
@@ -196,7 +196,7 @@ def test_step_after_a_prompt_equals_reference_step_float64(exp_features, logit_s
                                                     exp_features)
     start = [t for t in (reference.kv, reference.ref, reference.pending, reference.pending_ref) if t is not None]
     given = [t.clone() for t in start]
-    lean = RecurrentState.zeros(b, h, d, e, blindspot, exp_features, dtype=D)
+    lean = CausalState.zeros(b, h, d, e, blindspot, exp_features, dtype=D)
     lean.load(reference)
     zero, hidden = torch.zeros((), dtype=D), torch.full((), float("-inf"), dtype=D)
     for t in range(prompt, n):

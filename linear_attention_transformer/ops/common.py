@@ -38,11 +38,9 @@ def _row_inverse(den):
 class _DivideRows(torch.autograd.Function):
     """num (…, e) / den (…, 1), and 0 with zero gradient where den is 0.
 
-    The inverse is taken on the column and one product scales the rows, so forward and
-    backward each make one pass over the numerator (two where()s and a division over the
-    whole output made four; measured in bench_kernel.py). Backward is written out because
-    autograd through the inverse would form d(1/den) = -1/den², which overflows float32 for
-    den < 5e-20 while the output is still finite; here d den = -sum(grad * out) / den."""
+    One inverse of the column and one product over the rows, forward and backward. Backward is
+    written out: autograd would form d(1/den) = -1/den², which overflows float32 for den <
+    5e-20 while the output is finite; here d den = -sum(grad * out) / den."""
 
     generate_vmap_rule = True
 

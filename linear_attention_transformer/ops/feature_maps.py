@@ -1,13 +1,8 @@
 """Feature maps: how queries and keys become the non-negative features of linear attention.
 
-``'softmax'`` (the default, as in upstream linear-attention-transformer): queries take a softmax
-over their feature dimension. Keys take a softmax over the sequence when nothing is causal; in
-the causal case they are exponentiated, exp(k), because a softmax over the sequence would see
-the future.
-
-exp(k) overflows for large logits, so the causal kernels take the logits themselves
-(``exp_features=True``) and exponentiate relative to running maxima that cancel exactly
-(see ``linear_attention.py``).
+``'softmax'`` (the default, as upstream): queries take a softmax over their features; keys a
+softmax over the sequence without a causal order, else exp(k), which the causal kernels take
+as logits (``exp_features=True``, exponentiated against maxima that cancel: ``ops/causal/chunk.py``).
 
 ``'elu'`` (elu + 1, "Transformers are RNNs"), ``'relu'`` and any callable (the
 ``linear-attention`` package's ``psi_fn``) are applied to queries and keys alike.
@@ -17,12 +12,9 @@ s = q·k / sqrt(d), by its Taylor polynomial 1 + s + s²/2, as the dot product o
 
     phi(x) = [1, x / d^(1/4), (x_i x_j / sqrt(d))_{i<j}, (x_i² / sqrt(2 d))_i]
 
-so phi(q)·phi(k) = 1 + s + (sum_i q_i k_i)² / (2 d) = 1 + s + s²/2 (each pair i < j once, hence
-no 1/2; the squares with it). The weight is ((s + 1)² + 1) / 2 >= 1/2: every key counts, and
-no normaliser vanishes. The features are not all non-negative, but their dot products are.
-Each head's d features become 1 + d + d (d + 1) / 2 (153 for d = 16, 561 for d = 32), which
-the kernel's state (d_features x e) and its intra-chunk q kᵀ grow with: the map is meant for
-a small d (Based projects to 16).
+so phi(q)·phi(k) = 1 + s + (sum_i q_i k_i)² / (2 d) = 1 + s + s²/2 = ((s + 1)² + 1) / 2 >= 1/2
+(each pair i < j once, the squares halved): every key counts, no normaliser vanishes. d
+features become 1 + d + d (d + 1) / 2 (153 for d = 16): meant for a small d (Based uses 16).
 """
 
 from __future__ import annotations
@@ -60,17 +52,14 @@ def taylor_features(x):
 
 
 def _elu_plus_one(x):
-    """elu(x) + 1, with exp(x) for x <= 0 formed directly: (exp(x) - 1) + 1 cancels to 0 in low
-    precision (bfloat16 already for x < -5.5, float32 for x < -17) and the key would vanish.
-    As the sum of the two halves relu(x) + exp(min(x, 0)); the slope at 0 is 1 from both sides."""
+    """elu(x) + 1 as relu(x) + exp(min(x, 0)): (exp(x) - 1) + 1 would cancel to 0 in low
+    precision (bfloat16 for x < -5.5, float32 for x < -17) and the key vanish."""
     return x.clamp(max=0).exp_().add_(x.clamp(min=0))
 
 
 class _EluPlusOne(torch.autograd.Function):
     """``_elu_plus_one`` with a backward that reads only the output y: the slope is min(y, 1)
-    (x > 0: y = x + 1 > 1 and the slope is 1; x <= 0: y = exp(x) is its own slope). Autograd
-    through the two halves saved x and made five passes over it in backward (a comparison and a
-    where() for the clamp, relu's threshold, exp's product, the sum); this makes two."""
+    (two passes in backward, where autograd through the two halves made five)."""
 
     generate_vmap_rule = True  # (and forward apart from setup_context: torch.func works)
 

@@ -24,11 +24,9 @@ def linear_attention(q, k, v, mask=None, normalize=True, segments=None):
         k: (b, h, m, d) key features (non-negative when ``normalize``).
         v: (b, h, m, e) values.
         mask: optional (b, m) bool, True for keys to attend to.
-        normalize: divide by sum_j w_ij. Off for feature maps that already normalise
-            (softmax over keys and over query features gives rows that sum to 1).
-        segments: optional (b, n) segment ids (self-attention, m == n, ``segments.py``):
-            each query reads only its own segment's kᵀv, one summary per segment, in
-            O(n S d e) for S segments per row.
+        normalize: divide by sum_j w_ij (off for maps whose rows already sum to 1).
+        segments: optional (b, n) ids (self-attention, m == n): each query reads only its
+            own segment's kᵀv, in O(n S d e) for S segments per row.
     Returns:
         (b, h, n, e)
     """

@@ -1,18 +1,12 @@
 """Non-finite inputs stay in their future.
 
-A query must not see a later token, whatever its value. In exact arithmetic an invisible key
-has weight 0, but 0 * NaN and 0 * inf are NaN: a later token's NaN or inf would reach
-earlier queries through every product that masks by multiplying, the chunked kernel's
-(C x C) weights times the values, a window's zero weights times its values, a softmax's
-backward over a row. So the attention ops read non-finite queries, keys, values and decays as
-0 (``quarantine``) and then give NaN to exactly the outputs whose plain sum would hold one:
-the query's own token, and the keys, values and decays it sees (``seen``). Every other output
-equals what it is without the bad token, bit for bit, and so does its gradient.
-
-Checking costs a few passes over the inputs. The forms that read a count back to the host
-anyway (the CPU's eager forms) first test the sum of everything, one reduction: finite
-inputs, the usual case, then cost nothing more. The forms that must not sync (other devices,
-torch.compile) always take the full path.
+An invisible key has weight 0, but 0 * NaN is NaN: a later token's NaN or inf would reach
+earlier queries through every product that masks by multiplying. So the attention ops read
+non-finite queries, keys, values and decays as 0 (``quarantine``) and give NaN to exactly the
+outputs whose plain sum holds one: the query's own token and the keys, values and decays it
+sees (``seen``). Every other output, and its gradient, is bit for bit as without the bad token.
+Forms that may read back to the host first test the sum of everything (one reduction); the
+others always take the full path.
 """
 
 from __future__ import annotations

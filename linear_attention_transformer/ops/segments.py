@@ -1,13 +1,9 @@
 """Packed sequences: several documents in one row, told apart by ``segment_ids``.
 
-A segment is a maximal run of equal consecutive ids: ``[0, 0, 1, 1, 0]`` holds three
-segments (the last 0 starts a new one). Every layer treats each segment as a sequence of
-its own: no token sees a token of another segment, and positions restart at each segment's
-first token.
-
-The ids are canonicalised once to a *run index*, ``cumsum(id changes)`` (0, 1, 2, ... per
-row, non-decreasing), which every function below accepts and returns unchanged
-(``segment_runs`` is idempotent), so the kernels may take either form.
+A segment is a maximal run of equal consecutive ids (``[0, 0, 1, 1, 0]`` holds three). Every
+layer treats each as a sequence of its own: no token sees another segment's, and positions
+restart at each segment's first token. The ids are canonicalised to a *run index*,
+``cumsum(id changes)``, which every function below also accepts (``segment_runs`` is idempotent).
 """
 
 from __future__ import annotations

@@ -11,19 +11,14 @@ query i sees exactly the last L * w keys, itself included,
 
     i - L * w  <  j  <=  i.
 
-``Window.visible`` states the rule once (its lower bound is ``Window.first_key``).
-``windowed_attention_by_position`` is its plain O(n m) masked softmax (it also serves cached
-decoding, whose keys sit in a ring at any positions); ``windowed_attention_step`` is one
-query of a decoder over that ring;
-``windowed_attention`` is the blocked form used by the full forward, O(n (L + F + 1) w):
-each window of queries meets only the L + F + 1 windows of keys around it, and the same
-rule masks inside them. The tests hold the two equal.
+``Window.visible`` states the rule once (lower bound ``Window.first_key``).
+``windowed_attention_by_position`` is its plain O(n m) masked softmax (also cached decoding's,
+keys in a ring at any positions), ``windowed_attention_step`` one decoder query over that ring,
+and ``windowed_attention`` the blocked form, O(n (L + F + 1) w): each window of queries meets
+the L + F + 1 windows of keys around it, masked by the same rule.
 
-Packed sequences (``segments``, see ``segments.py``): positions are counted from the start of
-each query's segment, as if the segment ran alone, and only keys of the query's own segment
-are visible. The blocked form then meets one more window of keys on each side that a
-segment may reach (its windows no longer line up with the blocks), and masks by the
-segment-relative positions.
+With ``segments`` (``segments.py``) positions count from each query's segment start and only
+its own segment's keys are visible; the blocked form then meets one more window each side.
 """
 
 from __future__ import annotations
@@ -70,15 +65,10 @@ class Window(NamedTuple):
 
 def windowed_attention_by_position(q, k, v, q_positions, k_positions, window, key_mask=None, q_segments=None,
                                    k_segments=None):
-    """The explicit form. Args:
-        q: (b, h, n, d) queries at positions ``q_positions`` (n,) or (b, n).
-        k, v: (b, h, m, d) keys/values at positions ``k_positions`` (m,) or (b, m).
-        window: ``Window``. key_mask: optional (b, m) bool, True for real keys.
-        q_segments, k_segments: optional (b, n) and (b, m) segment labels: a key is visible
-            only to queries of the same label (positions are then the segment-relative ones).
-    Returns:
-        (b, h, n, d)
-    """
+    """The explicit form: q (b, h, n, d) at ``q_positions`` (n,) or (b, n), k, v (b, h, m, d) at
+    ``k_positions`` (m,) or (b, m), ``key_mask`` (b, m) True for real keys, ``q_segments`` /
+    ``k_segments`` (b, n) / (b, m) labels (a key is visible only to queries of its label;
+    positions are then segment-relative) -> (b, h, n, d)."""
     q, k, v, bad = _quarantine(q, k, v)
     sim = torch.einsum("bhid,bhjd->bhij", q, k) * q.shape[-1] ** -0.5
     visible = window.visible(q_positions[..., :, None], k_positions[..., None, :])
@@ -92,16 +82,9 @@ def windowed_attention_by_position(q, k, v, q_positions, k_positions, window, ke
 
 
 def windowed_attention(q, k, v, window, key_mask=None, segments=None):
-    """The blocked form, for a whole sequence at positions 0 .. n - 1. Args:
-        q, k, v: (b, h, n, d). window: ``Window``. key_mask: optional (b, n) bool.
-        segments: optional (b, n) segment ids: each segment attends as if alone.
-    Returns:
-        (b, h, n, d)
-
-    Each block of w queries meets the keys of the windows around it, padded by whole windows
-    on both sides and masked. With segments, positions are segment-relative, so a window can
-    reach one window further on each side (on the left unless exact, on the right unless
-    causal), and keys of other segments are masked too."""
+    """The blocked form over positions 0 .. n - 1: q, k, v (b, h, n, d), ``key_mask`` (b, n),
+    ``segments`` (b, n) ids (each segment as if alone) -> (b, h, n, d). Each block of w queries
+    meets the windows of keys around it (one more each side with segments), padded and masked."""
     b, _, n, _ = q.shape
     w = window.size
     runs = None if segments is None else segment_runs(segments)
@@ -136,12 +119,10 @@ def windowed_attention(q, k, v, window, key_mask=None, segments=None):
 
 
 def windowed_attention_step(q, keys, values, bias, out=None):
-    """One query over a ring of stored keys (cached decoding): q (b, h, 1, d) already scaled by
-    d^-1/2, keys and values (b, h, slots, d), bias (b or 1, 1, slots) 0 where the key is
-    visible (``Window.visible`` of the slots' positions) and -inf elsewhere; the query's own
-    key is among them. -> (b, h, d), written into ``out`` when given. Products and sums, not
-    matmuls: a batched matmul of these tiny shapes runs on every thread, and on a busy
-    machine waiting for the other threads costs milliseconds."""
+    """One query over a ring of stored keys (cached decoding): q (b, h, 1, d) scaled by d^-1/2,
+    keys and values (b, h, slots, d), bias (b or 1, 1, slots) 0 where visible, -inf elsewhere
+    -> (b, h, d), written into ``out`` when given. Products and sums, not matmuls: a batched
+    matmul of tiny shapes runs on every thread, and waiting for a busy one costs milliseconds."""
     sim = (q * keys).sum(dim=-1) + bias
     return torch.sum(sim.softmax(dim=-1)[..., None] * values, dim=-2, out=out)
 

@@ -16,12 +16,32 @@ from linear_attention_transformer.ops.causal.scan import (
     references,
     scan,
     sequential_linear_scan,
-    sequential_scan,
 )
 
 DOUBLE = torch.float64
 NEG_INF = float("-inf")
 COUNTS = [1, 2, 3, 5, 8, 13, 64, 100]
+
+
+def sequential_scan(summaries, initial=None, dim=0):
+    """The naive judge of ``scan``: ``combine`` folded over the spans along ``dim``, one at a
+    time. Returns (before, final): ``before`` stacks the summary of everything before each
+    span (``initial`` included; its log_decay the total decay before the span), ``final``
+    that of everything."""
+    def span(i):
+        return Summary(*(None if t is None else t.select(dim, i) for t in summaries))
+
+    first = span(0)
+    acc = initial if initial is not None else Summary(
+        torch.zeros_like(first.kv), None if first.log_decay is None else torch.zeros_like(first.log_decay),
+        None if first.ref is None else torch.full_like(first.ref, NEG_INF))
+    befores = []
+    for i in range(summaries.kv.shape[dim]):
+        befores.append(acc)
+        acc = combine(acc, span(i))
+    before = Summary(*(None if befores[0][f] is None else torch.stack(
+        [torch.broadcast_to(b[f], befores[-1][f].shape) for b in befores], dim=dim) for f in range(3)))
+    return before, acc
 
 
 def coefficients(kind, b, c, d, g, zeros=False):

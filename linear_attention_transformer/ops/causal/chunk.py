@@ -1,90 +1,43 @@
-"""The chunked causal kernel, and the math that the causal forms share (``__init__.py`` lists
-the forms; each equals ``naive.py``'s explicit matrix).
+"""The chunked causal kernel, and the math the causal forms share (each equals ``naive.py``).
 
-The attention weight of key j for query i is
+The weight of key j for query i is w_ij = sum_d phi(q_i)_d phi(k_j)_d decay_ijd, the output
+sum_j w_ij v_j / sum_j w_ij. Given features (``exp_features=False``): q and k are already
+non-negative. Exponential features: q, k are logits and phi(q)_d phi(k)_d = exp(q_d + k_d) (the
+softmax map: its per-query constant cancels). No raw logit is exponentiated; every factor is
+exp(x - reference) <= 1:
 
-    w_ij = sum_d phi(q_i)_d * phi(k_j)_d * decay_ijd
+* a state holds sum_j exp(k_jd + G_td - G_jd - r_d) [v_j, 1] on r_d, the decayed running
+  maximum of k_jd + G_td - G_jd: a decay moves r, not the sums, so the largest term is 1 and a
+  query reading it against M_i = max_d (q_id + G_id + r_d) has a denominator >= 1;
+* fast chunks: keys decayed to the chunk's end, relative to their maximum m_d there; query i
+  with exp(G_id - G_end,d) against the same M_i (also over q_id + G_id - G_end,d + m_d), so the
+  intra-chunk weights are one matmul for any decay. i's terms can underflow (m set by a later
+  key, a strongly decayed feature), but each dropped term is < e^-87 relative to M_i: a query
+  whose denominator is >= ``SAFE_BELOW`` is exact to rounding, and the chunks holding one below
+  it are recomputed in log space (``_safe_chunk_outputs``; eagerly the lost chunks' count is
+  read back, compiled a ``torch.cond`` recomputes all when any is lost);
+* exact chunks (``forms.py``): keys relative to their running maximum P_id = max_{j<=i} (k_jd -
+  G_jd), query i against M_i = max(max_d (q_id + G_id + P_id), max_d (q_id + G_id + r_d)), its
+  largest term exactly, and the pair (i, j <= i) as exp(q_id + G_id + P_id - M_i) exp(P_jd -
+  P_id) exp(k_jd - G_jd - P_jd): three factors <= 1, the middle one a per-feature decay
+  (``_exact_chunk_factors``). Nothing is recomputed or read back.
 
-and the output is ``sum_j w_ij v_j / sum_j w_ij``. Two kinds of features:
+The shifts carry no gradient and cancel: float64 equals the explicit matrix, gradients included.
 
-* given features (``exp_features=False``): q and k are already non-negative (elu + 1,
-  relu, a user's map);
-* exponential features (``exp_features=True``): q and k are logits and
-  phi(q)_d phi(k)_d = exp(q_d + k_d). This is the default softmax map: the softmax over the
-  query's features only adds a per-query constant, which cancels in the ratio. The kernels
-  never exponentiate a raw logit; every factor is exp(x - reference) <= 1:
+Between chunks the state obeys S_c = a_c S_{c-1} + x_c (x_c the chunk's keys decayed to its
+end, a_c its total decay, both relative to r): a scan of chunk summaries (``scan.py``, also
+what context parallelism exchanges). ``log_decay`` (log a_t <= 0, (b, h, n) or (b, h, n, d)) is
+the forget gate; decays enter as exp(G_i - G_j), i >= j, on cumulative sums G: never above 1.
 
-  - a state (the recurrence's, and the chunked form's between chunks) holds
-    sum_j exp(k_jd + G_td - G_jd - r_d) [v_j, 1] on r_d, the *decayed* running maximum
-    max_j (k_jd + G_td - G_jd): a decay moves r, not the sums, so the largest term stays 1
-    and a query reading it against M_i = max_d (q_id + G_id + r_d) has a denominator >= 1,
-    whatever the logits' size and the decays. Every state a query reads was set by keys it
-    sees.
-  - inside a chunk (fast form) keys are taken decayed to the chunk's end, relative to their
-    maximum m_d there, and query i with exp(G_id - G_end,d) against the same shift M_i (now
-    also over q_id + G_id - G_end,d + m_d): the intra-chunk weights are one plain matmul for
-    any decay. m may be set by a key after i, or the factors may be large for a strongly
-    decayed feature: then i's terms are all far below M_i and can underflow.
-  - the safe form: each term the fast form drops is < e^-87 relative to M_i (a product of
-    factors <= 1 underflows only if it is that small), so a query whose computed
-    denominator is >= ``SAFE_BELOW`` (1e-12) is exact to rounding. Chunks holding a query
-    below it (and which sees some key) are recomputed: the state term as logits
-    a_id = q_id + G_id + r_d, the chunk's pairs as l_ij = logsumexp_d (q_id + k_jd + G_id -
-    G_jd), both against M_i = max(max_d a_id, max_j l_ij) over what i sees, so that i's
-    largest term is exactly 1. Only those chunks pay for the (C x C x d) pairs. Under
-    torch.compile the choice is a ``torch.cond`` (no graph break): when any chunk is lost,
-    all are recomputed and the lost ones selected. Eagerly the lost chunks' count is read
-    back: one host sync per call.
-  - the exact chunks (``forms.py``: every device but the CPU) need no recompute, so
-    nothing is decided and nothing read back: inside a chunk keys are taken relative to
-    their running maximum P_id = max_{j <= i} (k_jd - G_jd), query i against
-    M_i = max(max_d (q_id + G_id + P_id), max_d (q_id + G_id + r_d)), which is exactly its
-    largest term, and the pair (i, j <= i) as exp(q_id + G_id + P_id - M_i) exp(P_jd - P_id)
-    exp(k_jd - G_jd - P_jd): three factors <= 1, the middle one a per-feature decay with log
-    cumulative -P (``_exact_chunk_factors``), formed like a per-feature gate's weights (chunks
-    of 16 in sub-chunks of 4). Exact by construction at any spread; on the CPU that sub-chunk
-    work costs more than the fast form plus its (rare) recompute (measured: ``forms.py``), so
-    the CPU keeps those. With
-    segments the running maxima restart at each segment's first token (a log-depth segmented
-    maximum) and the factors through a sub-chunk's reference are kept only for pairs whose
-    segment holds that reference (every pair of one segment does).
+``segments`` (``segments.py``): key j is visible to query i only in i's segment. The chunked
+form masks the (C x C) weights to same-segment pairs, lets a query read the state before its
+chunk only when the token before the chunk is of its segment, and builds the state after a
+chunk from the keys of its last segment alone (on their own maximum), carrying the earlier
+state only when no segment starts in the chunk. Blindspot blocks stay counted from position 0
+(``Attention._packed`` aligns segments to blocks).
 
-  So the chunked form, the recurrence and the blindspot form are exact at any logit spread
-  (float64 equal to the explicit matrix, float32 within the rounding of its logits),
-  gradients included: the shifts carry no gradient, they cancel.
-
-Chunks: quadratic inside a chunk of C tokens, the running state S between chunks. Between
-chunks the state obeys S_c = a_c S_{c-1} + x_c (x_c the chunk's keys decayed to its end,
-``scan.summarize``; a_c its total decay; for exponential features both relative to the
-references r, see above). That is a scan of chunk summaries under one associative operator
-(``scan.py``, also what context parallelism exchanges): a loop over the chunks, a
-work-efficient log-depth scan whose backward is the reverse scan (launches grow as log n, not
-n; with the exact chunks above, no host sync in forward or backward, segments included), or
-``blocked_linear_scan``, a graph whose size does not depend on n (under ``torch.compile``:
-one compile serves every length). Which runs where, and why: ``forms.py``.
-
-``log_decay`` (log a_t <= 0), per position (b, h, n) or per position and key feature
-(b, h, n, d), is the forget gate of gated linear attention. Decays are applied as
-exp(G_i - G_j) with i >= j on cumulative sums G, which never exceeds 1 (for exponential
-features folded into the logits, see above; for given features formed pair by pair in
-sub-chunks when per feature).
-
-Packed sequences (``segments``, ``segments.py``): key j is visible to query i only in i's
-segment. The explicit matrix masks the pairs; the recurrence empties its state (sums 0,
-references -inf) at a segment's first token; the chunked form masks the (C x C) weights
-to same-segment pairs (valid for every weight form: they are formed, then masked), lets a
-query read the state before its chunk only when the token before the chunk is of its
-segment, and builds the state after a chunk from the keys of the chunk's last segment
-alone, carrying the earlier state only when no segment starts in the chunk. For exponential
-features those kept keys get their own maximum as reference (an earlier segment's keys in
-the chunk may be far larger), the decayed running maximum restarts with the segment, and a
-query of a new segment reads the state against a reference of -inf (factor 0). The safe
-recompute takes the same masks. Blindspot blocks stay counted from position 0 here; the
-attention layer aligns segments to blocks (``Attention._packed``).
-
-The normaliser rides along as an extra all-ones column of v, so the state carries S (d x e)
-and z (d) as one (d x e+1) tensor. Half-precision inputs are computed in float32 (the
-state sums up to n terms and would overflow float16) and cast back on return.
+The normaliser rides along as an all-ones column of v: the state is one (d x e + 1) tensor.
+Half precision is computed in float32 and cast back.
 """
 
 from __future__ import annotations
@@ -99,15 +52,11 @@ from ..segments import positions_in_segment, segment_runs
 from .fla import fla_causal_linear_attention
 from .forms import CHUNK_SIZE, check_form, pick_form, reads_back, scoped_form
 from .recurrent import CausalState, recurrent_causal_linear_attention
-from .scan import (blocked_linear_scan, key_factors, linear_scan, linear_terms, references, sequential_linear_scan,
-                   summarize)
+from .scan import Summary, key_factors, scan, summarize
 
 __all__ = ["causal_linear_attention"]
 
 PER_FEATURE_SUB_CHUNK = 4  # (the sub-chunk of chunks formed pair by pair, see forms.py)
-
-
-# --------------------------------------------------------------------- causal: chunked
 
 
 def _intra_chunk_weights(q, k, G, sub_chunk, seg=None):
@@ -139,12 +88,10 @@ def _pairwise_weights(q, k, G, seg=None):
 
 
 def _two_level_weights(q, k, G, s, seg=None):
-    """Decay per feature in chunks of C split into sub-chunks of s.
-
-    For a query sub-chunk I and the keys before it, the decay exp(G_i - G_j) factors through
-    R_I, the cumulative decay just before I: exp(G_i - R_I) * exp(R_I - G_j), both <= 1, so
-    those weights are one matmul per sub-chunk. Only the s x s blocks on the diagonal are
-    formed pair by pair. Memory O(C (C/s + s) d) per chunk instead of O(C^2 d)."""
+    """Decay per feature in chunks of C split into sub-chunks of s: for query sub-chunk I and the
+    keys before it exp(G_i - G_j) = exp(G_i - R_I) exp(R_I - G_j) (R_I: the decay just before
+    I), both <= 1, one matmul per sub-chunk; only the (s x s) diagonal blocks go pair by pair.
+    Memory O(C (C/s + s) d) per chunk instead of O(C^2 d)."""
     C, d = q.shape[-2:]
     m = C // s
     qs, Gs = (rearrange(t, "... (m s) d -> ... m s d", s=s) for t in (q, G))
@@ -200,57 +147,34 @@ def _segment_running_max(x, seg):
 
 
 def _exact_chunk_factors(q_logits, k_logits, G, r_read, sub_chunk, seg=None):
-    """Exponential features inside a chunk with nothing lost to underflow (the parallel form).
+    """The exact chunks of the module docstring: (q_state, weights).
 
-    q_logits: (…, l, d) q + G; k_logits: (…, l, d) raw key logits (masked keys -inf); G:
-    (…, l, 1 or d) log decay since the chunk's start, or None; r_read: (…, 1, d) reference of
-    the state the chunk's queries read. With K_jd = k_jd - G_jd and its running maximum
-    P_id = max_{j <= i} K_jd, query i's shift M_i = max(max_d (q_id + G_id + P_id),
-    max_d (q_id + G_id + r_read_d)) is exactly its largest term, and its pair (i, j <= i)
-    factors as
-
-        exp(q_id + G_id + P_id - M_i) * exp(P_jd - P_id) * exp(K_jd - P_jd),
-
-    every factor <= 1: the middle one is a per-feature decay with log cumulative -P, so the
-    weights are ``_intra_chunk_weights``' per-feature form. (-inf in P, before a feature's
-    first key, becomes the chunk's smallest finite P in the last two factors, whose product
-    is then 0 by the third, and stays -inf in the first.) With ``seg`` (…, l), the run index
-    of each position, the running maximum restarts with each segment and the weights hold
-    only pairs of one segment (r_read is then -inf for queries that read no state).
-    Returns (q_state, weights)."""
+    q_logits: (…, l, d) q + G; k_logits: (…, l, d) key logits (masked keys -inf); G: (…, l, 1
+    or d) log decay since the chunk's start, or None; r_read: (…, 1, d) reference of the state
+    the queries read (-inf for a query that reads none). The pair factor exp(P_jd - P_id) is a
+    per-feature decay of log cumulative -P (``_intra_chunk_weights``); -inf in P (before a
+    feature's first key) becomes the chunk's smallest finite P there, where the key factor
+    makes the product 0. With ``seg`` (…, l) run indices the running maximum restarts with each
+    segment and only pairs of one segment are formed."""
     K = k_logits if G is None else k_logits - G
     with torch.no_grad():
         P = K.detach().cummax(dim=-2).values if seg is None else _segment_running_max(K.detach(), seg)
         finite = torch.isfinite(P)
         low = torch.where(finite, P, float("inf")).amin(dim=-2, keepdim=True)
         P_hat = torch.where(finite, P, torch.where(torch.isfinite(low), low, torch.zeros_like(low)))
-        q_detached = q_logits.detach()
-        M = torch.maximum((q_detached + P).amax(dim=-1, keepdim=True),
-                          (q_detached + r_read).amax(dim=-1, keepdim=True))
-        M = torch.where(torch.isfinite(M), M, torch.zeros_like(M))  # sees nothing: all terms 0
-    q_pairs = (q_logits + (P - M)).exp()
-    q_state = (q_logits + (r_read - M)).exp()
-    weights = _intra_chunk_weights(q_pairs, (K - P_hat).exp(), -P_hat, sub_chunk, seg)
-    return q_state, weights
+    q_pairs, q_state = _query_factors([(q_logits, P), (q_logits, r_read)])
+    return q_state, _intra_chunk_weights(q_pairs, (K - P_hat).exp(), -P_hat, sub_chunk, seg)
 
 
-# A query whose fast-form denominator (relative to its shift M_i) is below this has lost
-# weight to underflow: each lost term is < e^-87 relative to M_i, so above it the result is
-# exact to float32 rounding, and 1 / den keeps the gradient far from overflow.
-SAFE_BELOW = 1e-12
+SAFE_BELOW = 1e-12  # a fast-form denominator below this may have lost terms to underflow
 
 
 def _safe_chunk_outputs(q, k, v, G, state, r_prev, same=None, reads=None):
-    """Chunks recomputed with a per-query shift over the keys the query sees (exp features).
-
-    q, k: (N, l, d) logits (masked keys -inf in every feature); v: (N, l, e + 1);
-    G: (N, l, 1 or d) log decay since the chunk's start, or None; state: (N, d, e + 1) the
-    state before the chunk, relative to r_prev: (N, d).
-    Intra-chunk weights are formed pair by pair in log space, l_ij = logsumexp_d (q_id + k_jd
-    + G_id - G_jd), the state term as logits a_id = q_id + G_id + r_prev_d against its
-    content; M_i = max(max_j l_ij, max_d a_id) over what query i sees, so its largest term
-    is 1 and nothing it depends on underflows. With segments, ``same`` (N, l, l) says which
-    pairs share a segment and ``reads`` (N, l) which queries read the state.
+    """Chunks recomputed in log space (exp features): pairs l_ij = logsumexp_d (q_id + k_jd +
+    G_id - G_jd), the state term a_id = q_id + G_id + r_prev_d, both against M_i = max(max_j
+    l_ij, max_d a_id) over what query i sees. q, k: (N, l, d) logits (masked keys -inf); v:
+    (N, l, e + 1); G: (N, l, 1 or d) or None; state: (N, d, e + 1) on r_prev (N, d); ``same``
+    (N, l, l): pairs of one segment; ``reads`` (N, l): queries that read the state.
     Returns (N, l, e + 1), rows relative to M_i."""
     l = q.shape[-2]
     causal = torch.ones(l, l, dtype=torch.bool, device=q.device).tril()
@@ -293,19 +217,12 @@ def _lost_to_underflow(den, mask, state, n, runs=None):
 
 def _recompute_chunks(out, lost, q, k, v, G, states, r_prev, same=None, reads=None):
     """``out`` with the ``lost`` chunks replaced by ``_safe_chunk_outputs`` (each row is
-    divided by its own denominator afterwards, so the two forms' shifts may differ).
-
-    Eagerly only the lost chunks are gathered and recomputed (their count is read back: a
-    sync, usually of an all-False mask). Under torch.compile the branch is a ``torch.cond``
-    (no graph break): when some chunk is lost every chunk is recomputed and the lost ones
-    selected, otherwise nothing is."""
+    divided by its own denominator afterwards). Eagerly only the lost chunks are recomputed
+    (their count read back); compiled, a ``torch.cond`` recomputes all when any is lost."""
     if torch.compiler.is_compiling():
-        # The branches' outputs, and in backward their gradients for every operand, must agree
-        # on strides, which dynamo checks as products of the sizes; under dynamic shapes the
-        # chunk length is a symbolic quotient it cannot simplify. So every operand goes in (and
-        # the result comes out) flat and contiguous, each with its chunks' trailing shape on the
-        # side. The branches close over no tensor (dynamo would lift a captured tensor as an
-        # operand aliasing the one passed, which it refuses).
+        # torch.cond's branches must agree on strides, which dynamo cannot prove for a symbolic
+        # chunk length: operands go in flat, with their trailing shapes on the side, and the
+        # branches capture no tensor (dynamo refuses an operand aliasing a captured one)
         shape = out.shape
         b, h, c = lost.shape
         operands = (q, k, v, G, states, r_prev, same, reads)
@@ -331,10 +248,8 @@ def _recompute_chunks(out, lost, q, k, v, G, states, r_prev, same=None, reads=No
 
 
 def _sees_non_finite(bad, n, blindspot_size, runs):
-    """(b, h, n): the queries whose output the plain sum makes NaN (``non_finite.py``): their
-    own query, a key or value they see (earlier blocks with a blindspot, else at or before
-    them), or a decay since their segment's start. ``bad``: the (query, key or value, decay)
-    flags of ``quarantine``."""
+    """(b, h, n): the queries whose plain sum holds a NaN (``non_finite.py``): own query, a key
+    or value they see, or a decay since their segment's start. ``bad``: ``quarantine``'s flags."""
     bad_query, bad_key, bad_decay = bad[0], bad[1] | bad[2], bad[3]
     pos = torch.arange(n, device=bad_query.device)
     start = torch.zeros_like(pos) if runs is None else (pos - positions_in_segment(runs))[:, None]
@@ -344,9 +259,8 @@ def _sees_non_finite(bad, n, blindspot_size, runs):
 
 
 def _non_finite_state(bad, state):
-    """The state after a row that held a non-finite key, value or decay is NaN, the
-    recurrence's own answer, not the state of the zeros it was read as: a decode continuing
-    from it must not silently differ from the full forward."""
+    """NaN in the state of a row that held a non-finite key, value or decay (the recurrence's
+    answer, not that of the zeros it was read as)."""
     if bad is None:
         return state
     hit = (bad[1] | bad[2]).any(dim=-1)
@@ -355,16 +269,11 @@ def _non_finite_state(bad, state):
     return state._map(lambda t: t.masked_fill(hit.view(*hit.shape, *(1,) * (t.ndim - 2)), float("nan")))
 
 
-def causal_linear_attention(
-    q, k, v, log_decay=None, mask=None, blindspot_size=1, chunk_size=CHUNK_SIZE, exp_features=False,
-    state=None, return_state=False, segments=None, form=None,
-):
-    """Causal linear attention, chunk by chunk, in O(n) memory.
-
-    Inside a chunk the weights are formed explicitly (C x C); between chunks a running
-    state S (d x e+1 per head) carries every earlier key. No (n, d, e) tensor is made.
-    With ``blindspot_size`` B > 1 the chunk is the blindspot block and only the state
-    term remains: a query sees exactly the keys of earlier blocks.
+def causal_linear_attention(q, k, v, log_decay=None, mask=None, blindspot_size=1, chunk_size=CHUNK_SIZE,
+                            exp_features=False, state=None, return_state=False, segments=None, form=None):
+    """Causal linear attention, chunk by chunk, in O(n) memory: (C x C) weights inside a chunk,
+    a running state (d x e + 1 per head) between chunks. With ``blindspot_size`` B > 1 the chunk
+    is the block and a query sees exactly the keys of earlier blocks.
 
     Args:
         q, k: (b, h, n, d) query / key features, or logits with ``exp_features``.
@@ -377,12 +286,7 @@ def causal_linear_attention(
         state: optional ``CausalState`` to continue from (cached decoding).
         return_state: also return the ``CausalState`` after the last token.
         segments: optional (b, n) segment ids (``segments.py``): a query sees only keys of
-            its own segment, as in ``naive_causal_linear_attention``. Inside a chunk the
-            weights are masked to same-segment pairs; a query reads the state before its
-            chunk only when the token before the chunk is of its segment; the state after a
-            chunk keeps the keys of the chunk's last segment (on a reference over those keys
-            alone) and carries the earlier state only when no segment starts in the chunk.
-            Not with ``state`` / ``return_state``.
+            its own segment. Not with ``state`` / ``return_state``.
         form: the form that computes it, one of ``forms.FORM_NAMES`` ('auto': by the
             device, ``forms.pick_form``); None: the ``forms.use_form`` scope's, else 'auto'.
             (One token from a state is the recurrence, whatever the form.)
@@ -408,9 +312,7 @@ def causal_linear_attention(
     out_dtype = q.dtype
     dtype = _compute_dtype(q)
     with torch.autocast(q.device.type, enabled=False):
-        # q and k contiguous once: heads split off a fused projection are strided views, and
-        # every elementwise result keeps that layout, so each batched matmul below would copy
-        # its operand again (forward and backward). v is copied by _append_ones anyway.
+        # contiguous once: strided heads of a fused projection would be copied by every matmul
         q, k, v = q.to(dtype).contiguous(), k.to(dtype).contiguous(), v.to(dtype)
         log_decay = None if log_decay is None else log_decay.to(dtype)
         plan = pick_form(q.device, torch.compiler.is_compiling(), form, exp_features, blindspot_size,
@@ -430,8 +332,7 @@ def causal_linear_attention(
         v = _append_ones(v)
 
         blindspot = blindspot_size > 1
-        # (the padding as c C - n: under dynamic shapes the padded length is then c C by its
-        # very form, and splitting it into (c, C) gives exactly C again)
+        # (padding c C - n: under dynamic shapes the padded length is then c C by its form)
         c = (n + C - 1) // C
         pad = c * C - n
         if blocked or pad:  # padded keys are invisible (zero features) and do not decay
@@ -440,8 +341,7 @@ def causal_linear_attention(
             k = F.pad(k, (0, 0, 0, pad), value=NEG_INF if exp_features else 0.0)
             if log_decay is not None:
                 log_decay = F.pad(log_decay, (0, 0, 0, pad) if log_decay.ndim == 4 else (0, pad))
-        # (every size given: under dynamic shapes an inferred size (-1, einops) makes the chunk
-        # length a symbolic quotient instead of C, which torch.cond's stride check cannot simplify)
+        # (every size given: an inferred one is a symbolic quotient torch.cond's stride check rejects)
         q, k, v = (t.view(b, h, c, C, t.shape[-1]) for t in (q, k, v))
         runs = same = reads = kept = carries = None
         if segments is not None:
@@ -468,49 +368,33 @@ def causal_linear_attention(
                                if G_end is None else G_end).masked_fill(~carries[..., None], NEG_INF)
 
         if exp_features:
-            # keys decayed to their chunk's end, relative to their maximum m_c there: one
-            # factor <= 1 serves the state and the queries of the chunk. The state after
-            # chunk c lives on the decayed running maximum r_c, so its largest term is 1.
-            # (the chunk's end enters the keys and queries without gradient, and the chunk's
-            # contribution to the state through a factor of exactly 1 that carries it: then
-            # no gradient of a query reaches a later decay, not even by rounding)
+            # keys decayed to their chunk's end, relative to their maximum m_c there; the end
+            # enters without gradient, which reaches the state through a factor of exactly 1
+            # (so no query's gradient reaches a later decay, not even by rounding)
             k_logits = k
             to_end = None if G is None else G_end.detach()[:, :, :, None] - Gd
             if segments is None:
                 chunk_summary, k = summarize(k_logits, v, to_end, exp_features=True)
                 k_to_end, m = k, chunk_summary.ref
             else:
-                # the state keeps only the last segment's keys: on their own maximum, as an
-                # earlier segment's keys in the chunk may be far larger (and would underflow them);
-                # the chunk's queries read all of its keys, relative to the maximum of all
+                # the state keeps the last segment's keys on their own maximum (an earlier
+                # segment's may be far larger); the chunk's queries read all, on the maximum of all
                 chunk_summary, k_to_end = summarize(k_logits.masked_fill(~kept[..., None], NEG_INF), v, to_end,
                                                     exp_features=True)
                 k, m = key_factors(k_logits, to_end, exp_features=True)
-            m_kept = chunk_summary.ref
-            r_prev, r = references(m_kept, state_log_decay, None if state is None else state.ref.to(dtype), 2,
-                                   drops=carries is not None, blocked=blocked)
-            state_decay, chunk_scale = linear_terms(state_log_decay, m_kept, r_prev, r, log=blocked)
             if G is not None and G_end.requires_grad:
-                chunk_scale = chunk_scale * (G_end - G_end.detach()).exp()
+                chunk_summary = chunk_summary._replace(kv=chunk_summary.kv * (G_end - G_end.detach()).exp()[..., None])
         else:
             chunk_summary, k_to_end = summarize(k if kept is None else k.masked_fill(~kept[..., None], 0.0), v,
                                                 None if G is None else G_end[:, :, :, None] - Gd)
-            chunk_scale = None
-            state_decay, _ = linear_terms(state_log_decay, None, None, None, log=blocked)
 
-        # each chunk's own contribution to the state, decayed to the chunk's end
-        kv_chunks = chunk_summary.kv
-        if chunk_scale is not None:
-            kv_chunks = kv_chunks * chunk_scale[..., None]
-
-        # the scan over chunks: states[c] is the state before chunk c (for exponential
-        # features relative to r_prev_c, which every query of chunk c sees), kv the state after
-        # the last. S_c = a_c S_{c-1} + x_c as a log-depth scan, a loop, or in blocks (then
-        # state_decay holds log a_c; scan.py)
-        start = None if state is None else state.kv.to(dtype)
-        scan_states = {"loop": sequential_linear_scan, "log_depth": linear_scan,
-                       "blocked": blocked_linear_scan}[plan.scan]
-        states, kv = scan_states(None if state_decay is None else state_decay[..., None], kv_chunks, start, 2)
+        # the scan over chunks (scan.py): states[c] is the state before chunk c (for exponential
+        # features relative to r_prev_c, which every query of chunk c sees), kv the state after the last
+        initial = None if state is None else Summary(state.kv.to(dtype), None, None if state.ref is None
+                                                     else state.ref.to(dtype))
+        before, final = scan(chunk_summary._replace(log_decay=state_log_decay), initial, dim=2,
+                             drops=carries is not None, form=plan.scan)
+        (states, _, r_prev), kv = before, final.kv
 
         if exp_features:
             # query i of chunk c reads the state with the decay G_i since the chunk's start,
@@ -555,7 +439,7 @@ def causal_linear_attention(
         return out.to(out_dtype)
     # padded steps have no keys and no decay: `kv` is the state after token n - 1
     position = (state.position if state is not None else 0) + n
-    ref = r[:, :, -1] if exp_features else None
+    ref = final.ref
     if not blindspot:
         return out.to(out_dtype), _non_finite_state(bad, CausalState(kv, ref, position=position))
     if n % C == 0:  # every block complete
@@ -589,19 +473,12 @@ def _continue_inside_block(q, k, v, log_decay, mask, blindspot_size, chunk_size,
     def part(t, sl):
         return None if t is None else t[:, :, sl] if t.ndim > 2 else t[:, sl]
 
-    first = slice(0, head)
-    out, state = recurrent_causal_linear_attention(
-        *(part(t, first) for t in (q, k, v, log_decay)), mask=None if mask is None else mask[:, first],
-        blindspot_size=blindspot_size, exp_features=exp_features, state=state,
-    )
+    out, state = recurrent_causal_linear_attention(*(part(t, slice(0, head)) for t in (q, k, v, log_decay, mask)),
+                                                   blindspot_size, exp_features, state)
     outs = [out]
     if head < n:
-        rest = slice(head, n)
-        out, state = causal_linear_attention(
-            *(part(t, rest) for t in (q, k, v, log_decay)), mask=None if mask is None else mask[:, rest],
-            blindspot_size=blindspot_size, chunk_size=chunk_size, exp_features=exp_features, state=state,
-            return_state=True, form=form,
-        )
+        out, state = causal_linear_attention(*(part(t, slice(head, n)) for t in (q, k, v, log_decay, mask)),
+                                             blindspot_size, chunk_size, exp_features, state, True, form=form)
         outs.append(out)
     out = torch.cat(outs, dim=2)
     return (out, state) if return_state else out

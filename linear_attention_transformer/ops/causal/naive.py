@@ -21,13 +21,11 @@ def naive_causal_linear_attention(q, k, v, log_decay=None, mask=None, blindspot_
                                   segments=None):
     """Reference for the causal kernels: the explicit (n x n) decayed weight matrix.
 
-    w_ij = sum_d q_id k_jd exp(G_id - G_jd) for visible j, with G = cumsum(log_decay);
-    with ``exp_features`` the product q_id k_jd is exp(q_id + k_jd), and the weights are
-    formed in log space (logsumexp over d, softmax over j), which is stable by itself.
-    Key j is visible to query i when j <= i, or, with ``blindspot_size`` B > 1, when j lies
-    in an earlier block of B tokens than i (j // B < i // B). With ``segments`` (b, n) it
-    must also lie in i's segment (blocks stay counted from position 0; the decays between
-    the two are then the segment's own).
+    w_ij = sum_d q_id k_jd exp(G_id - G_jd) for visible j, G = cumsum(log_decay); with
+    ``exp_features`` q_id k_jd is exp(q_id + k_jd), formed in log space (logsumexp over d,
+    softmax over j). Key j is visible to query i when j <= i, or with ``blindspot_size`` B > 1
+    when j // B < i // B; with ``segments`` (b, n) also only in i's segment (blocks counted
+    from position 0).
     """
     b, h, n, d = q.shape
     visible = _visibility(n, blindspot_size, q.device)

@@ -1,20 +1,17 @@
-"""The causal recurrence, one token at a time: S_t = a_t S_{t-1} + k_t v_tᵀ (see ``chunk.py``
-for the exponential features' references).
+"""The causal recurrence, one token at a time: S_t = a_t S_{t-1} + k_t v_tᵀ, on one state,
+``CausalState``, in two forms of one step (the math of the references: ``chunk.py``):
 
-Two forms of one step:
+* ``causal_linear_attention_step``: a new state per token, differentiable, masked keys
+  allowed; over a sequence (``recurrent_causal_linear_attention``) it is the judge the other
+  forms are tested against;
+* ``CausalState.step``: the same numbers written in place into the state's fixed-shape
+  buffers, for decoding (no gradient, real tokens only): nothing allocated that outlives the
+  step, nothing read back to the host, one traced graph. A blindspot block's join is either
+  skipped by a caller that knows the position on the host, or scaled by flags (``join_flags``)
+  that leave every buffer bit for bit as it was except at the block's last position.
 
-* ``causal_linear_attention_step``: the plain form, a new ``CausalState`` per token, written
-  for autograd and for reading; ``recurrent_causal_linear_attention`` (the step over a
-  sequence) is the judge the other forms are tested against.
-* ``RecurrentState.step``: the same numbers in buffers of fixed shape, updated in place, with
-  the same references (exponential features: every factor exp(x - reference) <= 1, so a step
-  stays exact at any logit size) and the same blindspot rule (the keys of the current block
-  gather in ``pending`` and join the state when the block is complete). Nothing in it
-  depends on a value read back from the device: the join is scaled by flags that are 1 (log
-  0) at the block's last position and 0 (log -inf) elsewhere, which leave every buffer bit
-  for bit as it was (``join_flags``), or skipped by a caller that knows the position on the
-  host. It is what a decoder (``Decoder.step``) and a cached call of one token run, on a
-  ``DecodingCache``'s buffers; the tests hold it equal to the plain step in float64.
+Why two: autograd must keep the sums each step multiplies, so the differentiable step needs
+new tensors; the in-place step overwrites them, and leaves out the guards for a masked key.
 """
 
 from __future__ import annotations
@@ -26,181 +23,48 @@ from ..common import (NEG_INF, _append_ones, _apply_key_mask, _check_mask, _comp
                       _queries_relative_to)
 from .scan import Summary, combine, common_reference, join_factors
 
-__all__ = ["CausalState", "RecurrentState", "causal_linear_attention_step", "recurrent_causal_linear_attention"]
+__all__ = ["CausalState", "causal_linear_attention_step", "recurrent_causal_linear_attention"]
 
 
 class CausalState:
-    """Recurrent state of causal linear attention for one layer's global heads.
+    """The recurrent state of one layer's global heads.
 
     Attributes:
         kv: (b, h, d, e + 1) decayed sum of k vᵀ over the keys queries may see; the last
             column is the normaliser z.
-        ref: (b, h, d) per-feature log reference of ``kv`` (exponential features only,
-            -inf before any key), else None: kv holds sum_j exp(k_j - ref) v_jᵀ.
-        pending, pending_ref: the same for the keys of the current unfinished blindspot
-            block (None when ``blindspot_size`` is 1).
-        position: number of tokens consumed so far (an int).
-    Instances are never modified in place: every step returns a new one, so a caller may
-    keep an old state and branch from it.
+        ref: (b, h, d) per-feature log reference of ``kv`` (exponential features only, -inf
+            before any key), else None: kv holds sum_j exp(k_j - ref) v_jᵀ.
+        pending, pending_ref: the same for the keys of the current unfinished blindspot block
+            (None when ``blindspot_size`` is 1). After an in-place join, pending keeps its old
+            sums under a reference of -inf (the next key's rescale, by 0, empties it).
+        keys (b, h, B, d), values (b, h, B, e + 1): with ``waiting`` (a blindspot without
+            decay) the in-place step keeps the block's keys in slots (position t in slot t mod
+            B; empty: key -inf or 0, value 0) and joins them at the block's end (``pending``
+            then holds only a prompt's part of the block). Else None.
+        position: tokens consumed (an int) by the functional step; the in-place step leaves
+            the count to its caller (the cache's position).
+    ``causal_linear_attention_step`` never modifies a state: a caller may keep one and branch.
     """
-
-    __slots__ = ("kv", "ref", "pending", "pending_ref", "position")
-
-    def __init__(self, kv, ref=None, pending=None, pending_ref=None, position=0):
-        self.kv, self.ref, self.pending, self.pending_ref, self.position = kv, ref, pending, pending_ref, position
-
-    @classmethod
-    def zeros(cls, b, h, d, e, blindspot_size=1, exp_features=False, device=None, dtype=torch.float32):
-        kv = torch.zeros(b, h, d, e + 1, device=device, dtype=dtype)
-        ref = torch.full((b, h, d), NEG_INF, device=device, dtype=dtype) if exp_features else None
-        if blindspot_size == 1:
-            return cls(kv, ref)
-        return cls(kv, ref, kv.clone(), None if ref is None else ref.clone())
-
-    def _map(self, fn):
-        return CausalState(*(None if t is None else fn(t) for t in (self.kv, self.ref, self.pending, self.pending_ref)),
-                           position=self.position)
-
-    def to(self, *args, **kwargs):
-        return self._map(lambda t: t.to(*args, **kwargs))
-
-    def detach(self):
-        return self._map(torch.Tensor.detach)
-
-
-def _decay_factor(log_decay, like):
-    """exp(log_decay) shaped to scale a (b, h, d, e) state: per head or per key feature."""
-    a = log_decay.to(like.dtype).exp()
-    return a[..., None, None] if a.ndim == 2 else a[..., None]
-
-
-def causal_linear_attention_step(q, k, v, state: CausalState, log_decay=None, blindspot_size=1, exp_features=False):
-    """One token of causal linear attention: S_t = a_t S_{t-1} + k_t v_tᵀ, out = q_t S_t / q_t z_t.
-
-    Args:
-        q, k: (b, h, d) features (logits with ``exp_features``) of the new token. v: (b, h, e).
-        state: the ``CausalState`` after the previous token (``CausalState.zeros`` at the start).
-        log_decay: optional (b, h) or (b, h, d), log a_t <= 0.
-    Returns:
-        (out (b, h, e), new state). A masked token is simply not stepped.
-    """
-    with torch.autocast(q.device.type, enabled=False):  # the state must not drop to half precision
-        out, state = _step(q, k, v, state, log_decay, blindspot_size, exp_features)
-    return out.to(q.dtype), state
-
-
-def _step(q, k, v, state, log_decay, blindspot_size, exp_features):
-    dtype = state.kv.dtype
-    q, k, v = (t.to(dtype) for t in (q, k, v))
-    v = _append_ones(v)
-    kv, ref, pending, pending_ref = state.kv, state.ref, state.pending, state.pending_ref
-    if log_decay is not None and exp_features:
-        # the decay moves the references, not the sums: the largest term stays 1
-        ld = log_decay.to(dtype)
-        ld = ld[..., None] if ld.ndim == 2 else ld
-        ref = ref + ld.detach()
-        pending_ref = None if pending_ref is None else pending_ref + ld.detach()
-        if ld.requires_grad:  # the references carry no gradient: a factor of exactly 1 does
-            one = (ld - ld.detach()).exp()[..., None]
-            kv = kv * one
-            pending = None if pending is None else pending * one
-    elif log_decay is not None:
-        a = _decay_factor(log_decay, kv)
-        kv = kv * a
-        pending = None if pending is None else pending * a
-
-    def add_key(acc, acc_ref):
-        if not exp_features:
-            return acc + torch.einsum("bhd,bhe->bhde", k, v), None
-        new_ref, acc_factor, key_factor = join_factors(acc_ref, k)
-        return acc * acc_factor[..., None] + torch.einsum("bhd,bhe->bhde", key_factor, v), new_ref
-
-    if blindspot_size > 1:
-        pending, pending_ref = add_key(pending, pending_ref)
-    else:
-        kv, ref = add_key(kv, ref)
-    qf = _queries_relative_to(q, ref) if exp_features else q
-    out = _divide(torch.einsum("bhd,bhde->bhe", qf, kv))
-
-    position = state.position + 1
-    if blindspot_size > 1 and position % blindspot_size == 0:
-        kv, ref, pending, pending_ref = _complete_block(kv, ref, pending, pending_ref, exp_features)
-    return out, CausalState(kv, ref, pending, pending_ref, position)
-
-
-def _complete_block(kv, ref, pending, pending_ref, exp_features):
-    """A blindspot block is complete: its keys (pending) become visible to the next block's
-    queries. Returns the new (kv, ref, pending, pending_ref)."""
-    kv, _, ref = combine(Summary(kv, None, ref), Summary(pending, None, pending_ref))
-    return kv, ref, torch.zeros_like(pending), None if pending_ref is None else torch.full_like(pending_ref, NEG_INF)
-
-
-def recurrent_causal_linear_attention(
-    q, k, v, log_decay=None, mask=None, blindspot_size=1, exp_features=False, state=None, segments=None
-):
-    """Reference for ``causal_linear_attention``: the recurrence, one token at a time.
-    With ``segments`` (b, n) the state is emptied (sums 0, references -inf) at each
-    segment's first token. Returns (out (b, h, n, e), state after the last token)."""
-    b, h, n, d = q.shape
-    _check_mask(mask, b, n)
-    if state is None:
-        state = CausalState.zeros(b, h, d, v.shape[-1], blindspot_size, exp_features, q.device, _compute_dtype(q))
-    k, v, log_decay = _apply_key_mask(k, v, log_decay, mask, exp_features)
-    starts = None if segments is None else F.pad(segments[:, 1:] != segments[:, :-1], (1, 0))
-    outs = []
-    for t in range(n):
-        if starts is not None:
-            state = _emptied(state, starts[:, t])
-        ld = None if log_decay is None else log_decay[:, :, t]
-        out, state = causal_linear_attention_step(
-            q[:, :, t], k[:, :, t], v[:, :, t], state, ld, blindspot_size, exp_features
-        )
-        outs.append(out)
-    return torch.stack(outs, dim=2), state
-
-
-def _emptied(state, rows):
-    """``state`` with the batch rows where ``rows`` (b,) is True emptied: no key seen."""
-    def empty(t, value):
-        return None if t is None else torch.where(rows.view(-1, *(1,) * (t.ndim - 1)), value, t)
-
-    return CausalState(empty(state.kv, 0.0), empty(state.ref, NEG_INF), empty(state.pending, 0.0),
-                       empty(state.pending_ref, NEG_INF), state.position)
-
-
-class RecurrentState:
-    """The recurrent state of one layer's global heads, in fixed-shape buffers.
-
-    kv (b, h, d, e + 1) with the normaliser as its last column, ref (b, h, d) its per-feature
-    log reference (exponential features; else None), and with a blindspot pending /
-    pending_ref: the same for the keys of the unfinished block (``CausalState``'s fields).
-    After a join, pending keeps its old sums under a reference of -inf (exponential features:
-    the next key's rescale, by exp(-inf) = 0, empties it).
-
-    ``waiting=True`` (a blindspot without decay) keeps the block's keys and values as they
-    are, keys (b, h, B, d) and values (b, h, B, e + 1) (the key at position t in slot t mod
-    B), to join all at once when the block is complete: a step then writes its key and value
-    and reads the state, where the other form updates the block's sum at every step (eight
-    more operations on the state's shape). ``pending`` then holds only what arrived before
-    the slots were filled (a prompt's part of the block). A slot without a key holds key -inf
-    (exponential features) or 0, and value 0: it adds nothing to a join."""
 
     fields = ("kv", "ref", "pending", "pending_ref", "keys", "values")
-    __slots__ = fields + ("_slot_views",)
+    __slots__ = fields + ("position", "_slot_views")
 
-    def __init__(self, kv, ref=None, pending=None, pending_ref=None, keys=None, values=None):
-        self.kv, self.ref, self.pending, self.pending_ref = kv, ref, pending, pending_ref
+    def __init__(self, kv, ref=None, pending=None, pending_ref=None, position=0, keys=None, values=None):
+        self.kv, self.ref, self.pending, self.pending_ref, self.position = kv, ref, pending, pending_ref, position
         self.keys, self.values = keys, values
-        # eager steps write a slot through these views, made once: (b, h, d) and (b, h, e)
+        # eager in-place steps write a slot through these views, made once: (b, h, d) and (b, h, e)
         self._slot_views = None if keys is None else (keys.unbind(2), values[..., :-1].unbind(2))
 
     @classmethod
     def zeros(cls, b, h, d, e, blindspot_size=1, exp_features=False, device=None, dtype=torch.float32, waiting=False):
-        s = CausalState.zeros(b, h, d, e, blindspot_size, exp_features, device, dtype)
-        state = cls(s.kv, s.ref, s.pending, s.pending_ref)
-        if waiting and blindspot_size > 1:
-            keys, values = s.kv.new_empty(b, h, blindspot_size, d), s.kv.new_empty(b, h, blindspot_size, e + 1)
-            state = cls(s.kv, s.ref, s.pending, s.pending_ref, keys, values)
+        kv = torch.zeros(b, h, d, e + 1, device=device, dtype=dtype)
+        ref = torch.full((b, h, d), NEG_INF, device=device, dtype=dtype) if exp_features else None
+        if blindspot_size == 1:
+            return cls(kv, ref)
+        state = cls(kv, ref, kv.clone(), None if ref is None else ref.clone())
+        if waiting:
+            state = cls(*state.buffers(True)[:4], 0, kv.new_empty(b, h, blindspot_size, d),
+                        kv.new_empty(b, h, blindspot_size, e + 1))
             state._empty_slots()
         return state
 
@@ -209,16 +73,23 @@ class RecurrentState:
         self.values.zero_()
         self.values[..., -1] = 1.0  # the normaliser's column of ones
 
-    def _map(self, fn):
-        return RecurrentState(*(None if t is None else fn(t) for t in self.buffers(all_fields=True)))
-
     def buffers(self, all_fields=False):
-        fields = (self.kv, self.ref, self.pending, self.pending_ref, self.keys, self.values)
+        fields = [getattr(self, name) for name in self.fields]
         return fields if all_fields else [t for t in fields if t is not None]
 
+    def _map(self, fn):
+        kv, ref, pending, pending_ref, keys, values = (None if t is None else fn(t) for t in self.buffers(True))
+        return CausalState(kv, ref, pending, pending_ref, self.position, keys, values)
+
+    def to(self, *args, **kwargs):
+        return self._map(lambda t: t.to(*args, **kwargs))
+
+    def detach(self):
+        return self._map(torch.Tensor.detach)
+
     def as_causal_state(self, position):
-        """The plain ``CausalState`` these buffers stand for after ``position`` tokens (new
-        tensors)."""
+        """New tensors: the state after ``position`` tokens without waiting slots (what
+        ``causal_linear_attention`` continues from)."""
         pending, pending_ref = self.pending, self.pending_ref
         if pending_ref is not None:  # (sums under -inf stand for nothing)
             pending = torch.where(torch.isfinite(pending_ref)[..., None], pending, 0.0)
@@ -231,20 +102,18 @@ class RecurrentState:
         return CausalState(self.kv.clone(), clone(self.ref), clone(pending), clone(pending_ref), position)
 
     def load(self, state):
-        """Copy a ``CausalState`` into the buffers (the block's slots emptied: its keys so far
-        are in ``pending``)."""
-        for buffer, value in zip(self.buffers(all_fields=True), (state.kv, state.ref, state.pending, state.pending_ref)):
+        """Copy a state without waiting slots into the buffers (the slots emptied: the block's
+        keys so far are in ``pending``)."""
+        for buffer, value in zip(self.buffers(True), state.buffers(True)[:4]):
             if buffer is not None:
                 buffer.copy_(value)
         if self.keys is not None:
             self._empty_slots()
 
     def where(self, p, blindspot_size, zero, hidden):
-        """What a step at position p (an int on eager steps, else a long tensor of no
-        dimension) needs to know of its blindspot block (None without one): with waiting
-        slots, (slot, joining): p mod B and whether p completes its block (ints, or a long
-        tensor (1,) and a bool tensor); else ``join_flags``. ``zero``, ``hidden``: 0 and -inf
-        in the state's dtype."""
+        """What a step at position p (an int eagerly, else a long tensor) needs of its blindspot
+        block (None without one): with waiting slots (slot, joining), p mod B and whether p
+        completes the block; else ``join_flags`` (``zero``, ``hidden``: 0 and -inf)."""
         if blindspot_size == 1:
             return None
         if self.keys is None:
@@ -254,17 +123,15 @@ class RecurrentState:
         return torch.remainder(p, blindspot_size)[None], torch.remainder(p + 1, blindspot_size) == 0
 
     def step(self, q, k, v, log_decay=None, where=None, all_seen=False, out=None):
-        """One token: q, k (b, h, d) features (logits with exponential features), v (b, h, e),
-        in the state's dtype; log_decay None, (b, h) or (b, h, d). ``where``: this position's
-        ``where`` (None without a blindspot, or where the caller knows that the position
-        does not complete its block). ``all_seen``: the caller knows that every row's query
-        sees a key (see ``read_state``). Returns out (b, h, e), written into ``out`` when
-        given; the token is real (a padded one is not stepped)."""
+        """One real token in place: q, k (b, h, d) (logits with exponential features), v (b, h, e)
+        in the state's dtype, log_decay None, (b, h) or (b, h, d); ``where``: the position's
+        ``where`` (None: no join now); ``all_seen``: as ``read_state``. Returns out (b, h, e),
+        written into ``out`` when given."""
         if self.keys is not None:
             return self._step_waiting(q, k, v, *where, all_seen, out)
         kv, ref, pending, pending_ref = self.kv, self.ref, self.pending, self.pending_ref
         exp_features, blindspot = ref is not None, pending is not None
-        v1 = F.pad(v, (0, 1), value=1.0)[:, :, None, :]  # the normaliser's column of ones
+        v1 = _append_ones(v)[:, :, None, :]
         if log_decay is not None:
             ld = log_decay[..., None] if log_decay.ndim == 2 else log_decay  # (b, h, 1 or d)
             if exp_features:  # the decay moves the references, not the sums
@@ -302,10 +169,8 @@ class RecurrentState:
         pending_ref.add_(b)
 
     def _step_waiting(self, q, k, v, slot, joining, all_seen=False, out=None):
-        """The step with waiting slots: the key and value go to ``slot``, the query reads the
-        state (it does not see its own block), and the block joins where ``joining`` holds
-        (eager: ints and bools, the join run only then; traced: tensors, the join computed
-        at every step and kept where it applies)."""
+        """The key and value go to ``slot``, the query reads the state (not its own block), the
+        block joins where ``joining`` holds (eager: a bool; traced: a tensor, computed always)."""
         if isinstance(slot, int):
             key_slots, value_slots = self._slot_views
             key_slots[slot].copy_(k)
@@ -321,9 +186,8 @@ class RecurrentState:
         return out
 
     def _join_waiting(self, joining=None):
-        """The block's keys (and ``pending``) join the state: at once when ``joining`` is None,
-        else where the bool tensor ``joining`` holds (elsewhere every buffer keeps its values
-        bit for bit)."""
+        """The block's keys (and ``pending``) join the state: all (``joining`` None), or where the
+        bool tensor ``joining`` holds (elsewhere every buffer stays bit for bit)."""
         kv, ref, pending, pending_ref = self.kv, self.ref, self.pending, self.pending_ref
         joined, new_ref = _with_slots((kv, pending), (ref, pending_ref), self.keys, self.values)
         if joining is None:
@@ -340,6 +204,99 @@ class RecurrentState:
             pending_ref.copy_(torch.where(joining, NEG_INF, pending_ref))
         else:
             pending.copy_(torch.where(joining, 0.0, pending))
+
+
+def causal_linear_attention_step(q, k, v, state: CausalState, log_decay=None, blindspot_size=1, exp_features=False):
+    """One token of causal linear attention: S_t = a_t S_{t-1} + k_t v_tᵀ, out = q_t S_t / q_t z_t.
+
+    Args:
+        q, k: (b, h, d) features (logits with ``exp_features``) of the new token. v: (b, h, e).
+        state: the ``CausalState`` after the previous token (``CausalState.zeros`` at the start).
+        log_decay: optional (b, h) or (b, h, d), log a_t <= 0.
+    Returns:
+        (out (b, h, e), new state). A masked token is simply not stepped.
+    """
+    with torch.autocast(q.device.type, enabled=False):  # the state must not drop to half precision
+        out, state = _step(q, k, v, state, log_decay, blindspot_size, exp_features)
+    return out.to(q.dtype), state
+
+
+def _step(q, k, v, state, log_decay, blindspot_size, exp_features):
+    dtype = state.kv.dtype
+    q, k, v = (t.to(dtype) for t in (q, k, v))
+    v = _append_ones(v)
+    kv, ref, pending, pending_ref = state.kv, state.ref, state.pending, state.pending_ref
+    if log_decay is not None and exp_features:
+        # the decay moves the references, not the sums: the largest term stays 1
+        ld = log_decay.to(dtype)
+        ld = ld[..., None] if ld.ndim == 2 else ld
+        ref = ref + ld.detach()
+        pending_ref = None if pending_ref is None else pending_ref + ld.detach()
+        if ld.requires_grad:  # the references carry no gradient: a factor of exactly 1 does
+            one = (ld - ld.detach()).exp()[..., None]
+            kv = kv * one
+            pending = None if pending is None else pending * one
+    elif log_decay is not None:
+        a = log_decay.to(dtype).exp()
+        a = a[..., None, None] if a.ndim == 2 else a[..., None]
+        kv = kv * a
+        pending = None if pending is None else pending * a
+
+    def add_key(acc, acc_ref):
+        if not exp_features:
+            return acc + torch.einsum("bhd,bhe->bhde", k, v), None
+        new_ref, acc_factor, key_factor = join_factors(acc_ref, k)
+        return acc * acc_factor[..., None] + torch.einsum("bhd,bhe->bhde", key_factor, v), new_ref
+
+    if blindspot_size > 1:
+        pending, pending_ref = add_key(pending, pending_ref)
+    else:
+        kv, ref = add_key(kv, ref)
+    qf = _queries_relative_to(q, ref) if exp_features else q
+    out = _divide(torch.einsum("bhd,bhde->bhe", qf, kv))
+
+    position = state.position + 1
+    if blindspot_size > 1 and position % blindspot_size == 0:
+        kv, ref, pending, pending_ref = _complete_block(kv, ref, pending, pending_ref, exp_features)
+    return out, CausalState(kv, ref, pending, pending_ref, position)
+
+
+def _complete_block(kv, ref, pending, pending_ref, exp_features):
+    """A blindspot block is complete: its keys (pending) become visible to the next block's
+    queries. Returns the new (kv, ref, pending, pending_ref)."""
+    kv, _, ref = combine(Summary(kv, None, ref), Summary(pending, None, pending_ref))
+    return kv, ref, torch.zeros_like(pending), None if pending_ref is None else torch.full_like(pending_ref, NEG_INF)
+
+
+def recurrent_causal_linear_attention(q, k, v, log_decay=None, mask=None, blindspot_size=1, exp_features=False,
+                                      state=None, segments=None):
+    """Reference for ``causal_linear_attention``: the recurrence, one token at a time.
+    With ``segments`` (b, n) the state is emptied (sums 0, references -inf) at each
+    segment's first token. Returns (out (b, h, n, e), state after the last token)."""
+    b, h, n, d = q.shape
+    _check_mask(mask, b, n)
+    if state is None:
+        state = CausalState.zeros(b, h, d, v.shape[-1], blindspot_size, exp_features, q.device, _compute_dtype(q))
+    k, v, log_decay = _apply_key_mask(k, v, log_decay, mask, exp_features)
+    starts = None if segments is None else F.pad(segments[:, 1:] != segments[:, :-1], (1, 0))
+    outs = []
+    for t in range(n):
+        if starts is not None:
+            state = _emptied(state, starts[:, t])
+        ld = None if log_decay is None else log_decay[:, :, t]
+        out, state = causal_linear_attention_step(q[:, :, t], k[:, :, t], v[:, :, t], state, ld, blindspot_size,
+                                                  exp_features)
+        outs.append(out)
+    return torch.stack(outs, dim=2), state
+
+
+def _emptied(state, rows):
+    """``state`` with the batch rows where ``rows`` (b,) is True emptied: no key seen."""
+    def empty(t, value):
+        return None if t is None else torch.where(rows.view(-1, *(1,) * (t.ndim - 1)), value, t)
+
+    return CausalState(empty(state.kv, 0.0), empty(state.ref, NEG_INF), empty(state.pending, 0.0),
+                       empty(state.pending_ref, NEG_INF), state.position)
 
 
 def _with_slots(sums, refs, keys, values):
@@ -362,13 +319,14 @@ def _with_slots(sums, refs, keys, values):
 
 
 def join_flags(p, blindspot_size, exp_features, zero, hidden):
-    """Whether the token at position p (a long tensor) completes its blindspot block, as the
-    factors ``RecurrentState.step`` joins with: (flag, 1 - flag) with given features, (log
-    flag, log(1 - flag)) (0 or -inf) with exponential ones; ``zero`` and ``hidden`` are 0 and
-    -inf in the state's dtype. ``joining`` (the same at a position known to complete its
-    block) when p is an int."""
+    """Whether the token at position p completes its blindspot block, as the factors
+    ``CausalState.step`` joins with: (flag, 1 - flag) with given features, (log flag, log(1 -
+    flag)) (0 or -inf) with exponential ones; ``zero``, ``hidden``: 0 and -inf in the state's
+    dtype. p a long tensor, or an int: then None where the block goes on."""
     if isinstance(p, int):
-        return joining(exp_features, zero, hidden) if (p + 1) % blindspot_size == 0 else None
+        if (p + 1) % blindspot_size:
+            return None
+        return (zero, hidden) if exp_features else (1 - zero, zero)
     completes = torch.remainder(p + 1, blindspot_size) == 0
     if exp_features:
         return torch.where(completes, zero, hidden), torch.where(completes, hidden, zero)
@@ -376,22 +334,13 @@ def join_flags(p, blindspot_size, exp_features, zero, hidden):
     return flag, 1 - flag
 
 
-def joining(exp_features, zero, hidden):
-    """The flags of ``join_flags`` at a position that completes its block."""
-    return (zero, hidden) if exp_features else (1 - zero, zero)
-
-
 def read_state(q, kv, ref, all_seen=False, out=None):
-    """A query reads a state: q (b, h, d), kv (b, h, d, e + 1) relative to ref (b, h, d) (or
-    None: given features) -> (b, h, e), written into ``out`` when given. With exponential
-    features the query's factors are exp(q + ref - M), M = max_d (q_d + ref_d) (as
-    ``_queries_relative_to``): the largest is 1, so the denominator is >= 1 once a key is
-    seen; before any key (ref all -inf) every factor is 0 and so is the output. With given
-    (non-negative) features a denominator of 0 means no key was seen, and the output is 0 (as
-    ``_divide``). ``all_seen``: the caller knows that every row has seen a key (exponential
-    features: the factors are then a softmax, whose sum cancels in the ratio, and the guards
-    against a row without a key are left out; they change nothing). Products and sums rather
-    than a batched matmul: see ``windowed_attention_step``."""
+    """A query reads a state in place of ``_queries_relative_to`` and ``_divide`` (the same
+    numbers, no autograd, written into ``out`` when given): q (b, h, d), kv (b, h, d, e + 1) on
+    ref (b, h, d) (None: given features) -> (b, h, e); 0 for a row before any key.
+    ``all_seen``: the caller knows every row has seen a key (the factors are then a softmax,
+    and the guards are left out). Products and sums, not a batched matmul: see
+    ``windowed_attention_step``."""
     if ref is None:
         num = (q[..., None] * kv).sum(dim=-2)
         den = num[..., -1:]
@@ -404,3 +353,6 @@ def read_state(q, kv, ref, all_seen=False, out=None):
     top = logits.amax(dim=-1, keepdim=True).clamp(min=-torch.finfo(logits.dtype).max)
     num = ((logits - top).exp()[..., None] * kv).sum(dim=-2)
     return torch.div(num[..., :-1], num[..., -1:].clamp(min=1.0), out=out)
+
+
+RecurrentState = CausalState  # (the name attention.py imports, until it moves to CausalState)

@@ -1,53 +1,31 @@
 """Chunk summaries and the one operator that combines them.
 
-The causal kernel carries a state across chunks. A span of tokens (a chunk, or a whole
-slice of the sequence held by one process) is summarised by
-
-    Summary(kv, log_decay, ref)
-
-* ``kv`` (…, d, e): the state the span adds, its keys decayed to the span's end;
-* ``log_decay`` (…, 1 or d): the span's total log decay g <= 0, per head or per key
-  feature; -inf for a span that drops the state before it (a segment starts in it); None
-  for no decay;
-* ``ref`` (…, d): for exponential features the per-feature log reference of ``kv`` (kv
-  holds sum_j exp(k_j - ref) [v_j, 1]; -inf where no key), None for given features.
-
-Applying span 1 and then span 2 is the span
+A span of tokens (a chunk, or the slice of one context-parallel process) is summarised by
+``Summary(kv, log_decay, ref)``: ``kv`` (…, d, e) the state the span adds, its keys decayed to
+the span's end; ``log_decay`` (…, 1 or d) its total log decay g <= 0 (-inf: the span drops the
+state before it, a segment starts in it; None: no decay); ``ref`` (…, d) for exponential
+features the per-feature log reference of kv (kv = sum_j exp(k_j - ref) [v_j, 1]; -inf where
+no key), None for given features. Span 1 then span 2 is
 
     (S1, g1, r1) ∘ (S2, g2, r2) = (S1 exp(r1 + g2 - r) + S2 exp(r2 - r),  g1 + g2,  r)
                                    with r = max(r1 + g2, r2)
 
-(given features: no r, S = S1 exp(g2) + S2). It is associative, every factor is <= 1, and
-the identity is (0, 0, -inf). ``summarize`` makes a span's summary from its keys (the
-chunked kernel's chunks, a context-parallel rank's slice). ``combine`` is that operator; ``sequential_scan`` folds it
-over the spans one at a time (the naive judge), ``scan`` computes the same in a number of
-tensor operations that grows as log c (c spans), not c:
+(given features: no r, S = S1 exp(g2) + S2): associative, every factor <= 1, identity
+(0, 0, -inf). ``combine`` is that operator; ``scan`` folds it over c spans in O(log c) tensor
+operations:
 
-1. the references r_c = max(r_{c-1} + g_c, m_c) (m_c the span's own ``ref``) are a scan in
-   the (max, +) semiring, without gradient. Without drops (no g = -inf) they take an O(1)
-   form: r_c = T_c + max(r_start, max_{c' <= c} m_c' - T_c') with T = cumsum(g). The
-   references need not be exact, only used consistently below: T's rounding changes
-   nothing but which factor <= 1 holds the largest term;
-2. relative to them the states obey the linear recurrence
-   S_c = a_c S_{c-1} + x_c,  a_c = exp(r_{c-1} + g_c - r_c),  x_c = kv_c exp(m_c - r_c),
-   a scan in the (+, x) semiring (``linear_scan``): a_c <= 1, x_c's largest term <= 1.
+1. the references r_c = max(r_{c-1} + g_c, m_c) (m_c the span's own ``ref``) are a scan in the
+   (max, +) semiring, without gradient; without drops in O(1): r_c = T_c + max(r_start,
+   max_{c' <= c} m_c' - T_c'), T = cumsum(g) (T's rounding only moves the largest factor);
+2. relative to them S_c = a_c S_{c-1} + x_c, a_c = exp(r_{c-1} + g_c - r_c), x_c = kv_c
+   exp(m_c - r_c): a scan in the (+, x) semiring (``linear_scan``).
 
-Both scans are one routine, ``_scan``, over a semiring (times, fused x ⊕ a ⊗ s, identities):
-the pairs (a, x) combine as (a1, x1) then (a2, x2) -> (a2 ⊗ a1, x2 ⊕ a2 ⊗ x1). It is the
-work-efficient (Blelloch) form: combine neighbours into c/2 pairs, scan the pairs
-recursively, then fill in the first element of each pair from the state before it; each
-level is a handful of batched operations on half as much data as the level above, so the
-total work is ~2x the sequential loop's and the depth log2 c. Odd lengths are padded with
-the identity.
-
-``linear_scan`` is an autograd Function: its backward is the reverse scan
-lambda_c = dS_c + a_{c+1} lambda_{c+1}, dx_c = lambda_c, da_c = sum(lambda_c * S_{c-1}),
-so it saves nothing but a and its own output (no log c intermediates).
-
-Context parallelism: each process summarises its slice (``scan`` without ``initial``, the
-final summary), the summaries are gathered, and an exclusive scan over the processes
-(``scan`` or ``sequential_scan`` along the gathered dimension, with ``drops=True`` if any
-slice holds a segment start) gives each the state before its slice: its ``initial``.
+``_scan`` is both, over a semiring: the work-efficient (Blelloch) form, neighbours combined
+into pairs, the pairs scanned recursively, each pair's first element filled in after; ~2x the
+loop's work at depth log2 c. ``linear_scan``'s backward is the reverse scan lambda_c = dS_c +
+a_{c+1} lambda_{c+1}, dx_c = lambda_c, da_c = sum(lambda_c S_{c-1}). ``blocked_linear_scan``
+is the same recurrence in a graph whose size does not depend on c (torch.compile), and
+``sequential_linear_scan`` the loop.
 """
 
 from __future__ import annotations
@@ -56,12 +34,10 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from ..common import _exp_ratio, _log_ratio
+from ..common import NEG_INF, _exp_ratio, _log_ratio
 
-__all__ = ["Summary", "summarize", "key_factors", "combine", "common_reference", "join_factors", "scan", "sequential_scan",
-           "references", "linear_terms", "linear_scan", "sequential_linear_scan", "blocked_linear_scan"]
-
-NEG_INF = float("-inf")
+__all__ = ["Summary", "summarize", "key_factors", "combine", "common_reference", "join_factors", "scan", "references",
+           "linear_scan", "sequential_linear_scan", "blocked_linear_scan"]
 
 
 class Summary(NamedTuple):
@@ -74,18 +50,11 @@ class Summary(NamedTuple):
 
 
 def summarize(k, v, to_end=None, total=None, exp_features=False):
-    """The ``Summary`` of spans of keys from a zero start: the state they add, their keys
-    decayed to the span's end (for exponential features relative to their maximum there).
-
-    Args:
-        k: (…, l, d) key features, or logits with ``exp_features``; a key that must not enter
-            is 0 (-inf for logits). v: (…, l, E) values (with the normaliser column).
-        to_end: optional (…, l, 1 or d), the log decay from each key to its span's end.
-        total: optional (…, 1 or d), the spans' log decay: the summary's ``log_decay``.
-    Returns:
-        (Summary(kv (…, d, E), total, ref (…, d) or None), the keys' factors (…, l, d) that
-        make kv: k decayed to the end, for exponential features exp(k + to_end - ref)).
-    """
+    """The ``Summary`` of spans of keys from a zero start: k (…, l, d) features, or logits with
+    ``exp_features`` (a key that must not enter: 0, or -inf); v (…, l, E) with the normaliser
+    column; ``to_end`` (…, l, 1 or d) the log decay from each key to its span's end; ``total``
+    (…, 1 or d) the spans' log decay. Returns (Summary(kv (…, d, E), total, ref (…, d) or None),
+    the keys' factors (…, l, d): k decayed to the end, or exp(k + to_end - ref))."""
     factors, ref = key_factors(k, to_end, exp_features)
     return Summary(torch.einsum("...ld,...le->...de", factors, v), total, ref), factors
 
@@ -128,12 +97,10 @@ def common_reference(*refs):
 
 
 def join_factors(ref, other_ref, other_finite=False):
-    """Two sums held under log references ``ref`` and ``other_ref`` brought to their common
-    one: (new_ref, exp(ref - new_ref), exp(other_ref - new_ref)). Both factors are <= 1, the
-    largest term stays 1, and a reference of -inf (nothing yet) gets the factor 0. The
-    gradient flows through the factors, not through new_ref. ``other_finite``: the caller
-    knows other_ref is finite (a real key), so new_ref is too and ``_exp_ratio``'s guard for
-    a -inf reference has nothing to do: left out (a decoding step's cost)."""
+    """Two sums held under log references ``ref`` and ``other_ref`` brought to their common one:
+    (new_ref, exp(ref - new_ref), exp(other_ref - new_ref)), factors <= 1, 0 for a reference of
+    -inf, the gradient through the factors only. ``other_finite``: the caller knows other_ref
+    is finite (a real key), and ``_exp_ratio``'s guard is left out (a decoding step's cost)."""
     new_ref = common_reference(ref, other_ref)
     if other_finite:
         return new_ref, (ref - new_ref).exp(), (other_ref - new_ref).exp()
@@ -154,49 +121,21 @@ def _check_summary(s: Summary, name: str, dim: int | None):
         raise ValueError(f"dim must index a span axis before kv's last two, got {dim} for kv of {s.kv.ndim} dims")
 
 
-def _select(s: Summary, index, dim):
-    return Summary(*(None if t is None else t.select(dim, index) for t in s))
-
-
-def sequential_scan(summaries: Summary, initial: Optional[Summary] = None, dim: int = 0):
-    """The naive judge: ``combine`` folded over the spans along ``dim``, one at a time.
-
-    Returns (before, final): ``before`` stacks the summary of everything before each span
-    (``initial`` included; its log_decay is the total decay before the span), ``final``
-    that of everything."""
-    _check_summary(summaries, "summaries", dim)
-    c = summaries.kv.shape[dim]
-    acc = initial if initial is not None else _identity(summaries, dim)
-    befores = []
-    for i in range(c):
-        befores.append(acc)
-        acc = combine(acc, _select(summaries, i, dim))
-    before = Summary(*(None if befores[0][f] is None else torch.stack(
-        [torch.broadcast_to(b[f], befores[-1][f].shape) for b in befores], dim=dim) for f in range(3)))
-    return before, acc
-
-
-def _identity(summaries: Summary, dim: int) -> Summary:
-    like = _select(summaries, 0, dim)
-    kv = torch.zeros_like(like.kv)
-    g = None if like.log_decay is None else torch.zeros_like(like.log_decay)
-    ref = None if like.ref is None else torch.full_like(like.ref, NEG_INF)
-    return Summary(kv, g, ref)
-
-
-def scan(summaries: Summary, initial: Optional[Summary] = None, dim: int = 0, drops: bool = True):
-    """``sequential_scan`` in O(log c) batched operations (see the module docstring).
+def scan(summaries: Summary, initial: Optional[Summary] = None, dim: int = 0, drops: bool = True,
+         form: str = "log_depth"):
+    """``combine`` folded over the spans along ``dim``.
 
     Args:
-        summaries: one Summary per span along ``dim``.
+        summaries: one Summary per span along ``dim`` (counted from the front, before kv's last two).
         initial: the summary of what came before the first span (None: nothing).
-        dim: the span axis (counted from the front; before kv's last two).
         drops: whether some log_decay may be -inf (a span dropping the state before it).
-            False lets the references take their O(1) form; with it a -inf is taken as a
-            decay of -1e4 per span by the references (the states stay exact, but a dropped
-            state more than 1e4 above the span's keys would underflow them).
+            False lets the references take their O(1) form, which takes a -inf as a decay of
+            -1e4 (a dropped state more than 1e4 above the span's keys would underflow them).
+        form: the linear scan, 'log_depth' (``linear_scan``), 'loop' (``sequential_linear_scan``)
+            or 'blocked' (``blocked_linear_scan``, the references too).
     Returns:
-        (before, final) as ``sequential_scan``; ``before.log_decay`` is None (not formed).
+        (before, final): the summary of everything before each span (``initial`` included;
+        ``before.log_decay`` is None, not formed) and that of everything.
     """
     _check_summary(summaries, "summaries", dim)
     if initial is not None:
@@ -205,40 +144,25 @@ def scan(summaries: Summary, initial: Optional[Summary] = None, dim: int = 0, dr
             raise ValueError("initial must have a ref exactly when the summaries do")
     kv, g, m = summaries
     start = None if initial is None else initial.kv
-    total = None
+    total = None if initial is None else initial.log_decay
     if g is not None:
-        total = g.sum(dim)
-        if initial is not None and initial.log_decay is not None:
-            total = total + initial.log_decay
-    elif initial is not None:
-        total = initial.log_decay
-    if m is None:
-        a = None if g is None else g.exp().unsqueeze(-1)
-        before, final = linear_scan(a, kv, start, dim)
-        return Summary(before, None, None), Summary(final, total, None)
-    r_start = None if initial is None else initial.ref
-    r_prev, r = references(m, g, r_start, dim, drops)
-    a, scale = linear_terms(g, m, r_prev, r)
-    before, final = linear_scan(a.unsqueeze(-1), kv * scale.unsqueeze(-1), start, dim)
-    return Summary(before, None, r_prev), Summary(final, total, r.select(dim, -1))
-
-
-def linear_terms(log_decay, m, r_prev, r, log=False):
-    """Step 2 of the module docstring: (a, scale) with a_c = exp(r_{c-1} + g_c - r_c) (given
-    features: exp(g_c); None without decay) and scale_c = exp(m_c - r_c) (None for given
-    features), so that S_c = a_c S_{c-1} + scale_c kv_c. The gradient reaches g through a.
-    With ``log``, log a_c instead of a_c (-inf where a_c is 0), for ``blocked_linear_scan``."""
-    if m is None:
-        return (None if log_decay is None else log_decay if log else log_decay.exp()), None
-    before = r_prev if log_decay is None else r_prev + log_decay
-    return (_log_ratio if log else _exp_ratio)(before, r), _exp_ratio(m, r)
+        total = g.sum(dim) if total is None else g.sum(dim) + total
+    blocked = form == "blocked"  # (its scan takes log a_c: -inf where a_c is 0)
+    a, r_prev, r = (g if blocked or g is None else g.exp()), None, None
+    if m is not None:  # step 2 of the module docstring; the gradient reaches g through a
+        r_prev, r = references(m, g, None if initial is None else initial.ref, dim, drops, blocked)
+        a = (_log_ratio if blocked else _exp_ratio)(r_prev if g is None else r_prev + g, r)
+        kv = kv * _exp_ratio(m, r).unsqueeze(-1)
+    a = None if a is None else a.unsqueeze(-1)
+    linear = {"log_depth": linear_scan, "loop": sequential_linear_scan, "blocked": blocked_linear_scan}[form]
+    before, final = linear(a, kv, start, dim)
+    return Summary(before, None, r_prev), Summary(final, total, None if r is None else r.select(dim, -1))
 
 
 def references(m, log_decay, start, dim, drops=True, blocked=False):
-    """(r_prev, r) along ``dim``: r_c = max(r_{c-1} + g_c, m_c), r_prev_c = r_{c-1} (``start``
-    or -inf before the first). No gradient. m: (…, c, d); log_decay: (…, c, 1 or d) or None;
-    start: (…, d) or None. ``blocked``: with drops, the (max, +) scan in the blocked form of
-    ``blocked_linear_scan`` (a graph independent of c) instead of the log-depth one."""
+    """(r_prev, r) along ``dim``, without gradient: r_c = max(r_{c-1} + g_c, m_c), r_prev_c =
+    r_{c-1} (``start``, or -inf, before the first). m (…, c, d); log_decay (…, c, 1 or d) or
+    None; start (…, d) or None. ``blocked``: the (max, +) scan in ``_blocked_scan``'s form."""
     with torch.no_grad():
         m = m.detach()
         if start is None:
@@ -265,9 +189,6 @@ def references(m, log_decay, start, dim, drops=True, blocked=False):
     return r_prev, r
 
 
-# ------------------------------------------------------------------ the semiring scan
-
-
 class _Semiring(NamedTuple):
     times: object  # a1 ⊗ a2
     fma: object  # x ⊕ a ⊗ s
@@ -277,11 +198,6 @@ class _Semiring(NamedTuple):
 
 LINEAR = _Semiring(torch.mul, lambda x, a, s: torch.addcmul(x, a, s), 1.0, 0.0)
 MAX_PLUS = _Semiring(torch.add, lambda x, a, s: torch.maximum(x, a + s), 0.0, NEG_INF)
-
-
-def _pad_end(t, dim, value):
-    pad = [0, 0] * (t.ndim - 1 - dim) + [0, 1]
-    return torch.nn.functional.pad(t, pad, value=value)
 
 
 def _interleave(even, odd, dim):
@@ -301,7 +217,7 @@ def _scan(sr, a, x, initial, dim, reverse=False, exclusive=False):
         return (init.expand_as(last).clone() if exclusive else last), last.squeeze(dim)
     odd = c % 2
     if odd:  # the identity at the end (processed last forwards, first backwards)
-        a, x = _pad_end(a, dim, sr.one), _pad_end(x, dim, sr.zero)
+        a, x = _pad_axis(a, dim, 0, 1, sr.one), _pad_axis(x, dim, 0, 1, sr.zero)
     pa, px = a.unflatten(dim, (-1, 2)), x.unflatten(dim, (-1, 2))
     first, second = (1, 0) if reverse else (0, 1)  # the order in which a pair is applied
     a0, a1 = pa.select(dim + 1, first), pa.select(dim + 1, second)
@@ -322,8 +238,6 @@ def _scan(sr, a, x, initial, dim, reverse=False, exclusive=False):
     out = _interleave(*seq, dim)
     return (out.narrow(dim, 0, c) if odd else out), last
 
-
-# ------------------------------------------------------- the blocked scan (torch.compile)
 
 # Elements per block of ``blocked_linear_scan``: its work is ~ c B (inside blocks) + (c / B)^2
 # (across them) per state element; 8 keeps both small for c up to ~1000 chunks.
@@ -369,19 +283,15 @@ def _first(t, axis, length):
 
 
 def _blocked_scan(sr, la, x, initial, dim, inclusive=False):
-    """S_j = x_j ⊕ exp(la_j) ⊗ S_{j-1} along ``dim`` in a number of operations that does not
-    depend on the length c (the form torch.compile traces: one graph for every length).
+    """S_j = x_j ⊕ exp(la_j) ⊗ S_{j-1} along ``dim`` in a number of operations independent of c.
 
-    la: the log coefficients (for MAX_PLUS the additive ones themselves), x's dimensions with
-    size c along ``dim`` and 1 in the last (the decay never depends on it), broadcastable to
-    x; x: (…, c, …, E); initial: x's shape without ``dim``. The c elements are padded with
-    the identity to P blocks of ``SCAN_BLOCK``, at least one of them padding (always: a
-    branch on the padding would specialise dynamic shapes). Inside a block the states from its own elements are one
-    (B x B) product with the segment sums of la; the states after each block are the same
-    form over the P blocks' totals, starting from ``initial``; each element's state adds its
-    block's start state decayed to it. The blocks of every leading index share one batch
-    axis (its size is then never 1, which dynamic shapes would otherwise have to guard on).
-    Returns (S before each element, or with ``inclusive`` after it; the state after the last)."""
+    la: log coefficients (MAX_PLUS: the additive ones), size c along ``dim`` and 1 last,
+    broadcastable to x (…, c, …, E); initial: x's shape without ``dim``. The elements are padded
+    with the identity to P blocks of ``SCAN_BLOCK`` (at least one block of padding: no branch on
+    it under dynamic shapes); inside a block the states are one (B x B) product with the
+    segment sums of la, across blocks the same form over the blocks' totals, and each element
+    adds its block's start state decayed to it. Returns (S before each element, or after it
+    with ``inclusive``; the state after the last)."""
     c, B = x.shape[dim], SCAN_BLOCK
     # (one block more than needed, all identity: P >= 2 for every c, so that dynamic shapes
     # need not guard on P == 1 where the blocks' axis is merged with the leading ones)
@@ -413,31 +323,31 @@ def _blocked_scan(sr, la, x, initial, dim, inclusive=False):
 
 
 def blocked_linear_scan(log_a, x, initial=None, dim=0):
-    """``linear_scan`` in a number of operations independent of c, for torch.compile: the
-    kernel's chunk loop unrolls there (a graph ~ c, and a recompile for every chunk count
-    under dynamic shapes), the log-depth scan's depth is a branch on c. Here the c elements
-    are blocks of ``SCAN_BLOCK``, each state a sum of terms exp(sum of log a) x_j summed term
-    by term (``_segment_sums``): no factor exceeds 1 and nothing cancels. Backward is
-    autograd's (it keeps the (B x B) factors of each block: B / e times the states, per feature).
+    """``linear_scan`` in a number of operations independent of c (torch.compile: the loop
+    would unroll, the log-depth scan's depth branches on c): blocks of ``SCAN_BLOCK``, each
+    state a sum of terms exp(sum of log a) x_j (``_segment_sums``), no factor above 1, nothing
+    cancelling. Backward is autograd's.
 
-    log_a: log a_c <= 0 (-inf for a dropped state) with x's number of dimensions, size c along
-    ``dim`` and 1 in the last, broadcastable to x; None for a = 1 (a cumulative sum). x: (…,
-    c, …, e), ``dim`` before the last dimension; initial: x's shape without ``dim``, None for
-    zeros. Returns (before (…, c, …): the state before each element, last)."""
+    log_a: log a_c <= 0 (-inf: a dropped state) with x's number of dimensions, size c along
+    ``dim`` and 1 in the last; None for a = 1. x, initial and the result as ``linear_scan``
+    (``dim`` before x's last dimension)."""
     if not 0 <= dim < x.ndim - 1:
         raise ValueError(f"dim must index one of x's dimensions before its last, got {dim} for {x.ndim} dims")
-    c = x.shape[dim]
-    if c == 0:
-        raise ValueError("x must hold at least one element along dim")
-    shape = x.select(dim, 0).shape
-    initial = (torch.zeros(shape, dtype=x.dtype, device=x.device) if initial is None
-               else torch.broadcast_to(initial, shape))
+    initial = _start(x, initial, dim)
     if log_a is None:
         return linear_scan(None, x, initial, dim)
-    if not torch.is_tensor(log_a) or log_a.ndim != x.ndim or log_a.shape[-1] != 1 or log_a.shape[dim] != c:
-        raise ValueError(f"log_a must have x's {x.ndim} dimensions, its size {c} along dim and 1 in the last, "
-                         f"got {getattr(log_a, 'shape', type(log_a))}")
+    if not torch.is_tensor(log_a) or log_a.ndim != x.ndim or log_a.shape[-1] != 1 or log_a.shape[dim] != x.shape[dim]:
+        raise ValueError(f"log_a must have x's {x.ndim} dimensions, its size {x.shape[dim]} along dim and 1 in the "
+                         f"last, got {getattr(log_a, 'shape', type(log_a))}")
     return _blocked_scan(LINEAR, log_a, x, initial, dim)
+
+
+def _start(x, initial, dim):
+    """The state before the first element: ``initial`` (None: zeros) as x's shape without ``dim``."""
+    if x.shape[dim] == 0:
+        raise ValueError("x must hold at least one element along dim")
+    shape = x.select(dim, 0).shape
+    return x.new_zeros(shape) if initial is None else torch.broadcast_to(initial, shape)
 
 
 def _shift_coefficients(a, c, dim):
@@ -483,14 +393,7 @@ def linear_scan(a, x, initial=None, dim=0):
         raise ValueError(f"a must have x's number of dimensions ({x.ndim}), got {a.ndim}")
     if not 0 <= dim < x.ndim:
         raise ValueError(f"dim must index x's dimensions, got {dim}")
-    c = x.shape[dim]
-    if c == 0:
-        raise ValueError("x must hold at least one element along dim")
-    shape = x.select(dim, 0).shape
-    if initial is None:
-        initial = torch.zeros(shape, dtype=x.dtype, device=x.device)
-    else:
-        initial = torch.broadcast_to(initial, shape)
+    initial, c = _start(x, initial, dim), x.shape[dim]
     if a is None:
         inclusive = x.cumsum(dim) + initial.unsqueeze(dim)
         before = torch.cat((initial.unsqueeze(dim), inclusive.narrow(dim, 0, c - 1)), dim=dim)
@@ -501,11 +404,8 @@ def linear_scan(a, x, initial=None, dim=0):
 
 
 def sequential_linear_scan(a, x, initial=None, dim=0):
-    """``linear_scan`` as a loop over the elements (the naive judge; also the kernel's CPU
-    form, where it is faster)."""
-    shape = x.select(dim, 0).shape
-    state = torch.zeros(shape, dtype=x.dtype, device=x.device) if initial is None else torch.broadcast_to(initial,
-                                                                                                         shape)
+    """``linear_scan`` as a loop over the elements (the CPU's form: faster there)."""
+    state = _start(x, initial, dim)
     # (unbind once: indexing element c inside the loop would cost a full-size zero gradient
     # per element in backward, quadratic in their number)
     coefficients = [None] * x.shape[dim] if a is None else a.unbind(dim)
