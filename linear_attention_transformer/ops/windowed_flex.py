@@ -91,7 +91,8 @@ def flex_windowed_attention(q, k, v, window: Window, key_mask=None, segments=Non
         return visible if runs is None else visible & (runs[batch, i] == runs[batch, j])
 
     on_gpu = device.type == "cuda"
-    blocks = create_block_mask(mask_mod, b, None, n, n, device=device, _compile=on_gpu)
+    per_row = key_mask is not None or runs is not None  # else one mask serves every row
+    blocks = create_block_mask(mask_mod, b if per_row else None, None, n, n, device=device, _compile=on_gpu)
     q, k, v, bad = _quarantine(q, k, v)
     attend = _compiled_flex() if on_gpu and not torch.compiler.is_compiling() else flex_attention
     out = attend(q, k, v, block_mask=blocks, scale=q.shape[-1] ** -0.5)
