@@ -33,6 +33,7 @@ from .ops.causal.forms import CHUNK_SIZE
 from .ops.causal.recurrent import CausalState
 from .ops.segments import aligned_layout, from_layout, to_layout
 from .ops.windowed_attention import Window, windowed_attention, windowed_attention_by_position
+from .ops.windowed_flex import flex_windowed_attention, local_form
 from .place import PLAIN, Place
 from .positional import apply_rotary
 
@@ -215,7 +216,10 @@ class Attention(nn.Module):
         return q, k, v
 
     def local_heads(self, q, k, v, mask, segments=None):
-        """Windowed softmax attention (positions come from the model, not from the window)."""
+        """Windowed softmax attention (positions come from the model, not from the window); its
+        form by the device (``ops/windowed_flex.py``: flex_attention on CUDA)."""
+        if local_form(q.device, q.dtype) == "flex":
+            return flex_windowed_attention(q, k, v, self.local_window, mask, segments)
         return windowed_attention(q, k, v, self.local_window, mask, segments)
 
     def noncausal_keys(self, k, mask, source, segments=None):

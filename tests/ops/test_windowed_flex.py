@@ -1,0 +1,112 @@
+"""The local heads' flex_attention form (``ops/windowed_flex.py``) against the plain masked
+softmax (``windowed_attention_by_position``), and the choice of form (``local_form``).
+
+There is no GPU here: flex_attention runs eagerly on the CPU (unfused, forward only, float64
+accepted), which checks the mask and the readout, not the CUDA kernel."""
+
+import pytest
+import torch
+
+import linear_attention_transformer.attention as attention_module
+from linear_attention_transformer.attention import Attention
+from linear_attention_transformer.ops.segments import positions_in_segment, segment_runs
+from linear_attention_transformer.ops.windowed_attention import Window, windowed_attention_by_position
+from linear_attention_transformer.ops.windowed_flex import flex_windowed_attention, local_form
+
+pytestmark = pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+
+D = torch.float64
+W = 8
+WINDOWS = [  # (look_backward, look_forward, causal, exact)
+    (1, 0, True, False),
+    (2, 0, True, False),
+    (0, 0, True, False),
+    (1, 0, True, True),
+    (2, 0, True, True),
+    (0, 1, False, False),
+    (1, 1, False, False),
+    (2, 0, False, False),
+]
+
+
+def inputs(n, seed):
+    g = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(2, 3, n, 16, dtype=D, generator=g) for _ in range(3))
+    key_mask = torch.rand(2, n, generator=g) > 0.3
+    key_mask[1, :12] = False  # the first 12 queries of row 1 then see no key when causal
+    segments = torch.tensor([[0] * 10 + [1] * 19 + [2] * (n - 29), [4] * n])
+    return q, k, v, key_mask, segments
+
+
+def plain(q, k, v, window, key_mask, segments):
+    n = q.shape[2]
+    if segments is None:
+        positions = torch.arange(n)
+        return windowed_attention_by_position(q, k, v, positions, positions, window, key_mask)
+    runs = segment_runs(segments)
+    positions = positions_in_segment(runs)
+    return windowed_attention_by_position(q, k, v, positions, positions, window, key_mask, runs, runs)
+
+
+@pytest.mark.parametrize("options", WINDOWS, ids=str)
+@pytest.mark.parametrize("n, masked, packed", [(37, False, False), (32, True, False), (37, False, True),
+                                               (37, True, True)])
+def test_flex_equals_the_plain_form(options, n, masked, packed):
+    q, k, v, key_mask, segments = inputs(n, seed=n + 10 * masked + 100 * packed)
+    window = Window(W, *options)
+    key_mask, segments = (key_mask if masked else None), (segments if packed else None)
+    out = flex_windowed_attention(q, k, v, window, key_mask, segments)
+    reference = plain(q, k, v, window, key_mask, segments)
+    assert torch.isfinite(out).all()
+    err = (out - reference).abs().max().item()
+    assert err <= 1e-12, f"max error {err:.2e}"
+    if masked and window.causal:  # no visible key: 0, as the blocked form gives
+        assert torch.equal(out[1, :, :12], torch.zeros_like(out[1, :, :12]))
+
+
+@pytest.mark.parametrize("options", [WINDOWS[0], WINDOWS[4], WINDOWS[5], WINDOWS[6]], ids=str)
+def test_non_finite_inputs_poison_what_sees_them(options):
+    q, k, v, key_mask, segments = inputs(37, seed=7)
+    k[0, 1, 20, 3] = float("nan")
+    v[1, 0, 30, 0] = float("inf")
+    v[1, 2, 5, 1] = float("nan")  # a masked key (key_mask[1, :12] is False): seen by no query
+    q[0, 0, 33, 2] = float("nan")
+    window = Window(W, *options)
+    out = flex_windowed_attention(q, k, v, window, key_mask, segments)
+    reference = plain(q, k, v, window, key_mask, segments)
+    assert torch.equal(out.isnan(), reference.isnan())
+    assert 0 < reference.isnan().sum() < reference.numel()
+    err = (out - reference).nan_to_num().abs().max().item()
+    assert err <= 1e-12, f"max error {err:.2e}"
+
+
+def test_the_form_by_device():
+    assert local_form(torch.device("cpu"), D) == "blocked"
+    assert local_form(torch.device("cpu"), torch.float32) == "blocked"
+    assert local_form(torch.device("cuda"), torch.float32) == "flex"
+    assert local_form(torch.device("cuda"), torch.bfloat16) == "flex"
+    assert local_form(torch.device("cuda"), D) == "blocked"
+    assert local_form(torch.device("cuda"), torch.float32, form="blocked") == "blocked"
+    assert local_form(torch.device("cpu"), D, form="flex") == "flex"
+    with pytest.raises(ValueError, match="form must be one of"):
+        local_form(torch.device("cpu"), D, form="triton")
+
+
+@torch.no_grad()  # flex_attention has no backward on the CPU
+def test_the_layer_runs_the_picked_form(monkeypatch):
+    torch.manual_seed(0)
+    layer = Attention(32, heads=4, causal=True, n_local_attn_heads=2, local_attn_window_size=W).to(D).eval()
+    x = torch.randn(2, 37, 32, dtype=D)
+    mask = torch.rand(2, 37) > 0.2
+    segment_ids = torch.tensor([[0] * 15 + [1] * 22, [0] * 37])
+
+    def refuse(*args):
+        raise AssertionError("flex form called on the CPU")
+
+    monkeypatch.setattr(attention_module, "flex_windowed_attention", refuse)
+    blocked = layer(x, input_mask=mask, segment_ids=segment_ids)  # 'auto' on the CPU: today's form
+    monkeypatch.undo()
+    monkeypatch.setattr(attention_module, "local_form", lambda *args: "flex")
+    flex = layer(x, input_mask=mask, segment_ids=segment_ids)
+    err = (flex - blocked).abs().max().item()
+    assert err <= 1e-12, f"max error {err:.2e}"
