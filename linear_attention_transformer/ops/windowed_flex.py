@@ -19,8 +19,10 @@ Which form runs is decided in one place, ``local_form``:
 =========  ====================================  ===========  ========================================
 requested  where                                 form         why
 =========  ====================================  ===========  ========================================
-auto       CUDA, flex_attention imports,         flex         fused kernel over the window's blocks
-           float16 / bfloat16 / float32                       only; no (n, w) score blocks stored
+auto       CUDA, flex_attention imports,         blocked,     ``FLEX_ON_CUDA``: flex (a fused kernel over
+           float16 / bfloat16 / float32          then flex    the window's blocks only, no (n, w) score
+                                                              blocks stored) once a GPU run has checked
+                                                              it; none has yet
 auto       anywhere else (the CPU above all)     blocked      torch 2.13 has no flex backward on the
                                                               CPU, and its eager flex materialises
                                                               all (n, n) scores
@@ -53,6 +55,11 @@ LOCAL_FORMS = ("auto", "blocked", "flex")
 FLEX_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
+# what 'auto' runs on CUDA: 'blocked' until a GPU run has checked the compiled flex kernel
+# (forward, backward, recompiles per length); no GPU has been available yet (2026-11-25)
+FLEX_ON_CUDA = "blocked"
+
+
 def local_form(device, dtype=torch.float32, form="auto") -> str:
     """'flex' or 'blocked': the form of a local head's call (the module docstring's table).
     device, dtype: the inputs'. form: the request, one of ``LOCAL_FORMS``."""
@@ -63,7 +70,7 @@ def local_form(device, dtype=torch.float32, form="auto") -> str:
             raise ValueError("form='flex' needs torch.nn.attention.flex_attention (torch >= 2.5)")
         return "flex"
     if form == "auto" and flex_attention is not None and device.type == "cuda" and dtype in FLEX_DTYPES:
-        return "flex"
+        return FLEX_ON_CUDA
     return "blocked"
 
 

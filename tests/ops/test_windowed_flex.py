@@ -11,6 +11,7 @@ import linear_attention_transformer.attention as attention_module
 from linear_attention_transformer.attention import Attention
 from linear_attention_transformer.ops.segments import positions_in_segment, segment_runs
 from linear_attention_transformer.ops.windowed_attention import Window, windowed_attention_by_position
+from linear_attention_transformer.ops import windowed_flex
 from linear_attention_transformer.ops.windowed_flex import flex_windowed_attention, local_form
 
 pytestmark = pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
@@ -80,11 +81,15 @@ def test_non_finite_inputs_poison_what_sees_them(options):
     assert err <= 1e-12, f"max error {err:.2e}"
 
 
-def test_the_form_by_device():
+def test_the_form_by_device(monkeypatch):
     assert local_form(torch.device("cpu"), D) == "blocked"
     assert local_form(torch.device("cpu"), torch.float32) == "blocked"
+    # the blocked form on CUDA too, until a GPU run has checked flex (docs/kernels.md)
+    assert local_form(torch.device("cuda"), torch.float32) == "blocked"
+    monkeypatch.setattr(windowed_flex, "FLEX_ON_CUDA", "flex")  # once checked: flex for the kernel's dtypes
     assert local_form(torch.device("cuda"), torch.float32) == "flex"
     assert local_form(torch.device("cuda"), torch.bfloat16) == "flex"
+    assert local_form(torch.device("cpu"), torch.float32) == "blocked"
     assert local_form(torch.device("cuda"), D) == "blocked"
     assert local_form(torch.device("cuda"), torch.float32, form="blocked") == "blocked"
     assert local_form(torch.device("cpu"), D, form="flex") == "flex"
