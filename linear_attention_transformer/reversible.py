@@ -27,6 +27,7 @@ memory does not grow with depth. Cached decoding applies the same rule token by 
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -85,9 +86,13 @@ class SequentialSequence(nn.Module):
         self.checkpoint = checkpoint
 
     @staticmethod
+    def compose(x, pairs):
+        """The plain rule over ``pairs`` of one-argument callables (cached decoding's too)."""
+        return plain_rule(x, pairs)
+
+    @staticmethod
     def _block(f, g, x, **kwargs):
-        x = x + f(x, **kwargs)
-        return x + g(x, **kwargs)
+        return plain_rule(x, _bound([(f, g)], kwargs))
 
     def forward(self, x: torch.Tensor, **kwargs) -> torch.Tensor:
         _check_input(x)
@@ -319,6 +324,13 @@ class ReversibleSequence(nn.Module):
         super().__init__()
         self.blocks = _build_blocks(blocks)
 
+    @staticmethod
+    def compose(x, pairs):
+        """The reversible rule's output over ``pairs`` of one-argument callables (no memory
+        saving: cached decoding's form)."""
+        y1, y2 = reversible_rule(x, pairs)
+        return (y1 + y2) / 2
+
     def forward(self, x: torch.Tensor, **kwargs) -> torch.Tensor:
         _check_input(x)
         if len(self.blocks) == 0:
@@ -348,15 +360,33 @@ class ReversibleSequence(nn.Module):
         return (y1 + y2) / 2
 
 
-def _compose(blocks, x, kwargs, before_call=None):
-    """The reversible rule: (y1, y2) after the last block; ``before_call`` runs before each
+def plain_rule(x, pairs):
+    """x <- x + f(x), x <- x + g(x) for each (f, g) of one-argument callables."""
+    for f, g in pairs:
+        x = x + f(x)
+        x = x + g(x)
+    return x
+
+
+def reversible_rule(x, pairs, before_call=None):
+    """The reversible rule from x1 = x2 = x: y1 = x1 + f(x2), y2 = x2 + g(y1) for each (f, g)
+    of one-argument callables; -> (y1, y2) after the last. ``before_call`` runs before each
     call of ``f`` and of ``g`` (the forward records the RNG states there)."""
     x1 = x2 = x
-    for f, g in blocks:
+    for f, g in pairs:
         if before_call is not None:
             before_call()
-        y1 = x1 + f(x2, **kwargs)
+        y1 = x1 + f(x2)
         if before_call is not None:
             before_call()
-        x1, x2 = y1, x2 + g(y1, **kwargs)
+        x1, x2 = y1, x2 + g(y1)
     return x1, x2
+
+
+def _bound(blocks, kwargs):
+    """The blocks' (f, g) as one-argument callables, with ``kwargs`` bound."""
+    return [(functools.partial(f, **kwargs), functools.partial(g, **kwargs)) for f, g in blocks]
+
+
+def _compose(blocks, x, kwargs, before_call=None):
+    return reversible_rule(x, _bound(blocks, kwargs), before_call)

@@ -213,6 +213,11 @@ class FoldAxially(nn.Module):
         return out
 
 
+def _at(step, ctx):
+    """``step`` as a one-argument callable at the step context ``ctx``."""
+    return lambda h: step(h, ctx)
+
+
 def _cut(mask, start, stop):
     return None if mask is None else mask[:, start:stop]
 
@@ -532,41 +537,32 @@ class LinearAttentionTransformer(nn.Module):
 
     def _forward_cached(self, x, cache, place, inputs):
         """The layers one branch at a time, each continuing from its cache (updated in place;
-        made when None). Reversible pairs follow their composition rule: y1 = x1 + f(x2),
-        y2 = x2 + g(y1), out = (y1 + y2) / 2."""
-        blocks = self.layers.blocks
+        made when None), composed by the stack's own rule (``reversible.py``)."""
         if cache is None:
-            cache = DecodingCache(0, [[None, None] for _ in blocks])
-        reversible = isinstance(self.layers, ReversibleSequence)
-        x1 = x2 = x
-        for (f, g), pair in zip(blocks, cache.layers):
-            out, pair[0] = f(x2 if reversible else x1, place, pair[0], **inputs)
-            y1 = x1 + out
-            out, pair[1] = g(y1, place, pair[1], **inputs)
-            x1, x2 = (y1, x2 + out) if reversible else (y1 + out, None)
+            cache = DecodingCache(0, [[None, None] for _ in self.layers.blocks])
+
+        def continuing(branch, pair, i):
+            def call(h):
+                out, pair[i] = branch(h, place, pair[i], **inputs)
+                return out
+            return call
+
+        out = self.layers.compose(x, [(continuing(f, pair, 0), continuing(g, pair, 1))
+                                      for (f, g), pair in zip(self.layers.blocks, cache.layers)])
         cache.position += x.shape[1]
-        return ((x1 + x2) / 2 if reversible else x1), cache
+        return out, cache
 
     def step(self, x, branches, ctx):
         """One token x (b, dim) through the layers (``Decoder``): ``branches`` holds each
         block's pair of ``BranchStep`` (``Branch.step_of``), each stepping its cache's buffers
-        in place, composed by the rule of ``_forward_cached``. On eager steps of a model that
-        is not reversible each branch adds its output into x in place (x must be the step's
-        own tensor)."""
-        if isinstance(self.layers, ReversibleSequence):
-            x1 = x2 = x
-            for f, g in branches:
-                y1 = x1 + f(x2, ctx)
-                x2 = x2 + g(y1, ctx)
-                x1 = y1
-            return (x1 + x2) / 2
+        in place, composed by the stack's rule. On eager steps of a model that is not
+        reversible each branch adds its output into x in place instead (x must be the step's
+        own tensor): the plain rule without a new tensor per branch."""
+        if isinstance(self.layers, ReversibleSequence) or ctx.host_position is None:
+            return self.layers.compose(x, [(_at(f, ctx), _at(g, ctx)) for f, g in branches])
         for f, g in branches:
-            if ctx.host_position is None:
-                x = x + f(x, ctx)
-                x = x + g(x, ctx)
-            else:
-                f(x, ctx, x)
-                g(x, ctx, x)
+            f(x, ctx, x)
+            g(x, ctx, x)
         return x
 
     @property
