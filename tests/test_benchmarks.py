@@ -102,3 +102,23 @@ def test_bench_recall_mqar_asks_every_key_once_for_its_own_value():
             assert i >= 2 * pairs and target[i] == bound[row[i]]
         rest = [t for i, t in enumerate(row[2 * pairs :], 2 * pairs) if i not in asked]
         assert rest == [0] * (seq_len - 3 * pairs)
+
+
+def test_bench_recall_softmax_references_are_causal_and_equal_in_size():
+    """The softmax references of bench_recall.py (plain and token-shifted) see no later token,
+    and the shift adds no parameter; a change at position t moves the logits at t onward."""
+    from bench_recall import SOFTMAX_REFERENCES, build_model, parameters
+
+    torch.manual_seed(0)
+    tokens = torch.randint(0, 32, (2, 12))
+    changed = tokens.clone()
+    changed[:, 6] = (changed[:, 6] + 1) % 32
+    sizes = set()
+    for name in SOFTMAX_REFERENCES:
+        model = build_model(name, vocab=32, dim=16, depth=2, heads=2, seq_len=12)
+        sizes.add(parameters(model))
+        with torch.no_grad():
+            before, after = model(tokens), model(changed)
+        assert torch.equal(before[:, :6], after[:, :6]), name
+        assert (before[:, 6:] - after[:, 6:]).abs().amax(dim=-1).min() > 0, name
+    assert len(sizes) == 1
