@@ -505,9 +505,10 @@ class LinearAttentionTransformer(nn.Module):
                                    "row")):
                 if refused:
                     raise ValueError(f"{option} is not supported here: {what}")
-        for module in self.modules():
-            if isinstance(module, Attention):
-                module.check_place(place, length, parallel)
+        if place.cached or parallel:  # (a plain forward walks no modules: nothing a layer could refuse)
+            for module in self.modules():
+                if isinstance(module, Attention):
+                    module.check_place(place, length, parallel)
 
     def attend(self, x, place=PLAIN, input_mask=None, context=None, context_mask=None, cache=None, positions=None):
         """The layers at ``place`` (``Place.of`` with ``check_place``) -> out, or with
