@@ -306,7 +306,7 @@ class Attention(nn.Module):
         length is a multiple of w)."""
         window = self.local_window
         before, after = window.look_backward * window.size, window.look_forward * window.size
-        mask = _mask_or_ones(mask, k)
+        mask = torch.ones(k.shape[0], k.shape[2], dtype=torch.bool, device=k.device) if mask is None else mask
         (kb, ka), (vb, va), (mb, ma) = exchange_boundaries([(k, 2), (v, 2), (mask, 1)], group, before, after)
         n = q.shape[2]
         q = F.pad(q, (0, 0, before, after))
@@ -347,19 +347,9 @@ class Attention(nn.Module):
 
         ``cache``: the ``AttentionCache`` returned for the tokens before x (causal layers
         only): x then holds just the new tokens; the cache is updated in place (``cache.py``).
-        ``segment_ids``: (b, n) integer, packed sequences (``ops/segments.py``: a segment is
-        a maximal run of equal consecutive ids): every head attends within the token's
-        segment only, windows, blindspot blocks and convolution taps counted from the
-        segment's start, so each segment's output equals the segment run alone (with
-        ``rotary`` of the positions inside the segment). Not with a cache, nor in a
-        cross-attention layer.
-        ``context_parallel``: a ``torch.distributed`` process group (or a ``ContextParallel``)
-        over which one sequence is split (``context_parallel.py``): x (b, n_local, dim) is
-        this rank's contiguous slice, in rank order, every slice of the same length; the
-        output is this rank's slice of the whole sequence's output (``input_mask`` and
-        ``rotary`` are the slice's too). Local heads need slice lengths a multiple of the
-        window (and at least the windows they look at), blindspot a multiple of
-        ``blindspot_size``; segment_ids, a cache and cross-attention raise ValueError. None: off.
+        ``segment_ids`` (packed sequences, docs/packed.md) and ``context_parallel`` (docs/scale.md)
+        as in ``LinearAttentionTransformer.forward``; ``input_mask`` and ``rotary`` are then
+        the slice's. What this layer cannot do there raises ValueError (``check_place``).
 
         A self-attention layer refuses ``context`` / ``context_mask``; a cross-attention layer
         refuses ``input_mask`` (it marks which of x's tokens are keys, and its keys come from
@@ -541,10 +531,6 @@ def _local_window(size, look_backward, look_forward, exact, causal):
 def _given(**settings):
     """The settings that are not None: the others keep the defaults of the module they go to."""
     return {name: value for name, value in settings.items() if value is not None}
-
-
-def _mask_or_ones(mask, t):
-    return torch.ones(t.shape[0], t.shape[2], dtype=torch.bool, device=t.device) if mask is None else mask
 
 
 def _last_inputs(t, mask, previous, count):

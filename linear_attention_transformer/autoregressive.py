@@ -31,12 +31,6 @@ Such a net may also offer the faster one-token form,
 (the logits at the prompt's last position, then after each token fed); ``generate`` then
 uses it instead of the cache. A decoder whose step can be compiled as one graph sets
 ``compilable = True`` (``generate(..., compile_step=...)`` compiles it).
-
-Sampling filters
-----------------
-``top_k`` and ``top_p`` take logits (..., num_tokens) and return a copy in which the
-tokens that may not be sampled are set to -inf. Both always keep the most likely
-token, so greedy decoding is unaffected by them.
 """
 
 from __future__ import annotations
@@ -139,12 +133,8 @@ def _keep_largest(logits, k):
 
 
 def _sampling_filter(filter_logits_fn, filter_thres, k, p):
-    """The filter ``generate`` applies to the logits before sampling: f(logits) -> logits, or None.
-
-    ``k`` and ``p`` are generate's ``top_k`` (a count of tokens) and ``top_p`` (a probability
-    mass), the keywords other libraries take; given, they replace ``filter_logits_fn`` /
-    ``filter_thres``, which must then keep their defaults (a filter given both ways is refused).
-    Both given: the k most likely tokens, then the nucleus of p among them."""
+    """The filter ``generate`` applies to the logits before sampling: f(logits) -> logits, or
+    None. ``k``, ``p``: generate's ``top_k`` and ``top_p`` (see there)."""
     if k is None and p is None:
         if filter_logits_fn is not None and not callable(filter_logits_fn):
             raise TypeError(f"filter_logits_fn must be callable or None, got {filter_logits_fn!r}")
@@ -367,27 +357,15 @@ class AutoregressiveWrapper(nn.Module):
                 masked out are ignored in the loss. ``segment_ids`` (b, n) (packed
                 sequences) is cut the same way, and a target that starts a new segment is
                 ignored: predicting it would cross the boundary.
-                ``context_parallel``: a ``torch.distributed`` process group over which one
-                sequence of N + 1 tokens (N = P * n_local, P ranks) is split. Rank r passes
-                x = tokens[:, r * n_local : (r + 1) * n_local + 1]: its n_local tokens and the
-                token that follows them (the next rank's first; on the last rank the sequence's
-                last token), and ``input_mask`` cut the same way. So the net reads rank r's
-                slice of tokens[:, :-1] (``LinearAttentionTransformerLM.forward``'s
-                context_parallel) and every target, the one across each slice boundary
-                included, is counted exactly once, on the rank whose position predicts it.
-                Ranks whose neighbouring slices do not overlap by that token are refused
-                (ValueError on every rank). ``segment_ids`` is refused with it.
+                ``context_parallel``: a process group over which one sequence is split; rank r
+                passes its n_local tokens and the one after them, and gets its part of the
+                whole sequence's mean (docs/scale.md, "Context parallelism").
         Returns:
             scalar loss: mean over the targets that are neither ``ignore_index`` nor
             masked out (NaN when there are none, as with ``F.cross_entropy``);
             or the net's output when ``return_loss`` is False. A net with
             ``output_features`` / ``output_layer`` (see the module docstring) gets the same
             loss from ``linear_cross_entropy``, without the (b, n - 1, num_tokens) logits.
-            With ``context_parallel``: this rank's part of the whole sequence's mean, its
-            targets' summed loss over the counted targets of all ranks (one all-gather of
-            the counts). The parts sum over the group to the one-process loss, and the
-            parameter gradients summed over the group (an all-reduce, as for the model) are
-            the one-process gradients; ``all_reduce`` a detached copy to log the whole loss.
         """
         if not return_loss:
             return self.net(x, **kwargs)
@@ -428,15 +406,10 @@ class AutoregressiveWrapper(nn.Module):
                                     targets.reshape(-1), self.ignore_index, total_count=total_count)
 
     def _context_parallel_count(self, context_parallel, x, mask, targets):
-        """(the net's ``ContextParallel`` for x[:, :-1], the counted targets of all ranks).
-
-        One all-gather of each rank's first and last tokens (and mask entries) and its count
-        of counted targets: neighbouring slices must overlap by one token (rank r's last
-        equals rank r + 1's first, in every row), or every rank raises the same ValueError.
-        Args:
-            x: (b, n_local + 1) this rank's tokens. mask: (b, n_local + 1) bool or None.
-            targets: (b, n_local) long, ``ignore_index`` where not counted.
-        """
+        """(the net's ``ContextParallel`` for x[:, :-1], the counted targets of all ranks): one
+        all-gather of each rank's first and last tokens (and mask entries) and its count, which
+        checks that neighbouring slices overlap by one token. x, mask: (b, n_local + 1);
+        targets: (b, n_local), ``ignore_index`` where not counted."""
         place = ContextParallel.of(context_parallel, x.shape[0], x.shape[1] - 1, x.device)
         ends = [x[:, 0], x[:, -1]]
         ends += [x.new_ones(x.shape[0]), x.new_ones(x.shape[0])] if mask is None else [mask[:, 0], mask[:, -1]]
@@ -467,9 +440,8 @@ class AutoregressiveWrapper(nn.Module):
         return getattr(self.net, "supports_cache", False) is True
 
     def _compiled_step(self, decoder, options):
-        """``decoder.step``, compiled when ``options`` (``generate``'s compile_step) is not None:
-        ``torch.compile(decoder.step, fullgraph=True, **options)``, on a CUDA device with
-        ``mode="reduce-overhead"`` (a CUDA graph) unless the options name a mode or a backend."""
+        """``decoder.step``, compiled as ``generate``'s compile_step says (``options``: None, or
+        keyword arguments for ``torch.compile``)."""
         if options is None:
             return decoder.step
         if getattr(decoder, "compilable", False) is not True:
@@ -483,18 +455,10 @@ class AutoregressiveWrapper(nn.Module):
         return torch.compile(decoder.step, **options)
 
     def _next_logits(self, seq, mask, cache_state, kwargs):
-        """Logits (b, num_tokens) for the token that follows ``seq``.
-
-        Args:
-            seq: (b, n) the running sequence (prompt and tokens generated so far).
-            mask: (b, n) bool or None, the running input mask.
-            cache_state: None for the recompute path; otherwise a dict that this method
-                updates, holding ``cache`` (the net's cache or decoder, or None before the
-                first call), ``length`` (how many tokens of ``seq`` it covers), ``compile``
-                (generate's compile_step options or None) and ``step`` (the decoder's step,
-                compiled or not).
-            kwargs: other keyword arguments for the net, passed unchanged.
-        """
+        """Logits (b, num_tokens) for the token that follows ``seq`` (b, n), the running
+        sequence (``mask``: its input mask or None). ``cache_state``: None to recompute; else a
+        dict this updates: ``cache`` (the net's cache or decoder, None at first), ``length``
+        (the tokens of ``seq`` it covers), ``compile`` (compile_step's options) and ``step``."""
         window = self.max_seq_len
         n = seq.shape[1]
         net_kwargs = dict(kwargs)
@@ -537,7 +501,7 @@ class AutoregressiveWrapper(nn.Module):
     def generate(self, start_tokens, seq_len, eos_token=None, temperature=1.0,
                  filter_logits_fn=top_k, filter_thres=FILTER_THRES, use_cache=None, compile_step=False,
                  top_k=None, top_p=None, return_lengths=False, **kwargs):
-        """Sample ``seq_len`` tokens that continue ``start_tokens``.
+        """Sample ``seq_len`` tokens that continue ``start_tokens`` (docs/training.md, "Generation").
 
         Each step feeds the net the last ``net.max_seq_len`` tokens of the running
         sequence (the prompt followed by the tokens generated so far), takes the logits
@@ -549,64 +513,41 @@ class AutoregressiveWrapper(nn.Module):
             start_tokens: (n,) or (b, n) integer prompt, n >= 1. Not modified.
             seq_len: number of tokens to generate, >= 1.
             eos_token: optional end-of-sequence token. A row that has produced it gets
-                ``pad_value`` at every later position of the output, and generation
-                stops as soon as every row has produced it, so the output then has
-                fewer than ``seq_len`` columns (one per step actually run). The net
-                keeps reading the finished rows' own picks, never ``pad_value``.
+                ``pad_value`` at every later position of the output, and generation stops
+                as soon as every row has produced it (the output then has fewer columns).
+                The net keeps reading the finished rows' own picks, never ``pad_value``.
             temperature: float >= 0; 0 means greedy decoding (no filter is applied).
             filter_logits_fn: ``f(logits (b, num_tokens), thres=filter_thres)`` returning
                 filtered logits, e.g. ``top_k`` or ``top_p``; None samples from the full
-                distribution.
-            filter_thres: float in [0, 1), passed to ``filter_logits_fn``.
-            top_k, top_p: the filter as other libraries take it, instead of
-                ``filter_logits_fn`` / ``filter_thres`` (which must then keep their defaults:
-                a filter given both ways raises ValueError). ``top_k``: an int >= 1, sample
-                among the k most likely tokens; ``top_p``: a float in (0, 1], sample from the
-                smallest set of most likely tokens holding that probability (1: no filter).
-                Both: the nucleus among the k most likely.
-            return_lengths: also return each row's length: the number of its generated
-                tokens up to and including its first ``eos_token`` (all of them if it has
-                none), so that ``pad_value`` after it, itself a valid token id, can be told
-                from a sampled token.
-            use_cache: None uses the net's incremental cache when the net declares
-                ``supports_cache = True`` and recomputes every step otherwise; True
-                requires the cache (ValueError if the net lacks it); False always
-                recomputes. With the cache, the first step primes it with
-                ``net(window, cache=None, return_cache=True, ...)`` and each later step
-                feeds only the newest token, ``net(x[:, -1:], cache=cache,
-                return_cache=True, ...)`` (with ``input_mask`` cut to the tokens fed); a net
-                with ``start_decoding`` is primed with ``net.start_decoding(window, ...)``
-                and fed with ``decoder.step(newest tokens)``.
-                Once the sequence outgrows ``max_seq_len`` the cache is rebuilt from the
-                last ``max_seq_len`` tokens at every step, so both paths see the same
-                window.
-            compile_step: False (the default) runs the decoder's step eagerly. True, or a
-                dict of ``torch.compile`` keyword arguments (e.g. ``{"backend": "aot_eager"}``,
-                ``{"mode": "max-autotune-no-cudagraphs"}``), runs
-                ``torch.compile(decoder.step, fullgraph=True, **options)`` instead: one graph
-                for every position (the decoder makes no host sync and keeps its buffers), on
-                a CUDA device with ``mode="reduce-overhead"`` (a CUDA graph per step) unless the
-                dict names a mode or a backend. Needs the net's one-token decoder
-                (``start_decoding``, a decoder with ``compilable = True``) and the cache
-                (ValueError otherwise). The first call compiles (seconds to a minute); later
-                calls with the same batch size reuse the graph. On a CPU it may not pay: see
-                benchmarks/bench_generate.py ``--compile-step``.
+                distribution. filter_thres: float in [0, 1), passed to it.
+            top_k, top_p: the filter as other libraries take it, instead of the two above
+                (which must then keep their defaults): ``top_k`` an int >= 1, the k most likely
+                tokens; ``top_p`` a float in (0, 1], the nucleus (1: no filter); both: the
+                nucleus among the k.
+            return_lengths: also return each row's length: its generated tokens up to and
+                including its first ``eos_token`` (all of them if it has none).
+            use_cache: None uses the net's cache (or its ``start_decoding``, see the module
+                docstring) when it declares ``supports_cache = True``; True requires it; False
+                recomputes the window every step. Once the sequence outgrows ``max_seq_len``
+                the cache is rebuilt from the last ``max_seq_len`` tokens at every step.
+            compile_step: False runs the decoder's step eagerly; True, or a dict of
+                ``torch.compile`` keyword arguments, runs ``torch.compile(decoder.step,
+                fullgraph=True, **options)`` (one graph for every position; on CUDA with
+                ``mode="reduce-overhead"`` unless the dict names a mode or a backend). Needs
+                the one-token decoder and the cache. On a CPU it may not pay
+                (benchmarks/bench_generate.py ``--compile-step``).
             **kwargs: passed to the net. ``input_mask`` (b, n) (or (n,) for a 1-D
                 prompt) bool, True for real tokens, describes left-padded prompts: its
                 last column must be all True. It is extended with True for each
-                generated token and cut to the same window as the tokens. Everything
-                else (e.g. ``context``, ``context_mask``) is passed unchanged.
+                generated token and cut to the same window as the tokens.
         Returns:
             (b, steps) generated tokens only, in the dtype of ``start_tokens``, or
-            (steps,) for a 1-D prompt. steps == seq_len unless every row reached
-            ``eos_token`` earlier. With ``return_lengths``: (tokens, lengths), lengths (b,)
-            int64 (a 0-d tensor for a 1-D prompt); ``tokens[i, :lengths[i]]`` is row i's text.
+            (steps,) for a 1-D prompt. With ``return_lengths``: (tokens, lengths), lengths
+            (b,) int64 (0-d for a 1-D prompt); ``tokens[i, :lengths[i]]`` is row i's text.
 
-        The net is put in eval mode while generating; the training flag of every one
-        of its modules is restored afterwards, also when an error is raised. Generation runs
-        under ``torch.inference_mode`` (less overhead per step than ``no_grad``); the result
-        is an ordinary tensor, but tensors captured inside (by hooks, say) are inference
-        tensors: clone them before using them with autograd.
+        The net runs in eval mode (every module's training flag is restored afterwards, also
+        on an error) and under ``torch.inference_mode``: tensors captured inside (by hooks,
+        say) are inference tensors.
         """
         # inference mode: ~20 % less overhead per decoding step than no_grad (measured); the
         # result is cloned outside it so that callers may feed it to a model they train

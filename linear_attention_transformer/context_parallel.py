@@ -65,14 +65,6 @@ class ContextParallel:
         return (f"ContextParallel(rank={self.rank}, world_size={self.world_size}, length={self.length}, "
                 f"start={self.start})")
 
-    @property
-    def first(self):
-        return self.rank == 0
-
-    @property
-    def last(self):
-        return self.rank == self.world_size - 1
-
     @classmethod
     def of(cls, context_parallel, batch: int, length: int, device=None) -> "ContextParallel":
         """``context_parallel`` (a process group, or a ``ContextParallel`` already built for
@@ -216,9 +208,6 @@ def state_before(summaries: Summary, rank: int, start: int = 0, blindspot_size: 
     """The ``CausalState`` before rank ``rank``'s slice (first position ``start``, a multiple of
     ``blindspot_size``): this rank's entry of the exclusive scan of ``gather_summaries``'
     (P, b, h, …) output over all P ranks."""
-    if start % blindspot_size:
-        raise ValueError(f"context_parallel: a slice must start at a blindspot block boundary (a multiple of "
-                         f"blindspot_size={blindspot_size}), got start {start}")
     before, _ = scan(summaries, dim=0, drops=True)
     ref = None if before.ref is None else before.ref[rank]
     kv = before.kv[rank]

@@ -460,20 +460,17 @@ class LinearAttentionTransformer(nn.Module):
         """x (b, n, dim) -> (b, n, dim). With ``return_cache`` -> (out, DecodingCache); given a
         ``cache``, x holds only the tokens that continue the cached sequence.
 
-        ``segment_ids`` (b, n) integer: packed sequences. A segment is a maximal run of equal
-        consecutive ids (``[0, 0, 1, 1, 0]`` holds three); each segment's output equals that
-        segment run alone: attention, windows, blindspot, convolution and token shift stay
-        inside it, and rotary positions (unless ``positions`` is given, (n,) or (b, n)) restart
-        at its first token. ``input_mask`` still marks padding. Refused with a cache, with
-        Linformer, attend_axially or receives_context.
+        ``segment_ids`` (b, n) integer: packed sequences (docs/packed.md). A segment is a
+        maximal run of equal consecutive ids (``[0, 0, 1, 1, 0]`` holds three); each segment's
+        output equals that segment run alone, rotary positions restarting at its first token
+        (unless ``positions`` is given, (n,) or (b, n)). ``input_mask`` still marks padding.
 
         ``context_parallel``: a ``torch.distributed`` process group (or a ``ContextParallel``)
-        over which one sequence is split (``context_parallel.py``): x (b, n_local, dim) is this
-        rank's contiguous slice, in rank order, all slices of the same length; returns this
-        rank's slice of the output. Rotary positions start at rank * n_local (``positions``,
-        if given, are the slice's). Each attention layer checks what it supports
-        (``Attention.check_place``) before any communication; Linformer,
-        attend_axially, cross-attention, segment_ids and a cache are refused. None: off.
+        over which one sequence is split (docs/scale.md): x (b, n_local, dim) is this rank's
+        contiguous slice, in rank order, all slices of the same length; returns this rank's
+        slice of the output. Rotary positions start at rank * n_local (``positions``, if
+        given, are the slice's). None: off. What the model cannot do with either (or a cache)
+        raises ValueError before any communication (``check_place``).
 
         ``context`` / ``context_mask`` need ``receives_context=True``, and ``positions`` (the
         rotary embedding's) ``use_rotary_emb=True``: without them they raise ValueError."""
@@ -488,10 +485,8 @@ class LinearAttentionTransformer(nn.Module):
         return out[0] if place.cached and not return_cache else out
 
     def check_place(self, place, length, parallel=False):
-        """Raise ValueError naming what this model cannot do at ``place`` (``place.py``) for x
-        of ``length`` tokens (one rank's slice when ``parallel``); each attention layer checks
-        its own options (``Attention.check_place``). ``Place.of`` calls it before any
-        communication."""
+        """Raise ValueError naming what this model cannot do at ``place`` for x of ``length``
+        tokens (one rank's slice when ``parallel``), as ``Attention.check_place``."""
         if place.cached:
             self.check_cacheable()
         if not parallel and place.position + length > self.max_seq_len:
