@@ -30,6 +30,7 @@ from .ops import (
     linear_attention_summary,
 )
 from .ops.causal.forms import CHUNK_SIZE
+from .ops.common import _check_mask
 from .ops.causal.recurrent import CausalState
 from .ops.segments import aligned_layout, from_layout, to_layout
 from .ops.windowed_attention import Window, windowed_attention, windowed_attention_by_position
@@ -63,15 +64,6 @@ def resolve_heads(dim, heads, dim_head=None, kv_heads=None, one_kv_head=False):
     if not isinstance(kv_heads, int) or kv_heads < 1 or heads % kv_heads:
         raise ValueError(f"kv_heads ({kv_heads!r}) must be a positive int that divides heads ({heads})")
     return dim_head, kv_heads
-
-
-def check_mask(mask, x, name):
-    if mask is None:
-        return
-    if not torch.is_tensor(mask) or mask.dtype != torch.bool:
-        raise TypeError(f"{name} must be a bool tensor")
-    if tuple(mask.shape) != tuple(x.shape[:2]):
-        raise ValueError(f"{name} must have shape {tuple(x.shape[:2])} (batch, seq_len), got {tuple(mask.shape)}")
 
 
 def _pad_to_multiple(t, multiple, dim, value=0.0):
@@ -368,7 +360,7 @@ class Attention(nn.Module):
     def attend(self, x, place=PLAIN, input_mask=None, cache=None, context=None, context_mask=None):
         """The output for x (b, n, dim) at ``place`` (``place.py``, checked by ``check_place``);
         ``cache``: this layer's ``AttentionCache`` when ``place.cached``, updated in place."""
-        check_mask(input_mask, x, "input_mask")
+        _check_mask(input_mask, *x.shape[:2], "input_mask")
         if self.receives_context:
             out = self._cross_attention(x, context, context_mask, cache)
         elif place.segments is not None:
@@ -470,7 +462,7 @@ class Attention(nn.Module):
                 raise ValueError(
                     f"context must have shape ({x.shape[0]}, ctx_len, {self.dim}), got {tuple(context.shape)}"
                 )
-            check_mask(context_mask, context, "context_mask")
+            _check_mask(context_mask, *context.shape[:2], "context_mask")
             _, k, v = self.project(x[:, :0], context)
             k, normalize = self.noncausal_keys(k, context_mask, context)
             summary = linear_attention_summary(k, v, context_mask, normalize)

@@ -97,10 +97,6 @@ class LocalCache(_Cache):
         """(b, h, slots, d), a view of ``kv``."""
         return self.kv[:, 0]
 
-    @property
-    def values(self):
-        return self.kv[:, 1]
-
     @torch.no_grad()
     def write(self, k, v, start, mask=None):
         """Keys and values k, v (b, h, n, d) at positions start .. start + n - 1 (``mask``

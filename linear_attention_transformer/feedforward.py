@@ -39,12 +39,8 @@ class FeedForward(nn.Module):
         self.dropout = nn.Dropout(dropout)
         self.proj_out = nn.Linear(hidden, dim)
 
-    def hidden(self, x):
-        """The activations before the output projection (and its dropout)."""
-        return _hidden(x, self.proj_in.weight, self.proj_in.bias, self.glu, self.activation)
-
     def _forward(self, x):
-        return self.proj_out(self.dropout(self.hidden(x)))
+        return self.proj_out(self.dropout(_hidden(x, self.proj_in.weight, self.proj_in.bias, self.glu, self.activation)))
 
     def forward(self, x):
         if self.chunks == 1 or x.shape[1] <= 1:

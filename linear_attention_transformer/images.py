@@ -15,6 +15,7 @@ from einops import rearrange
 from torch import nn
 
 from .ops import linear_attention
+from .ops.common import _check_int
 
 __all__ = ["ImageLinearAttention"]
 
@@ -26,13 +27,6 @@ def _pair(name, value, minimum):
     if any(v < minimum for v in items):
         raise ValueError(f"{name} must be >= {minimum}, got {value!r}")
     return tuple(items)
-
-
-def _check_int(name, value, minimum=1):
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
-    if value < minimum:
-        raise ValueError(f"{name} must be >= {minimum}, got {value}")
 
 
 class ImageLinearAttention(nn.Module):

@@ -31,16 +31,10 @@ import torch
 from einops import rearrange
 from torch import nn
 
-from .ops.common import _check_mask
+from .attention import resolve_heads
+from .ops.common import _check_int, _check_mask
 
 __all__ = ["LinformerSettings", "LinformerContextSettings", "LinformerSelfAttention", "linformer_layers"]
-
-
-def _check_int(name, value, minimum=1):
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
-    if value < minimum:
-        raise ValueError(f"{name} must be >= {minimum}, got {value}")
 
 
 def _check_bool(name, value):
@@ -143,11 +137,7 @@ class LinformerSelfAttention(nn.Module):
         _check_int("seq_len", seq_len)
         _check_int("k", k)
         _check_int("heads", heads)
-        if dim_head is None:
-            if dim % heads:
-                raise ValueError(f"dim ({dim}) must be divisible by heads ({heads}) when dim_head is not given")
-            dim_head = dim // heads
-        _check_int("dim_head", dim_head)
+        dim_head, kv_heads = resolve_heads(dim, heads, dim_head, one_kv_head=one_kv_head)
         _check_bool("one_kv_head", one_kv_head)
         _check_bool("share_kv", share_kv)
         _check_bool("per_head", per_head)
@@ -160,7 +150,7 @@ class LinformerSelfAttention(nn.Module):
         self.dim, self.seq_len, self.k = dim, seq_len, k
         self.heads, self.dim_head = heads, dim_head
         self.one_kv_head, self.share_kv = one_kv_head, share_kv
-        self.kv_heads = 1 if one_kv_head else heads
+        self.kv_heads = kv_heads
 
         inner = heads * dim_head
         kv_inner = self.kv_heads * dim_head

@@ -75,11 +75,6 @@ class RotaryEmbedding(nn.Module):
             return angles.cos(), angles.sin()
 
 
-def rotate_half(x):
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
-
-
 def apply_rotary(x, cos_sin):
     """x (b, h, n, d) (or (..., n, d)) rotated by the angles of its positions, cos and sin
     (n, d) or per row (b, n, d); computed in at least float32."""
@@ -88,4 +83,5 @@ def apply_rotary(x, cos_sin):
         cos, sin = cos[:, None], sin[:, None]
     dtype = x.dtype
     x = x.to(torch.promote_types(dtype, cos.dtype))
-    return (x * cos + rotate_half(x) * sin).to(dtype)
+    x1, x2 = x.chunk(2, dim=-1)
+    return (x * cos + torch.cat((-x2, x1), dim=-1) * sin).to(dtype)

@@ -17,12 +17,13 @@ from einops import rearrange
 from product_key_memory import PKM
 from torch import nn
 
-from .attention import HEADS, LOCAL_WINDOW_SIZE, Attention, _pad_to_multiple, check_mask, resolve_heads
+from .attention import HEADS, LOCAL_WINDOW_SIZE, Attention, _pad_to_multiple, resolve_heads
 from .attention_step import AttentionStep, CrossAttentionStep
 from .cache import AxialCache, BranchCache, DecodingCache, copy_rows, map_tensors
 from .context_parallel import exchange_boundaries
 from .feedforward import FeedForward, FeedForwardStep
 from .linformer import LinformerContextSettings, LinformerSettings, linformer_layers
+from .ops.common import _check_mask
 from .place import PLAIN, Place
 from .positional import RotaryEmbedding
 from .reversible import ReversibleSequence, SequentialSequence
@@ -509,7 +510,7 @@ class LinearAttentionTransformer(nn.Module):
         """The layers at ``place`` (``Place.of`` with ``check_place``) -> out, or with
         ``place.cached`` (out, DecodingCache): ``cache`` (made when None) updated in place.
         ``positions``: the rotary embedding's (default ``place.positions``)."""
-        check_mask(input_mask, x, "input_mask")
+        _check_mask(input_mask, *x.shape[:2], "input_mask")
         if not self.receives_context and (context is not None or context_mask is not None):
             raise ValueError("context / context_mask given, but this model was built without receives_context=True: "
                              "build it with receives_context=True to attend to a context")
@@ -517,12 +518,8 @@ class LinearAttentionTransformer(nn.Module):
         if group is not None and group.world_size * group.length > self.max_seq_len:
             raise ValueError(f"sequence length {group.world_size * group.length} ({group.world_size} slices of "
                              f"{group.length}) exceeds max_seq_len={self.max_seq_len}")
-        if self.receives_context and cache is None:
-            if context is None:
-                raise ValueError("this model has receives_context=True: pass context=(batch, ctx_len, dim)")
-            if context.ndim != 3 or context.shape[-1] != self.dim:
-                raise ValueError(f"context must have shape (batch, ctx_len, {self.dim}), got {tuple(context.shape)}")
-            check_mask(context_mask, context, "context_mask")
+        if self.receives_context and cache is None and context is None:  # (each layer checks its shape)
+            raise ValueError("this model has receives_context=True: pass context=(batch, ctx_len, dim)")
         if self.rotary is not None:
             place = place.but(rotary=self.rotary(place.positions(x.shape[1], x.device) if positions is None
                                                  else positions))

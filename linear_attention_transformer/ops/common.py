@@ -1,5 +1,5 @@
 """Helpers shared by the linear-attention kernels (non-causal and causal): the compute dtype,
-the normaliser column and the division by it, mask checks, and the log-space factors of
+the normaliser column and the division by it, argument checks, and the log-space factors of
 exponential features."""
 
 from __future__ import annotations
@@ -59,6 +59,13 @@ class _DivideRows(torch.autograd.Function):
         grad_num = grad * inv if ctx.needs_input_grad[0] else None
         grad_den = -(grad * out).sum(dim=-1, keepdim=True) * inv if ctx.needs_input_grad[1] else None
         return grad_num, grad_den
+
+
+def _check_int(name, value, minimum=1):
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    if value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}")
 
 
 def _check_mask(mask, b, n, name="mask"):

@@ -33,11 +33,6 @@ __all__ = ["FeatureMap", "FEATURE_MAP_NAMES"]
 FEATURE_MAP_NAMES = ("softmax", "elu", "relu", "taylor")
 
 
-def taylor_feature_dim(d):
-    """How many features ``taylor_features`` makes of d: 1 + d + d (d + 1) / 2."""
-    return 1 + d + d * (d + 1) // 2
-
-
 def taylor_features(x):
     """phi(x) of the module docstring over the last dimension: (..., d) -> (..., 1 + d + d (d + 1) / 2),
     with phi(q)·phi(k) = 1 + s + s²/2, s = q·k / sqrt(d)."""
@@ -100,8 +95,8 @@ class FeatureMap:
         return self.kind == "softmax"
 
     def feature_dim(self, d):
-        """The number of features of a head of d query / key dimensions."""
-        return taylor_feature_dim(d) if self.kind == "taylor" else d
+        """The number of features of a head of d query / key dimensions (taylor: 1 + d + d (d + 1) / 2)."""
+        return 1 + d + d * (d + 1) // 2 if self.kind == "taylor" else d
 
     def _pointwise(self, x):
         """The features of queries or keys over the last dimension (all but 'softmax';
