@@ -29,19 +29,6 @@ from .linformer import LinformerContextSettings, LinformerSelfAttention, Linform
 from .lm import LinearAttentionTransformerLM
 from .transformer import LinearAttentionTransformer
 
-__all__ = [
-    "Attention",
-    "Autopadder",
-    "AutoregressiveWrapper",
-    "ContextParallel",
-    "ImageLinearAttention",
-    "LinearAttentionTransformer",
-    "LinearAttentionTransformerLM",
-    "LinearImageAttention",
-    "LinearSelfAttention",
-    "Linformer",
-    "LinformerContextSettings",
-    "LinformerLM",
-    "LinformerSelfAttention",
-    "LinformerSettings",
-]
+__all__ = ["Attention", "Autopadder", "AutoregressiveWrapper", "ContextParallel", "ImageLinearAttention",
+           "LinearAttentionTransformer", "LinearAttentionTransformerLM", "LinearImageAttention", "LinearSelfAttention",
+           "Linformer", "LinformerContextSettings", "LinformerLM", "LinformerSelfAttention", "LinformerSettings"]

@@ -75,45 +75,32 @@ def _pad_to_multiple(t, multiple, dim, value=0.0):
 
 
 class Attention(nn.Module):
-    """Multi-head attention with global linear heads and local softmax heads.
+    """Multi-head attention with global linear heads and local softmax heads (each option's
+    meaning and default: docs/layers.md).
 
     Args:
-        dim: model width.
-        heads: number of query heads. dim_head: size of each (default dim // heads).
+        dim: model width. heads: number of query heads. dim_head: size of each (dim // heads).
         causal: each position attends only to itself and the past.
-        n_local_attn_heads: how many of the heads are local windowed softmax heads.
-        local_attn_window_size: w (default 128, ``LOCAL_WINDOW_SIZE``); a local head sees its
-            window of w tokens and the one before. Refused without local heads.
-        local_attn_look_backward: windows before its own a local head sees (default 1).
-        local_attn_look_forward: windows after its own (default 1, or 0 when causal; > 0 is
-            refused when causal).
-        local_attn_exact_windowsize: causal only: a query sees exactly the last
-            look_backward * w keys, itself included, instead of whole windows.
-        blindspot_size: B; causal global heads see only keys in earlier blocks of B tokens
-            (to pair with local heads, which cover the rest). 1 (default) = every key j <= i.
-            Causal layers only.
-        kv_heads: number of key/value heads, shared by groups of query heads.
-            one_kv_head=True means kv_heads=1.
-        feature_map: 'softmax' (default), 'elu', 'relu', 'taylor' or a callable, for global heads
-            (``ops/feature_maps.py``).
-        attn_dropout: dropout on the attention output of every head, before the output projection.
+        n_local_attn_heads: how many of the heads are local windowed softmax heads, with
+            ``local_attn_window_size`` (w, default ``LOCAL_WINDOW_SIZE``),
+            ``local_attn_look_backward`` / ``local_attn_look_forward`` (windows before / after
+            its own) and ``local_attn_exact_windowsize`` (``ops/windowed_attention.py``).
+        blindspot_size: B; causal global heads see only keys in earlier blocks of B tokens.
+        kv_heads: number of key/value heads, shared by groups of query heads (one_kv_head: 1).
+        feature_map: the global heads' ('softmax', 'elu', 'relu', 'taylor' or a callable,
+            ``ops/feature_maps.py``).
+        attn_dropout: dropout on the heads' output, before the output projection.
         dropout: dropout on the layer output.
         receives_context: keys and values come from ``context`` (cross-attention); all
             heads are then global and non-causal with respect to the context.
-        chunk_size: chunk length of the causal linear attention kernel (default 64,
-            ``ops.causal.forms.CHUNK_SIZE``); causal only.
-        use_gate: the sigmoid gating (``gating.py``): a forget gate per global head
-            (rank ``gate_rank`` = 16, exponent 1 / ``gate_temperature``, 16) decays the causal
-            state, or gates each key without a causal order; and a sigmoid output gate on
-            every head's output. ``gate_granularity``: ``'head'`` (default), one decay per
-            head and position, or ``'feature'``, one per head and key feature (see ``ForgetGate``).
-        use_local_conv: depthwise convolution of ``local_conv_kernel`` (3) taps along the sequence
-            on the global heads' q, k and v, before the feature map (causal: left-padded).
-        kernel: the causal global heads' kernel: 'auto' (default: by the device, see
-            ``ops/causal/forms.py``), 'torch' (this library's PyTorch forms only) or 'fla'
-            (flash-linear-attention's Triton kernels, ``pip install
-            linear-attention-transformer[cuda]``; a call it cannot run raises ValueError saying
-            why). Causal self-attention only.
+        chunk_size: chunk length of the causal kernel (``ops.causal.forms.CHUNK_SIZE``).
+        use_gate: forget and output gates (``gating.py``) with ``gate_rank``,
+            ``gate_temperature`` and ``gate_granularity``.
+        use_local_conv: a convolution of ``local_conv_kernel`` taps on the global heads' q, k, v.
+        kernel: the causal global heads' kernel: 'auto' (by the device, ``ops/causal/forms.py``),
+            'torch' (this library's forms only) or 'fla' (flash-linear-attention's Triton kernels,
+            ``pip install linear-attention-transformer[cuda]``; a call it cannot run raises
+            ValueError saying why). Causal self-attention only.
     Shapes:
         x (b, n, dim); input_mask (b, n) bool; context (b, m, dim); context_mask (b, m) bool;
         rotary: (cos, sin) of the positions, each (n, dim_head) or (b, n, dim_head);
@@ -219,20 +206,27 @@ class Attention(nn.Module):
         computed from ``source``, gate each key's contribution (then rows need normalising).
         Returns (features, normalize)."""
         k, normalize = self.feature_map.noncausal_keys(k, mask, segments)
-        if self.forget_gate is not None:
-            log_gate = self.forget_gate(source)
-            log_gate = log_gate if log_gate.ndim == 4 else log_gate[..., None]  # one per head
-            k, normalize = k * log_gate.exp().to(k.dtype), True
+        key_gates = self._key_gates(source)
+        if key_gates is not None:
+            k, normalize = k * key_gates.to(k.dtype), True
         return k, normalize
+
+    def _key_gates(self, source):
+        """The forget gate's factor on each key without a causal order (b, h, n, 1 or d), or None."""
+        if self.forget_gate is None:
+            return None
+        log_gate = self.forget_gate(source)
+        return (log_gate if log_gate.ndim == 4 else log_gate[..., None]).exp()  # (one per head: a last axis of 1)
 
     def global_heads(self, q, k, v, mask, x, cache=None, position=0, segments=None, group=None):
         """Linear attention over the global heads. ``cache``: a ``GlobalCache`` after
         ``position`` tokens, continued from (unless position is 0) and updated in place.
-        ``group``: a ``ContextParallel`` when the sequence is split over processes."""
-        if group is not None:
-            return self._global_heads_context_parallel(q, k, v, mask, x, group)
+        ``group``: a ``ContextParallel`` when the sequence is split over processes: the slice
+        then reads the other ranks' summaries (``context_parallel.py``)."""
         fresh = cache is None or position == 0
-        if self.local_conv is not None:
+        if self.local_conv is not None and group is not None:
+            q, k, v = self._convolve_context_parallel(q, k, v, mask, group)
+        elif self.local_conv is not None:
             previous = (None,) * 3 if fresh else cache.conv.unbind(1)
             raw = (q, k, v)
             q, k, v = (conv(t, mask, p, segments) for conv, t, p in zip(self.local_conv, raw, previous))
@@ -244,6 +238,9 @@ class Attention(nn.Module):
         if self.causal:
             log_gate = None if self.forget_gate is None else self.forget_gate(x)
             q, k, exp_features = fm.causal_features(q, k)
+            if group is not None:
+                return context_parallel_causal_linear_attention(q, k, v, group, log_gate, mask, self.chunk_size,
+                                                                exp_features, self.blindspot_size, self.form)
             out = causal_linear_attention(
                 q, k, v, log_gate, mask, blindspot_size=self.blindspot_size, chunk_size=self.chunk_size,
                 exp_features=exp_features, state=None if fresh else cache.state.as_causal_state(position),
@@ -255,29 +252,15 @@ class Attention(nn.Module):
             with torch.no_grad():
                 cache.state.load(state)
             return out
+        if group is not None:  # the softmax map's keys take their softmax over the whole sequence
+            key_gates = self._key_gates(x)
+            if fm.is_softmax:
+                return context_parallel_linear_attention(fm.queries(q), k, v, group, mask, normalize=key_gates is not None,
+                                                         softmax_keys=True, key_scale=key_gates)
+            return context_parallel_linear_attention(fm.queries(q), fm.noncausal_keys(k, mask)[0], v, group, mask,
+                                                     normalize=True, key_scale=key_gates)
         k, normalize = self.noncausal_keys(k, mask, x, segments)
         return linear_attention(fm.queries(q), k, v, mask, normalize=normalize, segments=segments)
-
-    def _global_heads_context_parallel(self, q, k, v, mask, x, group):
-        """The global heads on this rank's slice, reading the other ranks' summaries
-        (``context_parallel.py``). Options it does not support were refused in ``forward``."""
-        if self.local_conv is not None:
-            q, k, v = self._convolve_context_parallel(q, k, v, mask, group)
-        fm = self.feature_map
-        if self.causal:
-            log_gate = None if self.forget_gate is None else self.forget_gate(x)
-            q, k, exp_features = fm.causal_features(q, k)
-            return context_parallel_causal_linear_attention(q, k, v, group, log_gate, mask, self.chunk_size,
-                                                            exp_features, self.blindspot_size, self.form)
-        key_scale = None
-        if self.forget_gate is not None:
-            log_gate = self.forget_gate(x)
-            key_scale = (log_gate if log_gate.ndim == 4 else log_gate[..., None]).exp()
-        if fm.is_softmax:
-            return context_parallel_linear_attention(fm.queries(q), k, v, group, mask, normalize=key_scale is not None,
-                                                     softmax_keys=True, key_scale=key_scale)
-        k = fm.noncausal_keys(k, mask)[0]
-        return context_parallel_linear_attention(fm.queries(q), k, v, group, mask, normalize=True, key_scale=key_scale)
 
     def _convolve_context_parallel(self, q, k, v, mask, group):
         """The convolution across the slice's ends: the neighbours' boundary inputs (masked

@@ -24,34 +24,29 @@ def check_token_ids(tokens, num_tokens, name):
 
 
 class LinearAttentionTransformerLM(nn.Module):
-    """Token model: embeddings -> ``LinearAttentionTransformer`` -> logits.
+    """Token model: embeddings -> ``LinearAttentionTransformer`` -> logits (options: docs/layers.md).
 
     Args:
         num_tokens: vocabulary size. dim: model width. depth, max_seq_len, heads: as in
             ``LinearAttentionTransformer``.
-        emb_dim: embedding width (embedding factorisation, to save on memory): tokens are
-            embedded in emb_dim and projected up to ``dim``, and the logits are read from
-            emb_dim too (norm -> Linear(dim, emb_dim) -> Linear(emb_dim, num_tokens)), so no
-            (num_tokens x dim) matrix exists when emb_dim < dim. Default: dim.
-        tie_embedding: the output projection's weight is the token embedding matrix
-            (num_tokens, emb_dim): one tensor, trained by both uses (the output keeps its own bias).
-        return_embeddings: return the final hidden states (b, n, dim) instead of logits,
-            e.g. for an encoder whose output is a decoder's context.
-        use_axial_pos_emb: axial position embedding (the default unless use_rotary_emb), of
-            shape (ceil(max_seq_len / w), w) with w = local_attn_window_size.
-        use_rotary_emb: rotary embeddings in attention instead of an added embedding (True
-            together with use_axial_pos_emb=True is refused). With both off, a learned
-            absolute embedding is added.
-        **kwargs: every other ``LinearAttentionTransformer`` option (causal, reversible,
-            n_local_attn_heads, blindspot_size, shift_tokens, ...).
+        emb_dim: embedding width (default dim): tokens are embedded in emb_dim and projected up
+            to ``dim``, and the logits read through dim -> emb_dim -> num_tokens, so no
+            (num_tokens x dim) matrix exists when emb_dim < dim.
+        tie_embedding: the output projection's weight is the token embedding matrix (one
+            tensor, trained by both uses; the output keeps its own bias).
+        return_embeddings: return the final hidden states (b, n, dim) instead of logits.
+        use_axial_pos_emb: axial position embedding (the default unless use_rotary_emb) of
+            shape (ceil(max_seq_len / w), w), w = local_attn_window_size.
+        use_rotary_emb: rotary embeddings in attention instead (not with use_axial_pos_emb).
+            With both off, a learned absolute embedding is added.
+        **kwargs: every other ``LinearAttentionTransformer`` option.
     Shapes:
         x (b, n) integer tokens, n <= max_seq_len; input_mask (b, n) bool; context
         (b, m, dim) and context_mask (b, m) for a decoder; segment_ids (b, n) integer for
-        packed sequences (positions restart at each segment, see
-        ``LinearAttentionTransformer.forward``). Returns logits (b, n, num_tokens),
-        or (b, n, dim) with return_embeddings. Parameters: token_emb (num_tokens, emb_dim),
-        project_in (dim, emb_dim), project_out (emb_dim, dim), to_logits (num_tokens, emb_dim)
-        (the projections are Identity when emb_dim == dim).
+        packed sequences. Returns logits (b, n, num_tokens), or (b, n, dim) with
+        return_embeddings. Parameters: token_emb (num_tokens, emb_dim), project_in (dim,
+        emb_dim), project_out (emb_dim, dim), to_logits (num_tokens, emb_dim) (the projections
+        are Identity when emb_dim == dim).
     """
 
     def __init__(
@@ -123,12 +118,8 @@ class LinearAttentionTransformerLM(nn.Module):
         sequence, and ``input_mask`` (if any) covers only them; a cross-attention layer reuses
         the context it reduced on the first call. The cache is updated in place and returned
         (``cache.clone()`` first to branch from it); without ``return_cache`` it is read and
-        left as it was.
-
-        ``context_parallel``: a ``torch.distributed`` process group over which one sequence
-        is split: x (b, n_local) is this rank's contiguous slice, in rank order, all slices
-        of the same length; positions (axial, absolute, rotary) start at rank * n_local, and
-        the logits are this rank's slice (see ``LinearAttentionTransformer.forward``)."""
+        left as it was. ``segment_ids`` and ``context_parallel`` (x (b, n_local): this rank's
+        slice) as in ``LinearAttentionTransformer.forward``."""
         out = self._body(x, input_mask, context, context_mask, cache, return_cache, segment_ids, context_parallel)
         if not return_cache:
             return self._output(out)
@@ -149,10 +140,8 @@ class LinearAttentionTransformerLM(nn.Module):
 
     def output_features(self, x, input_mask=None, context=None, context_mask=None, segment_ids=None,
                         context_parallel=None):
-        """What the logits are read from: (b, n, emb_dim), with
-        ``forward(x, ...) == output_layer(output_features(x, ...))``. ``AutoregressiveWrapper``
-        takes its loss from these chunk by chunk, so that the (b, n, num_tokens) logits never
-        exist at once. ``context_parallel``: as in ``forward`` (this rank's slice)."""
+        """What the logits are read from: (b, n, emb_dim), with ``forward(x, ...) ==
+        output_layer(output_features(x, ...))`` (``AutoregressiveWrapper``'s chunked loss)."""
         if self.return_embeddings:
             raise ValueError("a model with return_embeddings=True has no output layer")
         out = self._body(x, input_mask, context, context_mask, None, False, segment_ids, context_parallel)

@@ -306,37 +306,29 @@ class _AttentionOptions:
 
 
 class LinearAttentionTransformer(nn.Module):
-    """A stack of linear-attention layers on continuous inputs.
+    """A stack of linear-attention layers on continuous inputs (every option: docs/layers.md).
 
     Args:
         dim, depth, max_seq_len: width, number of layers, longest accepted sequence.
         heads, dim_head: heads of every attention layer and their size (default dim // heads).
         causal: each position sees only itself and the past.
         local_attn_window_size: w of the local heads, and the stride of ``attend_axially``
-            (default ``attention.LOCAL_WINDOW_SIZE``, 128); refused when the model has neither.
+            (default ``attention.LOCAL_WINDOW_SIZE``); refused when the model has neither.
         attn_layer_dropout: dropout on each attention layer's output.
-        reversible: reversible residual pairs (activations recomputed in backward).
-        checkpoint: gradient checkpointing: each layer keeps only its input and is run again
-            in backward (same gradients, dropout replayed); not with ``reversible``.
-        receives_context: add a cross-attention pair per layer (decoder); forward then
-            needs ``context``.
-        attend_axially: add a strided global attention pair per layer, over positions that
-            share t mod local_attn_window_size.
-        pkm_layers: 1-based layer numbers whose feed-forward is a product-key memory with
-            ``pkm_num_keys`` keys.
-        linformer_settings: ``LinformerSettings`` -> every self-attention is Linformer
-            (non-causal, sequence length max_seq_len).
-        context_linformer_settings: ``LinformerContextSettings`` -> Linformer cross-attention.
+        reversible / checkpoint: reversible residual pairs, or gradient checkpointing
+            (``reversible.py``); not both.
+        receives_context: a cross-attention pair per layer (decoder); forward then needs ``context``.
+        attend_axially: a strided global attention pair per layer, over positions that share
+            t mod local_attn_window_size.
+        pkm_layers: 1-based layers whose feed-forward is a product-key memory of ``pkm_num_keys``.
+        linformer_settings / context_linformer_settings: Linformer self- / cross-attention.
         shift_tokens: shift a slice of the features by one token in every branch.
         use_rotary_emb: rotary position embeddings on queries and keys of self-attention.
-        ff_*: the feed-forward's options without the prefix (``FeedForward``): ff_mult,
-            ff_activation ('gelu' | 'relu'), ff_glu, ff_dropout, ff_chunks.
-        **attention_options: the attention layers' options, each handed to the layer kinds
-            that honour it (``attention.Attention``: n_local_attn_heads (an int, or one per
-            layer), blindspot_size, kv_heads, one_kv_head, feature_map, attn_dropout,
-            chunk_size, use_gate, use_local_conv and their settings; Linformer layers:
-            attn_dropout). An unknown keyword raises TypeError; one that no layer of this
-            model can honour raises ValueError.
+        ff_*: the ``FeedForward``'s options with the prefix (ff_mult, ff_activation, ff_glu,
+            ff_dropout, ff_chunks).
+        **attention_options: the attention layers' options (``Attention``'s, one
+            n_local_attn_heads per layer allowed), each handed to the layer kinds that honour
+            it. An unknown keyword raises TypeError; one that no layer can honour ValueError.
     Shapes:
         x (b, n, dim) with n <= max_seq_len; input_mask (b, n) bool; context (b, m, dim);
         context_mask (b, m) bool; segment_ids (b, n) integer (packed sequences, see

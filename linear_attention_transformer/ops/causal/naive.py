@@ -10,13 +10,6 @@ from ..common import NEG_INF, _same_segment
 __all__ = ["naive_causal_linear_attention"]
 
 
-def _visibility(n, blindspot_size, device):
-    pos = torch.arange(n, device=device)
-    if blindspot_size > 1:
-        return (pos[None, :] // blindspot_size) < (pos[:, None] // blindspot_size)
-    return pos[None, :] <= pos[:, None]
-
-
 def naive_causal_linear_attention(q, k, v, log_decay=None, mask=None, blindspot_size=1, exp_features=False,
                                   segments=None):
     """Reference for the causal kernels: the explicit (n x n) decayed weight matrix.
@@ -28,7 +21,8 @@ def naive_causal_linear_attention(q, k, v, log_decay=None, mask=None, blindspot_
     from position 0).
     """
     b, h, n, d = q.shape
-    visible = _visibility(n, blindspot_size, q.device)
+    block = torch.arange(n, device=q.device) // blindspot_size  # (blindspot_size 1: the position)
+    visible = block[None, :] < block[:, None] if blindspot_size > 1 else block[None, :] <= block[:, None]
     if mask is not None:
         visible = visible & rearrange(mask, "b j -> b 1 1 j")
     if segments is not None:
