@@ -105,19 +105,12 @@ def _check_mask(mask, shape, name="input_mask"):
 
 
 def top_k(logits, thres=FILTER_THRES):
-    """Keep the k largest logits, set the others to -inf.
+    """Keep the k largest logits, set the others to -inf: logits (..., num_tokens) float (not
+    modified) -> a tensor of the same shape and dtype. thres: float in [0, 1).
 
-    k = ceil((1 - thres) * num_tokens), at least 1: ``thres=0.9`` keeps the top 10 %.
-    The product is rounded to 9 decimals before the ceiling, so that e.g. thres=0.7
-    with 10 tokens keeps 3 tokens and not 4 (0.3 * 10 is 3.0000000000000004 in floats).
-    Exactly k tokens are kept even when logits tie at the k-th value (ties are broken
-    as ``torch.topk`` breaks them).
-
-    Args:
-        logits: (..., num_tokens) float tensor. Not modified.
-        thres: float in [0, 1).
-    Returns:
-        (..., num_tokens) tensor of the same dtype: the kept logits unchanged, -inf elsewhere.
+    k = ceil((1 - thres) * num_tokens), at least 1: ``thres=0.9`` keeps the top 10 %. The
+    product is rounded to 9 decimals before the ceiling (0.3 * 10 is 3.0000000000000004 in
+    floats). Exactly k tokens are kept, ties broken as ``torch.topk`` breaks them.
     """
     _check_logits(logits)
     _check_thres(thres)
@@ -170,9 +163,8 @@ def top_p(logits, thres=FILTER_THRES):
 
     Tokens are taken in order of decreasing probability (softmax of ``logits``) while
     the mass taken so far is below ``thres``; the token that brings it to ``thres`` or
-    beyond is kept, those after it are not. The most likely token is always kept (so
-    ``thres=0`` keeps only it). Probabilities are computed in at least float32. Arguments
-    and result as ``top_k``'s.
+    beyond is kept (so ``thres=0`` keeps only the most likely). Probabilities in at least
+    float32. Arguments and result as ``top_k``'s.
     """
     _check_logits(logits)
     _check_thres(thres)

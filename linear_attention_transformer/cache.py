@@ -1,12 +1,8 @@
 """What cached decoding keeps between calls, layer by layer: fixed-shape buffers, updated in place.
 
-A decoder needs a fixed-size state per layer: the global heads' running KᵀV, a ring of the
-local heads' last keys, the convolution's last inputs, the previous token for token shift.
-``model(x, return_cache=True)`` returns a ``DecodingCache``; give it back with the next tokens
-(``cache=``). Each call with ``return_cache`` (and ``Decoder.step``) writes the new state into
-the same buffers **in place**: to branch (beam search, several samples), ``clone()`` first. A
-call without ``return_cache`` leaves the cache as it was; ``cache.to(device)`` is a moved copy.
-Every tensor here has the batch as its first dimension.
+``model(x, return_cache=True)`` returns a ``DecodingCache``; how it is used, branched
+(``clone()``) and moved: docs/training.md, "The cache". Every tensor here has the batch as its
+first dimension.
 """
 
 from __future__ import annotations

@@ -68,20 +68,16 @@ def _check_step_tokens(tokens, batch):
 
 
 class Decoder:
-    """One running sequence per row, one token per row per step, the cache updated in place.
+    """One running sequence per row (see the module docstring), built by ``start_decoding``.
 
-    Built by ``start_decoding`` from the model and its prompt's ``DecodingCache``, which it then
-    owns and steps (``decoder.cache``: clone it to keep a copy). The attention layers'
-    projection weights are concatenated when it is built: parameters changed afterwards are
-    not seen. Eager steps under autocast take the form a compiled step traces.
-
-    ``step(tokens (b,) integer) -> logits (b, num_tokens)`` for the token after them, without
-    host sync; eagerly ``max_seq_len`` is checked on the host, compiled on the device.
-    ``position``: tokens consumed (prompt included), an int (after compiled steps read back
-    from the device once). ``step_threads``: the torch thread count an eager step runs with
-    (None: torch's own); on a CPU 1 for at most ``ONE_THREAD_MAX_BATCH`` rows, as a step's
-    fifty small operations gain nothing from a second thread and wait for it when another
-    process holds the core (measurements: benchmarks/README.md).
+    It owns and steps its prompt's ``DecodingCache`` (``decoder.cache``: clone it to keep a
+    copy); the attention layers' projection weights are concatenated when it is built, so
+    parameters changed afterwards are not seen. ``step(tokens (b,) integer) -> logits (b,
+    num_tokens)``; ``max_seq_len`` is checked on the host eagerly, on the device compiled.
+    ``position``: tokens consumed (prompt included). ``step_threads``: the torch thread count
+    of an eager step (None: torch's own); on a CPU 1 for at most ``ONE_THREAD_MAX_BATCH`` rows:
+    a step's small operations gain nothing from a second thread and wait for it when another
+    process holds the core (benchmarks/README.md).
     """
 
     compilable = True  # (AutoregressiveWrapper.generate's compile_step)

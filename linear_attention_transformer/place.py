@@ -47,11 +47,9 @@ class Place:
     @classmethod
     def of(cls, x, cache=None, return_cache=False, segment_ids=None, context_parallel=None,
            check: Optional[Callable[["Place", int, bool], None]] = None) -> "Place":
-        """The place of x (b, n, …) given a forward's arguments. ``cache``: the cache x
-        continues (its ``position`` counts the tokens before x); ``return_cache``: the forward
-        returns one. Refuses the modes that exclude each other, then runs ``check(place, n,
-        parallel)`` (the model's own refusals: n is x's length, ``parallel`` whether it is a
-        slice) before the context-parallel group communicates."""
+        """The place of x (b, n, …) given a forward's arguments (``cache``: the one x continues;
+        ``return_cache``: the forward returns one), checked as the module docstring says: the
+        layer's ``check(place, n, parallel)`` runs before the group communicates."""
         cached = cache is not None or return_cache
         check_segment_ids(segment_ids, x.shape[:2])
         check_modes(segment_ids is not None, cached, context_parallel is not None)

@@ -41,18 +41,16 @@ __all__ = ["SequentialSequence", "ReversibleSequence"]
 
 def _build_blocks(blocks: Any) -> nn.ModuleList:
     """Validate ``blocks`` and wrap them as ``ModuleList[ModuleList([f, g])]``."""
-    if isinstance(blocks, nn.Module) and not isinstance(blocks, nn.ModuleList):
-        raise TypeError(f"blocks must be a sequence of (f, g) pairs of nn.Module, got a single {type(blocks).__name__}")
-    if not isinstance(blocks, Iterable):
-        raise TypeError(f"blocks must be a sequence of (f, g) pairs, got {type(blocks).__name__}")
+    def sequence(value):  # (a single module is not, though some modules are iterable)
+        return isinstance(value, nn.ModuleList) or (isinstance(value, Iterable) and not isinstance(value, nn.Module))
+
+    if not sequence(blocks):
+        raise TypeError(f"blocks must be a sequence of (f, g) pairs of nn.Module, got {type(blocks).__name__}")
     pairs = []
     for i, pair in enumerate(blocks):
-        if isinstance(pair, nn.Module) and not isinstance(pair, nn.ModuleList):
-            raise TypeError(f"blocks[{i}] must be an (f, g) pair, got a single {type(pair).__name__}")
-        try:
-            pair = list(pair)
-        except TypeError:
-            raise TypeError(f"blocks[{i}] must be an (f, g) pair, got {type(pair).__name__}") from None
+        if not sequence(pair):
+            raise TypeError(f"blocks[{i}] must be an (f, g) pair, got {type(pair).__name__}")
+        pair = list(pair)
         if len(pair) != 2:
             raise ValueError(f"blocks[{i}] must hold exactly two modules (f, g), got {len(pair)}")
         for name, module in zip("fg", pair):
@@ -231,14 +229,12 @@ class _ReversibleFunction(torch.autograd.Function):
             raise RuntimeError("the parameters of a ReversibleSequence were replaced between the forward and the "
                                "backward pass (e.g. by torch.func.functional_call); the blocks cannot be recomputed "
                                "with the parameters the forward used")
-        n_names = len(ctx.names)
-        needs_kwarg_grad = ctx.needs_input_grad[3 : 3 + n_names]
-
         # detached leaves that collect the gradients of the tensor kwargs
+        needs_kwarg_grad = ctx.needs_input_grad[3 : 3 + len(ctx.names)]
         kwarg_leaves = [t.detach().requires_grad_(need) for t, need in zip(kwarg_tensors, needs_kwarg_grad)]
         kwargs = dict(ctx.static_kwargs, **dict(zip(ctx.names, kwarg_leaves)))
-        grad_kwarg_leaves = [t for t in kwarg_leaves if t.requires_grad]
-        kwarg_grads: list[torch.Tensor | None] = [None] * len(grad_kwarg_leaves)
+        grad_kwargs = [i for i, t in enumerate(kwarg_leaves) if t.requires_grad]
+        kwarg_grads: list[torch.Tensor | None] = [None] * len(kwarg_leaves)
 
         param_index = {id(p): i for i, p in enumerate(params)}
         param_grads: list[torch.Tensor | None] = [None] * len(params)
@@ -266,10 +262,10 @@ class _ReversibleFunction(torch.autograd.Function):
             if not out.requires_grad:  # a block that ignores its input and has no parameters
                 return out.detach(), None
             indices = params_of(module)
-            inputs = [leaf, *grad_kwarg_leaves, *(params[i] for i in indices)]
+            inputs = [leaf, *(kwarg_leaves[j] for j in grad_kwargs), *(params[i] for i in indices)]
             grads = torch.autograd.grad(out, inputs, grad_out, allow_unused=True)
-            n_kw = len(grad_kwarg_leaves)
-            for j, grad in enumerate(grads[1 : 1 + n_kw]):
+            n_kw = len(grad_kwargs)
+            for j, grad in zip(grad_kwargs, grads[1 : 1 + n_kw]):
                 accumulate(kwarg_grads, j, grad)
             for i, grad in zip(indices, grads[1 + n_kw :]):
                 accumulate(param_grads, i, grad)
@@ -292,9 +288,7 @@ class _ReversibleFunction(torch.autograd.Function):
             y1, y2, dy2 = x1, x2, dx2  # dx1 = dy1
 
         dx = dy1 + dy2 if ctx.needs_input_grad[2] else None
-        kwarg_grads_iter = iter(kwarg_grads)
-        kwarg_out = [next(kwarg_grads_iter) if leaf.requires_grad else None for leaf in kwarg_leaves]
-        return (None, None, dx, *kwarg_out, *param_grads)
+        return (None, None, dx, *kwarg_grads, *param_grads)
 
 
 class ReversibleSequence(nn.Module):
@@ -311,9 +305,7 @@ class ReversibleSequence(nn.Module):
     between forward and backward raise a RuntimeError rather than give wrong gradients.
 
     Args:
-        blocks: sequence of ``(f, g)`` pairs of ``nn.Module``, each taking ``x`` (batch, seq,
-            dim) and ``**kwargs`` and returning a tensor of x's shape; a module may appear in
-            several blocks (shared weights).
+        blocks: as ``SequentialSequence``'s; a module may appear in several (shared weights).
     Forward: x (batch, seq, dim); ``**kwargs`` go to every ``f`` and ``g``: top-level tensors
     (a ``context``, a ``mask``) get their gradients, other values pass unchanged, and a tensor
     that requires grad nested in a container raises TypeError. Returns ``(y1 + y2) / 2`` (x
