@@ -184,8 +184,6 @@ class Attention(nn.Module):
         elif use_local_conv:  # still check the argument: it must not be accepted silently
             LocalConv(1, causal=self.causal, **conv_settings)
 
-    # ------------------------------------------------------------------ pieces
-
     def project(self, x, source):
         """Queries from x, keys/values from source, as (b, heads, n, dim_head) each."""
         q = rearrange(self.to_q(x), "b n (h d) -> b h n d", h=self.heads)
@@ -291,8 +289,7 @@ class Attention(nn.Module):
 
     def check_place(self, place, length, parallel=False):
         """Raise ValueError naming what this layer cannot do at ``place`` (``place.py``) for x
-        of ``length`` tokens (a slice of a sequence split over processes when ``parallel``);
-        ``Place.of`` calls it before any communication."""
+        of ``length`` tokens (one rank's slice when ``parallel``)."""
         if place.cached:
             self.check_cacheable()
         if place.segments is not None and self.receives_context:
@@ -314,8 +311,6 @@ class Attention(nn.Module):
         if self.local_conv is not None and length < self.local_conv[0].kernel_size - 1:
             raise ValueError(f"context_parallel needs slices of at least local_conv_kernel - 1 tokens, got {length}")
 
-    # ------------------------------------------------------------------ forward
-
     def forward(self, x, input_mask=None, context=None, context_mask=None, rotary=None, cache=None,
                 return_cache=False, segment_ids=None, context_parallel=None):
         """x (b, n, dim) -> (b, n, dim); with ``return_cache`` -> (out, AttentionCache).
@@ -326,10 +321,9 @@ class Attention(nn.Module):
         as in ``LinearAttentionTransformer.forward``; ``input_mask`` and ``rotary`` are then
         the slice's. What this layer cannot do there raises ValueError (``check_place``).
 
-        A self-attention layer refuses ``context`` / ``context_mask``; a cross-attention layer
-        refuses ``input_mask`` (it marks which of x's tokens are keys, and its keys come from
-        the context: mask them with ``context_mask``) and ``rotary`` (queries and context keys
-        share no positions). A model calls ``attend`` with the ``Place`` it made once."""
+        An argument this kind of layer would not read raises ValueError (a self-attention layer's
+        ``context``, a cross-attention layer's ``input_mask`` and ``rotary``: ``_check_routes``).
+        A model calls ``attend`` with the ``Place`` it made once."""
         if x.ndim != 3 or x.shape[-1] != self.dim or x.shape[1] < 1:
             raise ValueError(f"x must have shape (batch, seq_len >= 1, {self.dim}), got {tuple(x.shape)}")
         self._check_routes(input_mask, context, context_mask, rotary)
@@ -367,10 +361,9 @@ class Attention(nn.Module):
                              "receives_context=True to attend to a context")
 
     def _packed(self, x, mask, place):
-        """Self-attention over packed segments (run index ``runs``). Blindspot blocks must
-        start with each segment: then every segment is moved to start at a multiple of the
-        block size (``aligned_layout``, at most B - 1 empty, masked slots per segment), the
-        layer runs there, and the outputs are moved back."""
+        """Self-attention over packed segments. Blindspot blocks must start with each segment:
+        each is moved to start at a multiple of B (``aligned_layout``), the layer runs there,
+        and the outputs are moved back."""
         runs, rotary = place.segments, place.rotary
         if self.blindspot_size == 1 or self.n_local == self.heads:
             return self._self_attention(x, mask, place)
@@ -522,15 +515,9 @@ def _last_inputs(t, mask, previous, count):
 class LinearSelfAttention(Attention):
     """Global linear self-attention on its own, to drop into any model (``linear-attention``'s layer).
 
-    Args:
-        dim: model width. heads: query heads. causal: autoregressive.
-        dim_head: size of each head (default dim // heads).
-        kv_heads / one_kv_head: shared key/value heads.
-        feature_map: 'softmax', 'elu', 'relu' or a callable; ``psi_fn`` (the ``linear-attention``
-            package's name for a callable feature map) is accepted as one.
-        dropout: dropout on the attention output (before the output projection).
-        blindspot_size: see ``Attention``.
-        **improvements: ``use_gate``, ``use_local_conv`` and their settings, see ``Attention``.
+    Arguments as ``Attention``'s; ``psi_fn`` (the ``linear-attention`` package's name for a
+    callable feature map) is accepted as ``feature_map``, and ``dropout`` is ``attn_dropout``.
+    ``**improvements``: ``use_gate``, ``use_local_conv`` and their settings.
     Shapes: x (b, n, dim), input_mask (b, n) bool -> (b, n, dim).
     """
 

@@ -149,8 +149,9 @@ class AttentionStep:
             proj = F.linear(h, self.weight, self.bias)
         q_local, kv_local, q, k, v = self._split(proj, ctx.rotary)
         outs = []
-        if self.n_local:
-            outs.append(self._local(q_local, kv_local, ctx, self.out_local if eager else None))
+        if self.n_local:  # (q_local came out of the projection scaled)
+            keys, values, bias = self.ring.step(kv_local, ctx)
+            outs.append(windowed_attention_step(q_local, keys, values, bias, self.out_local if eager else None))
         if self.n_global:
             log_gate = None if self.gate is None else self.gate.log_gates(proj[:, self.ends[1] : self.ends[2]])
             outs.append(self._global(q, k, v, log_gate, ctx, self.out_global if eager else None))
@@ -167,12 +168,6 @@ class AttentionStep:
         if into is None:
             return torch.mm(self.heads_out, self.out_weight_t)
         return into.addmm_(self.heads_out, self.out_weight_t)
-
-    def _local(self, q, kv, ctx, out=None):
-        """q (b, nl, 1, dh) (scaled), kv (b, 2, nl, dh) -> (b, nl, dh), written into ``out``
-        when given."""
-        keys, values, bias = self.ring.step(kv, ctx)
-        return windowed_attention_step(q, keys, values, bias, out)
 
     def _global(self, q, k, v, log_gate, ctx, out=None):
         """The global heads' output (b, ng, dh), written into ``out`` when given and of the
@@ -247,17 +242,3 @@ class _Ring:
         if host is None and self.steady is not None:  # (not the int: a compiled step would guard on it)
             bias = torch.where(p >= self.steady, self.table.index_select(0, slot)[0], bias)
         return keys, values, bias
-
-
-class CrossAttentionStep:
-    """Cross-attention: the context was reduced to kᵀv on the first call; read it."""
-
-    def __init__(self, attn, cache):
-        self.attn, self.summary = attn, cache.context
-
-    def buffers(self):
-        return []
-
-    def __call__(self, h, ctx, into=None):
-        out = self.attn.read_context(h[:, None], self.summary)[:, 0]
-        return out if into is None else into.add_(out)

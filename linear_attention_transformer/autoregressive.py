@@ -44,7 +44,8 @@ from torch import nn
 
 from .context_parallel import ContextParallel
 from .lm import check_token_ids
-from .ops.segments import check_segment_ids
+from .ops.common import _check_mask
+from .ops.segments import check_integer_ids, check_segment_ids
 from .place import check_modes
 
 __all__ = ["top_k", "top_p", "linear_cross_entropy", "AutoregressiveWrapper"]
@@ -52,9 +53,6 @@ __all__ = ["top_k", "top_p", "linear_cross_entropy", "AutoregressiveWrapper"]
 _INTEGER_DTYPES = (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64)
 # the filters' default threshold, and generate's
 FILTER_THRES = 0.9
-
-
-# ------------------------------------------------------------------------ validation
 
 
 def _check_thres(thres, name="thres"):
@@ -73,13 +71,6 @@ def _check_logits(logits):
                          f"got {tuple(logits.shape)}")
 
 
-def _check_tokens(x, name):
-    if not torch.is_tensor(x):
-        raise TypeError(f"{name} must be a tensor of token ids, got {type(x).__name__}")
-    if x.dtype not in _INTEGER_DTYPES:
-        raise TypeError(f"{name} must have an integer dtype, got {x.dtype}")
-
-
 def _check_compile_step(compile_step):
     """None (False) or the keyword arguments for ``torch.compile`` of the decoder's step."""
     if compile_step is False or compile_step is None:
@@ -90,18 +81,6 @@ def _check_compile_step(compile_step):
         return dict(compile_step)
     raise TypeError(f"compile_step must be False, True or a dict of torch.compile keyword arguments, "
                     f"got {compile_step!r}")
-
-
-def _check_mask(mask, shape, name="input_mask"):
-    if not torch.is_tensor(mask) or mask.dtype != torch.bool:
-        what = mask.dtype if torch.is_tensor(mask) else type(mask).__name__
-        raise TypeError(f"{name} must be a bool tensor, got {what}")
-    if tuple(mask.shape) != tuple(shape):
-        raise ValueError(f"{name} must have shape {tuple(shape)} (that of the tokens), "
-                         f"got {tuple(mask.shape)}")
-
-
-# --------------------------------------------------------------------------- filters
 
 
 def top_k(logits, thres=FILTER_THRES):
@@ -177,8 +156,6 @@ def top_p(logits, thres=FILTER_THRES):
     keep = torch.zeros_like(keep_sorted).scatter(-1, order, keep_sorted)
     return logits.masked_fill(~keep, float("-inf"))
 
-
-# ------------------------------------------------------------ chunked cross-entropy
 
 # logits held at once by linear_cross_entropy: rows per chunk = this // num_tokens. On the CPU
 # 2**22 (16 MiB of float32 logits, near the caches); on other devices a chunk costs its ~15
@@ -308,16 +285,11 @@ def _lengths(tokens, eos_token):
     return torch.where(is_eos.any(dim=-1), first + 1, torch.full_like(first, steps))
 
 
-# --------------------------------------------------------------------------- wrapper
-
-
 class AutoregressiveWrapper(nn.Module):
     """Wraps a language model for next-token training and for sampling.
 
     Args:
-        net: language model, ``net(x (b, n) long, input_mask=None (b, n) bool, **kwargs)
-            -> logits (b, n, num_tokens)``, with an int attribute ``max_seq_len``.
-            Optionally ``supports_cache = True`` for incremental decoding (see ``generate``).
+        net: a language model as the module docstring describes.
         ignore_index: target value that the loss ignores (as in ``F.cross_entropy``).
         pad_value: token written after a row's end-of-sequence token in ``generate``.
     """
@@ -334,8 +306,6 @@ class AutoregressiveWrapper(nn.Module):
         self.max_seq_len = int(max_seq_len)
         self.ignore_index = int(ignore_index)
         self.pad_value = int(pad_value)
-
-    # ------------------------------------------------------------------ training
 
     def forward(self, x, return_loss=True, **kwargs):
         """Next-token cross-entropy, or the net's output.
@@ -364,7 +334,7 @@ class AutoregressiveWrapper(nn.Module):
         context_parallel = kwargs.pop("context_parallel", None)
         check_modes(packed=kwargs.get("segment_ids") is not None, parallel=context_parallel is not None)
 
-        _check_tokens(x, "x")
+        check_integer_ids(x, "x")
         if x.ndim != 2 or x.shape[1] < 2:
             raise ValueError(f"x must have shape (batch, seq_len) with seq_len >= 2 to compute "
                              f"the loss, got {tuple(x.shape)}")
@@ -372,7 +342,7 @@ class AutoregressiveWrapper(nn.Module):
 
         mask = kwargs.pop("input_mask", None)
         if mask is not None:
-            _check_mask(mask, x.shape)
+            _check_mask(mask, *x.shape, "input_mask")
             kwargs["input_mask"] = mask[:, :-1]
             targets = targets.masked_fill(~mask[:, 1:], self.ignore_index)
         segment_ids = kwargs.pop("segment_ids", None)
@@ -425,8 +395,6 @@ class AutoregressiveWrapper(nn.Module):
         if isinstance(layer, nn.Linear) and callable(getattr(self.net, "output_features", None)):
             return layer
         return None
-
-    # ---------------------------------------------------------------- generation
 
     def _supports_cache(self):
         return getattr(self.net, "supports_cache", False) is True
@@ -556,7 +524,7 @@ class AutoregressiveWrapper(nn.Module):
     def _generate(self, start_tokens, seq_len, eos_token, temperature, sample_filter, use_cache, compile_step,
                   **kwargs):
         """``generate`` without the inference-mode wrapper; ``sample_filter`` from ``_sampling_filter``."""
-        _check_tokens(start_tokens, "start_tokens")
+        check_integer_ids(start_tokens, "start_tokens")
         if start_tokens.ndim not in (1, 2) or start_tokens.shape[-1] < 1:
             raise ValueError(f"start_tokens must have shape (n,) or (batch, n) with n >= 1, "
                              f"got {tuple(start_tokens.shape)}")
@@ -596,8 +564,9 @@ class AutoregressiveWrapper(nn.Module):
         seq = start_tokens[None] if was_1d else start_tokens
         mask = kwargs.pop("input_mask", None)
         if mask is not None:
-            _check_mask(mask, start_tokens.shape)
-            mask = mask[None] if was_1d else mask
+            if was_1d and torch.is_tensor(mask):
+                mask = mask[None]
+            _check_mask(mask, *seq.shape, "input_mask")
             if not bool(mask[:, -1].all()):
                 raise ValueError("input_mask must be True at the last prompt position of every "
                                  "row (pad prompts on the left)")

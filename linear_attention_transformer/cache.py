@@ -17,7 +17,13 @@ NO_KEY = -(2 ** 62)
 
 
 class _Cache:
+    """A record of buffers: its fields are its ``__slots__``, given in that order."""
+
     __slots__ = ()
+
+    def __init__(self, *fields):
+        for name, value in zip(self.__slots__, fields):
+            setattr(self, name, value)
 
     def _map(self, fn):
         return type(self)(*(map_tensors(getattr(self, name), fn) for name in self.__slots__))
@@ -76,9 +82,6 @@ class LocalCache(_Cache):
 
     __slots__ = ("kv", "positions")
 
-    def __init__(self, kv, positions):
-        self.kv, self.positions = kv, positions
-
     @classmethod
     def zeros(cls, batch, heads, slots, dim_head, device=None, dtype=torch.float32):
         kv = torch.zeros(batch, 2, heads, slots, dim_head, device=device, dtype=dtype)
@@ -116,9 +119,6 @@ class GlobalCache(_Cache):
 
     __slots__ = ("state", "conv")
 
-    def __init__(self, state, conv):
-        self.state, self.conv = state, conv
-
 
 class AttentionCache(_Cache):
     """One attention layer: tokens consumed (``position``, an int), ``local`` (LocalCache or
@@ -127,18 +127,12 @@ class AttentionCache(_Cache):
 
     __slots__ = ("position", "local", "global_", "context")
 
-    def __init__(self, position, local, global_, context):
-        self.position, self.local, self.global_, self.context = position, local, global_, context
-
 
 class AxialCache(_Cache):
     """Axial attention: one ``AttentionCache`` over a batch of b * w rows, row (i, r) holding
     the sequence of positions t = r mod w of batch element i; ``position``: tokens consumed."""
 
     __slots__ = ("inner", "position")
-
-    def __init__(self, inner, position):
-        self.inner, self.position = inner, position
 
 
 class BranchCache(_Cache):
@@ -147,18 +141,12 @@ class BranchCache(_Cache):
 
     __slots__ = ("shift", "fn")
 
-    def __init__(self, shift, fn):
-        self.shift, self.fn = shift, fn
-
 
 class DecodingCache(_Cache):
     """The whole model after ``position`` tokens: ``layers`` holds a (BranchCache, BranchCache)
     pair per residual block, in order."""
 
     __slots__ = ("position", "layers")
-
-    def __init__(self, position, layers):
-        self.position, self.layers = position, layers
 
     def set_position(self, position):
         """Tokens consumed, written into every layer's cache too (``Decoder`` counts them on

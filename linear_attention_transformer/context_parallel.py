@@ -104,13 +104,16 @@ def _autograd_all_reduce(t, group):
         return all_reduce(t, group=group)
 
 
-def _gather_by_sum(packed, rank, world, group):
-    """Every rank's ``packed`` (the same shape on each), stacked in rank order (P, …), with
-    gradients back to the rank that sent each: an autograd-aware all-reduce of this rank's
-    tensor in its own slot, zeros elsewhere. (Not the autograd all_gather: on gloo its backward
-    reads the group ranks as global ranks, wrong in any group but the world's first ranks.)"""
-    zeros = packed.new_zeros((world - 1,) + packed.shape)
-    return _autograd_all_reduce(torch.cat((zeros[:rank], packed[None], zeros[rank:])), group)
+def _gather_by_sum(tensors, rank, world, group):
+    """Every rank's ``tensors`` (the same shapes and dtype on each) in rank order, each as a (P,
+    …) tensor, with gradients back to the rank that sent it: one autograd-aware all-reduce of
+    this rank's tensors, flat in its own row, zeros elsewhere. (Not the autograd all_gather: on
+    gloo its backward reads the group ranks as global ranks, wrong in any group but the world's
+    first ranks.)"""
+    packed = torch.cat([t.flatten() for t in tensors])
+    zeros = packed.new_zeros(world - 1, packed.shape[0])
+    gathered = _autograd_all_reduce(torch.cat((zeros[:rank], packed[None], zeros[rank:])), group)
+    return [g.view(world, *t.shape) for t, g in zip(tensors, gathered.split([t.numel() for t in tensors], dim=1))]
 
 
 def exchange_boundaries(parts, place: ContextParallel, before: int, after: int):
@@ -131,26 +134,21 @@ def exchange_boundaries(parts, place: ContextParallel, before: int, after: int):
     for t, _ in parts:
         if t.dtype != torch.bool:
             dtype = torch.promote_types(dtype, t.dtype)
-    pieces, shapes = [], []
+    pieces = []
     for t, dim in parts:
         n = t.shape[dim]
         if n < before or n < after:
             raise ValueError(f"context_parallel: a slice of {n} tokens is shorter than the {max(before, after)} "
                              "boundary tokens its neighbours need; use fewer ranks or longer slices")
-        head, tail = t.narrow(dim, 0, after), t.narrow(dim, n - before, before)
-        for piece in (head, tail):
-            shapes.append(piece.shape)
-            pieces.append(piece.to(dtype).flatten())
-    gathered = _gather_by_sum(torch.cat(pieces), place.rank, place.world_size, place.group)
+        pieces += [t.narrow(dim, 0, after).to(dtype), t.narrow(dim, n - before, before).to(dtype)]
+    gathered = _gather_by_sum(pieces, place.rank, place.world_size, place.group)
     rank, world = place.rank, place.world_size
-    # every rank reads some row of the result, even at the ends (times 0): the all-reduce
-    # then takes part in every rank's backward, or the ranks that read it would wait forever
-    previous = gathered[(rank - 1) % world] * float(rank > 0)
-    following = gathered[(rank + 1) % world] * float(rank < world - 1)
-    sizes, out = [shape.numel() for shape in shapes], []
-    previous, following = previous.split(sizes), following.split(sizes)
-    for i, (t, dim) in enumerate(parts):
-        tail_prev, head_next = previous[2 * i + 1].view(shapes[2 * i + 1]), following[2 * i].view(shapes[2 * i])
+    out = []
+    for i, (t, _) in enumerate(parts):
+        # every rank reads some row of the result, even at the ends (times 0): the all-reduce
+        # then takes part in every rank's backward, or the ranks that read it would wait forever
+        tail_prev = gathered[2 * i + 1][(rank - 1) % world] * float(rank > 0)
+        head_next = gathered[2 * i][(rank + 1) % world] * float(rank < world - 1)
         if t.dtype == torch.bool:
             tail_prev, head_next = tail_prev.detach() > 0.5, head_next.detach() > 0.5
         else:
@@ -184,24 +182,10 @@ def gather_summaries(summary: Summary, group) -> Summary:
     None; the same shapes on every rank) in rank order: a Summary of (P, b, h, …) tensors, with
     gradients back to the rank that made each (``ref`` without gradient)."""
     dist = _dist()
-    rank, world = dist.get_rank(group), dist.get_world_size(group)
     kv, g, ref = summary
-    b, h, d, e = kv.shape
-    parts = [kv.flatten(2)]
-    if g is not None:
-        parts.append(g.to(kv.dtype))
-    if ref is not None:
-        parts.append(ref.detach().to(kv.dtype))
-    gathered = _gather_by_sum(torch.cat(parts, dim=-1), rank, world, group)  # (P, b, h, F)
-    kv_all = gathered[..., : d * e].unflatten(-1, (d, e))
-    offset = d * e
-    g_all = ref_all = None
-    if g is not None:
-        g_all = gathered[..., offset : offset + g.shape[-1]]
-        offset += g.shape[-1]
-    if ref is not None:
-        ref_all = gathered[..., offset : offset + d].detach()
-    return Summary(kv_all, g_all, ref_all)
+    parts = [kv] + [t.to(kv.dtype) for t in (g, None if ref is None else ref.detach()) if t is not None]
+    gathered = _gather_by_sum(parts, dist.get_rank(group), dist.get_world_size(group), group)
+    return Summary(gathered[0], None if g is None else gathered[1], None if ref is None else gathered[-1].detach())
 
 
 def state_before(summaries: Summary, rank: int, start: int = 0, blindspot_size: int = 1) -> CausalState:

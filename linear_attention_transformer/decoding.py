@@ -21,12 +21,12 @@ from __future__ import annotations
 import torch
 
 from .attention import Attention
+from .ops.segments import check_integer_ids
 
 __all__ = ["Decoder", "CacheDecoder", "start_decoding"]
 
 # eager steps on a CPU for at most this many rows run on one thread (Decoder.step_threads)
 ONE_THREAD_MAX_BATCH = 8
-_INTEGER_DTYPES = (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64)
 
 
 def start_decoding(model, x, input_mask=None, context=None, context_mask=None):
@@ -57,14 +57,6 @@ class CacheDecoder:
     @torch.inference_mode()
     def step(self, tokens):
         return self.model(tokens[:, None], cache=self.cache, return_cache=True)[0][:, -1]
-
-
-def _check_step_tokens(tokens, batch):
-    if not torch.is_tensor(tokens) or tokens.dtype not in _INTEGER_DTYPES:
-        what = tokens.dtype if torch.is_tensor(tokens) else type(tokens).__name__
-        raise TypeError(f"tokens must be an integer tensor of token ids, got {what}")
-    if tuple(tokens.shape) != (batch,):
-        raise ValueError(f"tokens must have shape ({batch},): one token per row, got {tuple(tokens.shape)}")
 
 
 class Decoder:
@@ -124,7 +116,9 @@ class Decoder:
         return self._cache
 
     def step(self, tokens):
-        _check_step_tokens(tokens, self.batch)
+        check_integer_ids(tokens, "tokens")
+        if tuple(tokens.shape) != (self.batch,):
+            raise ValueError(f"tokens must have shape ({self.batch},): one token per row, got {tuple(tokens.shape)}")
         if torch.compiler.is_compiling():
             # no host count under compile (a Python int that changes would recompile): the
             # device checks, and an eager step after this reads the position back
@@ -156,9 +150,7 @@ class Decoder:
         return out
 
     def _advance(self, tokens, host_position=None):
-        """One step on tensors only: nothing here reads a value back. Only ``host_position``
-        (eager steps: the position as the host counts it, equal to the device's) is a Python
-        number."""
+        """One step on tensors only, nothing read back (``host_position``: eager steps' int)."""
         logits = self._steps(tokens, self._position, host_position)
         self._position.add_(1)
         return logits

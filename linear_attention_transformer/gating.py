@@ -117,22 +117,16 @@ class LocalConv(nn.Module):
         h = x.shape[1]
         if mask is not None:  # padding never leaks into a real position
             x = x.masked_fill(~rearrange(mask, "b n -> b 1 n 1"), 0.0)
-        if previous is not None:
-            x = torch.cat((previous, x), dim=2)
-        n = x.shape[2] - (0 if previous is None else previous.shape[2])
-        if previous is None:
-            left = self.left_context
-            x = F.pad(x, (0, 0, left, self.kernel_size - 1 - left))
+        n, left, right = x.shape[2], self.left_context, self.kernel_size - 1 - self.left_context
+        x = F.pad(x, (0, 0, left, right)) if previous is None else torch.cat((previous, x), dim=2)
         # a few taps: a sum of shifted, scaled copies is faster than a depthwise conv1d on
         # the CPU and needs no transpose of the (b, h, n, d) layout
         weight = rearrange(self.taps(h).to(x.dtype), "h k d -> k h 1 d")
+        taps = [x[:, :, tap : tap + n] for tap in range(self.kernel_size)]
         if segments is not None:  # a tap sees zero where it would cross into another segment
-            left = self.left_context
-            runs = F.pad(segments, (left, self.kernel_size - 1 - left), value=-1)
-            within = [rearrange(runs[:, tap : tap + n] == segments, "b n -> b 1 n 1") for tap in range(self.kernel_size)]
-            taps = [x[:, :, tap : tap + n].masked_fill(~within[tap], 0.0) for tap in range(self.kernel_size)]
-        else:
-            taps = [x[:, :, tap : tap + n] for tap in range(self.kernel_size)]
+            runs = F.pad(segments, (left, right), value=-1)
+            taps = [t.masked_fill(rearrange(runs[:, tap : tap + n] != segments, "b n -> b 1 n 1"), 0.0)
+                    for tap, t in enumerate(taps)]
         out = taps[0] * weight[0]
         for tap in range(1, self.kernel_size):
             out = out + taps[tap] * weight[tap]

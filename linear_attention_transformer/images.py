@@ -52,12 +52,10 @@ class ImageLinearAttention(nn.Module):
     def __init__(self, chan: int, chan_out: Optional[int] = None, kernel_size=1, padding=0, stride=1, key_dim: int = 64,
                  value_dim: int = 64, heads: int = 8, norm_queries: bool = True):
         super().__init__()
-        _check_int("chan", chan)
         chan_out = chan if chan_out is None else chan_out
-        _check_int("chan_out", chan_out)
-        _check_int("key_dim", key_dim)
-        _check_int("value_dim", value_dim)
-        _check_int("heads", heads)
+        for name, value in (("chan", chan), ("chan_out", chan_out), ("key_dim", key_dim), ("value_dim", value_dim),
+                            ("heads", heads)):
+            _check_int(name, value)
         if not isinstance(norm_queries, bool):
             raise TypeError(f"norm_queries must be a bool, got {type(norm_queries).__name__}")
         self.kernel_size = _pair("kernel_size", kernel_size, 1)

@@ -13,10 +13,8 @@ if it were zero-padded to ``seq_len``: zero rows contribute nothing to Eᵀ X, s
 first m rows of E and F are used. Masked key/value positions are zeroed before the
 projection, which makes them contribute nothing as well.
 
-E and F are learned and Xavier-initialised, as the Linformer authors did. How many there are
-is ``parameter_sharing`` (the paper's section 4, as in tatp22's ``linformer-pytorch``): 'none' (an
-E and an F per key/value head and layer), 'headwise' (one E and one F per layer), 'kv' (E = F per layer),
-'layerwise' (one E = F for every layer). ``k_reduce_by_layer`` lets k shrink with depth.
+E and F are learned and Xavier-initialised, as the Linformer authors did; how many there are
+is ``parameter_sharing`` (the paper's section 4; docs/layers.md, "Linformer").
 
 The projections along the sequence and W_k, W_v are linear and bias-free, so they commute:
 positions are mixed first (Eᵀ X, O(m k dim)), once for keys and values with ``share_kv``.
@@ -125,22 +123,18 @@ class LinformerSelfAttention(nn.Module):
             from x (refused with a context: mask those with context_mask).
         context_mask: optional bool (b, m), True for real context positions; only with context.
         returns: (b, n, dim).
-    A masked key/value position is zeroed before the projection. Logits and softmax are
-    computed in at least float32 (also under autocast) and cast back.
+    Logits and softmax are computed in at least float32 (also under autocast).
     """
 
     def __init__(self, dim: int, seq_len: int, k: int = 256, heads: int = 8, dim_head: Optional[int] = None,
                  one_kv_head: bool = False, share_kv: bool = False, dropout: float = 0.0, per_head: bool = False,
                  projection: Optional[nn.Parameter] = None):
         super().__init__()
-        _check_int("dim", dim)
-        _check_int("seq_len", seq_len)
-        _check_int("k", k)
-        _check_int("heads", heads)
+        for name, value in (("dim", dim), ("seq_len", seq_len), ("k", k), ("heads", heads)):
+            _check_int(name, value)
         dim_head, kv_heads = resolve_heads(dim, heads, dim_head, one_kv_head=one_kv_head)
-        _check_bool("one_kv_head", one_kv_head)
-        _check_bool("share_kv", share_kv)
-        _check_bool("per_head", per_head)
+        for name, value in (("one_kv_head", one_kv_head), ("share_kv", share_kv), ("per_head", per_head)):
+            _check_bool(name, value)
         if projection is not None and (per_head or tuple(projection.shape) != (seq_len, k)):
             raise ValueError(f"projection must be a ({seq_len}, {k}) parameter, used without per_head")
         share_kv = share_kv or projection is not None
@@ -236,17 +230,10 @@ class LinformerSelfAttention(nn.Module):
 
 
 def linformer_layers(settings, dim, seq_len, depth, heads=8, dim_head=None, attn_dropout=0.0):
-    """The ``depth`` Linformer layers of a model (its keyword arguments: exactly the model
-    options a Linformer layer honours).
-
-    Args:
-        settings: ``LinformerSettings`` (keys/values from the layer's own input, of length
-            <= ``seq_len``, the model's max_seq_len) or ``LinformerContextSettings`` (from a
-            context of length <= ``settings.seq_len``; ``seq_len`` is then not used).
-        dim, depth, heads, dim_head: the model's.
-        attn_dropout: dropout on the attention weights.
-    Returns a list of ``depth`` ``LinformerSelfAttention``.
-    """
+    """The ``depth`` ``LinformerSelfAttention`` layers of a model (its keyword arguments:
+    exactly the model options a Linformer layer honours), from ``LinformerSettings`` (keys and
+    values from the layer's input, of length <= ``seq_len``, the model's max_seq_len) or
+    ``LinformerContextSettings`` (from a context of length <= ``settings.seq_len``)."""
     if isinstance(settings, LinformerContextSettings):
         seq_len = settings.seq_len
     elif not isinstance(settings, LinformerSettings):

@@ -9,6 +9,7 @@ from torch import nn
 from .attention import HEADS, LOCAL_WINDOW_SIZE
 from .attention_step import StepContext
 from .decoding import start_decoding
+from .ops.segments import check_integer_ids
 from .place import Place
 from .positional import AbsolutePositionalEmbedding, AxialPositionalEmbedding
 from .transformer import LinearAttentionTransformer, _parameters, refuse_unknown_keywords
@@ -154,8 +155,7 @@ class LinearAttentionTransformerLM(nn.Module):
 
     def _body(self, x, input_mask, context, context_mask, cache, return_cache, segment_ids=None,
               context_parallel=None):
-        if not torch.is_tensor(x) or x.dtype.is_floating_point or x.dtype.is_complex or x.dtype == torch.bool:
-            raise TypeError(f"x must be a tensor of integer token ids, got {getattr(x, 'dtype', type(x))}")
+        check_integer_ids(x, "x")
         if x.ndim != 2 or x.shape[1] < 1:
             raise ValueError(f"x must have shape (batch, seq_len) with at least one token, got {tuple(x.shape)}")
         place = Place.of(x, cache, return_cache, segment_ids, context_parallel, check=self.transformer.check_place)
@@ -169,9 +169,8 @@ class LinearAttentionTransformerLM(nn.Module):
         return out[0] if place.cached and not return_cache else out
 
     def _embed(self, x):
-        """The token embedding. Ids outside the vocabulary raise ValueError naming x and the
-        valid range; they are looked for only once the embedding has failed, so valid ids cost
-        no reduction and no host sync (on a GPU the embedding's device-side assert fires first)."""
+        """The token embedding; ids outside the vocabulary are looked for (``check_token_ids``)
+        only once it has failed, so valid ids cost no host sync (a GPU asserts on the device)."""
         try:
             return self.token_emb(x)
         except IndexError:
@@ -206,11 +205,9 @@ POSITION_TABLE_ELEMENTS = 2 ** 23
 
 class LMStep:
     """One token per row through the model, on a ``DecodingCache``'s buffers (``Decoder``):
-    token and position embeddings in, the layers' steps (``Branch.step_of``), logits out.
-
-    The position embeddings of every position are computed once by the model's own module
-    when the table has at most ``POSITION_TABLE_ELEMENTS`` entries; past that, each step
-    calls the module on its position."""
+    token and position embeddings in, the layers' steps (``Branch.step_of``), logits out. The
+    position embeddings are one table made once when it has at most ``POSITION_TABLE_ELEMENTS``
+    entries; past that each step calls the module on its position."""
 
     def __init__(self, model, cache, batch, first_real=None):
         transformer = model.transformer

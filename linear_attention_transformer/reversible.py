@@ -69,8 +69,7 @@ class SequentialSequence(nn.Module):
     """Plain residual composition of ``(f, g)`` blocks (the module docstring's first rule).
 
     Args:
-        blocks: sequence of ``(f, g)`` pairs of ``nn.Module``, each taking ``x`` (batch, seq,
-            dim) and ``**kwargs`` and returning a tensor of x's shape.
+        blocks: sequence of ``(f, g)`` pairs of ``nn.Module`` (see the module docstring).
         checkpoint: when gradients are needed, each block keeps only its input and runs again
             in backward (``torch.utils.checkpoint``, non-reentrant, RNG state preserved).
     Forward: x (batch, seq, dim); ``**kwargs`` go to every ``f`` and ``g``. Returns x's shape.
@@ -292,12 +291,9 @@ class _ReversibleFunction(torch.autograd.Function):
 
 
 class ReversibleSequence(nn.Module):
-    """Reversible composition of ``(f, g)`` blocks (the module docstring's second rule), whose
-    activations are rebuilt in backward.
-
-    When gradients are needed the forward keeps only the final y1, y2 and the tensor kwargs;
-    backward inverts the blocks one at a time, recomputing ``f`` and ``g`` under the recorded
-    RNG (dropout masks replay) and autocast states: activation memory is one block's.
+    """Reversible composition of ``(f, g)`` blocks (the module docstring's second rule): the
+    forward keeps only the final y1, y2 and the tensor kwargs, and backward recomputes ``f``
+    and ``g`` under the recorded RNG (dropout masks replay) and autocast states.
 
     The blocks must be deterministic given the RNG and autocast states and use only their own
     (registered) parameters; side effects (BatchNorm statistics) happen again when

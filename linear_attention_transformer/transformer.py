@@ -9,6 +9,7 @@ its input first and may shift tokens (``token_shift.py``).
 from __future__ import annotations
 
 import difflib
+import functools
 import inspect
 from typing import Optional
 
@@ -18,7 +19,7 @@ from product_key_memory import PKM
 from torch import nn
 
 from .attention import HEADS, LOCAL_WINDOW_SIZE, Attention, _pad_to_multiple, resolve_heads
-from .attention_step import AttentionStep, CrossAttentionStep
+from .attention_step import AttentionStep
 from .cache import AxialCache, BranchCache, DecodingCache, copy_rows, map_tensors
 from .context_parallel import exchange_boundaries
 from .feedforward import FeedForward, FeedForwardStep
@@ -82,8 +83,8 @@ class Branch(nn.Module):
         """This branch's one-token step (``BranchStep``) on its ``BranchCache``, or None when
         its module has none (attend_axially)."""
         fn = self.fn
-        if isinstance(fn, Attention) and fn.receives_context:
-            step = CrossAttentionStep(fn, cache.fn)
+        if isinstance(fn, Attention) and fn.receives_context:  # the context reduced to kᵀv on the first call
+            step = _ModuleStep(functools.partial(fn.read_context, summary=cache.fn.context))
         elif isinstance(fn, Attention):
             step = AttentionStep(fn, cache.fn, batch, first_real, steady=True)
         elif isinstance(fn, FeedForward):
@@ -105,11 +106,7 @@ class BranchStep:
     def __init__(self, branch, previous, step):
         norm = branch.norm
         self.norm_args = (norm.normalized_shape, norm.weight, norm.bias, norm.eps)
-        self.previous = None
-        if branch.shifts is not None:
-            if tuple(branch.shifts) != (1, 0):
-                raise ValueError(f"a causal decoder shifts by (1, 0), got {branch.shifts}")
-            self.previous = previous
+        self.previous = None if branch.shifts is None else previous  # (a causal model's shifts: (1, 0))
         self.step = step
 
     def buffers(self):
@@ -123,6 +120,8 @@ class BranchStep:
 
 
 class _ModuleStep:
+    """A module without a state of its own (or a cross-attention's read) on one token."""
+
     __slots__ = ("fn",)
 
     def __init__(self, fn):
@@ -453,10 +452,9 @@ class LinearAttentionTransformer(nn.Module):
         """x (b, n, dim) -> (b, n, dim). With ``return_cache`` -> (out, DecodingCache); given a
         ``cache``, x holds only the tokens that continue the cached sequence.
 
-        ``segment_ids`` (b, n) integer: packed sequences (docs/packed.md). A segment is a
-        maximal run of equal consecutive ids (``[0, 0, 1, 1, 0]`` holds three); each segment's
-        output equals that segment run alone, rotary positions restarting at its first token
-        (unless ``positions`` is given, (n,) or (b, n)). ``input_mask`` still marks padding.
+        ``segment_ids`` (b, n) integer: packed sequences (docs/packed.md): each segment's output
+        equals that segment run alone, its rotary positions (unless ``positions``, (n,) or (b,
+        n), is given) restarting at its first token. ``input_mask`` still marks padding.
 
         ``context_parallel``: a ``torch.distributed`` process group (or a ``ContextParallel``)
         over which one sequence is split (docs/scale.md): x (b, n_local, dim) is this rank's
@@ -538,11 +536,9 @@ class LinearAttentionTransformer(nn.Module):
         return out, cache
 
     def step(self, x, branches, ctx):
-        """One token x (b, dim) through the layers (``Decoder``): ``branches`` holds each
-        block's pair of ``BranchStep`` (``Branch.step_of``), each stepping its cache's buffers
-        in place, composed by the stack's rule. On eager steps of a model that is not
-        reversible each branch adds its output into x in place instead (x must be the step's
-        own tensor): the plain rule without a new tensor per branch."""
+        """One token x (b, dim) through the layers (``Decoder``): each block's pair of
+        ``BranchStep`` (``Branch.step_of``) composed by the stack's rule; on eager steps of a
+        plain stack each branch adds its output into x (the step's own tensor) in place."""
         if isinstance(self.layers, ReversibleSequence) or ctx.host_position is None:
             return self.layers.compose(x, [(_at(f, ctx), _at(g, ctx)) for f, g in branches])
         for f, g in branches:

@@ -8,7 +8,6 @@ import torch
 import torch.nn.functional as F
 from einops import rearrange
 
-from .segments import segment_runs
 
 NEG_INF = float("-inf")
 
@@ -111,9 +110,3 @@ def _queries_relative_to(q, ref):
         shifted = ref - (q.detach() + ref).amax(dim=-1, keepdim=True)
         shifted = torch.where(torch.isfinite(shifted), shifted, torch.full_like(shifted, NEG_INF))
     return (q + shifted).exp()
-
-
-def _same_segment(segments):
-    """(b, n) ids -> (b, 1, n, n) bool: query i and key j lie in the same segment."""
-    runs = segment_runs(segments)
-    return (runs[:, :, None] == runs[:, None, :])[:, None]

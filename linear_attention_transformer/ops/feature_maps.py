@@ -126,11 +126,8 @@ class FeatureMap:
         return (k.softmax(dim=-2) if segments is None else segment_softmax(k, segments)), False
 
     def causal_features(self, q, k):
-        """Query and key inputs of the causal kernels: (q, k, exp_features).
-
-        The softmax map hands over the raw logits with ``exp_features=True``: its features
-        are exp(q) / sum(exp(q)) and exp(k), the query's normaliser cancels in the ratio,
-        and the kernel exponentiates relative to running maxima so nothing overflows."""
+        """Query and key inputs of the causal kernels: (q, k, exp_features); the softmax map
+        hands over the logits (the module docstring)."""
         if self.is_softmax:
             return q, k, True
         return self._pointwise(q), self._pointwise(k), False

@@ -10,8 +10,8 @@ from __future__ import annotations
 import torch
 from einops import rearrange
 
-from .common import _append_ones, _apply_key_mask, _check_mask, _compute_dtype, _divide, _same_segment
-from .segments import segment_one_hot, segment_runs
+from .common import _append_ones, _apply_key_mask, _check_mask, _compute_dtype, _divide
+from .segments import same_segment, segment_one_hot, segment_runs
 
 __all__ = ["linear_attention", "linear_attention_summary", "linear_attention_readout", "naive_linear_attention"]
 
@@ -79,7 +79,7 @@ def naive_linear_attention(q, k, v, mask=None, normalize=True, segments=None):
     if mask is not None:
         w = w.masked_fill(~rearrange(mask, "b m -> b 1 1 m"), 0.0)
     if segments is not None:
-        w = w.masked_fill(~_same_segment(segments), 0.0)
+        w = w.masked_fill(~same_segment(segments), 0.0)
     out = torch.einsum("bhnm,bhme->bhne", w, v)
     if normalize:
         den = w.sum(-1, keepdim=True)

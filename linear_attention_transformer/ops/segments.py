@@ -12,18 +12,22 @@ import torch
 import torch.nn.functional as F
 
 __all__ = [
-    "check_segment_ids", "segment_runs", "positions_in_segment", "segment_softmax", "segment_one_hot",
+    "check_integer_ids", "check_segment_ids", "segment_runs", "positions_in_segment", "segment_softmax", "segment_one_hot",
     "aligned_layout", "to_layout", "from_layout",
 ]
+
+
+def check_integer_ids(ids, name):
+    """TypeError unless ``ids`` (token or segment ids) is a tensor of an integer dtype."""
+    if not torch.is_tensor(ids) or ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool:
+        raise TypeError(f"{name} must be an integer tensor, got {getattr(ids, 'dtype', type(ids).__name__)}")
 
 
 def check_segment_ids(segment_ids, shape, name="segment_ids"):
     """TypeError unless an integer tensor, ValueError unless of ``shape`` (batch, seq_len)."""
     if segment_ids is None:
         return
-    if not torch.is_tensor(segment_ids) or segment_ids.dtype.is_floating_point or segment_ids.dtype.is_complex \
-            or segment_ids.dtype == torch.bool:
-        raise TypeError(f"{name} must be an integer tensor, got {getattr(segment_ids, 'dtype', type(segment_ids))}")
+    check_integer_ids(segment_ids, name)
     if tuple(segment_ids.shape) != tuple(shape):
         raise ValueError(f"{name} must have shape (batch, seq_len) = {tuple(shape)}, got {tuple(segment_ids.shape)}")
 
@@ -39,6 +43,12 @@ def positions_in_segment(runs):
     position = torch.arange(runs.shape[1], device=runs.device).expand_as(runs)
     starts = F.pad(runs[:, 1:] != runs[:, :-1], (1, 0), value=True)
     return position - torch.where(starts, position, 0).cummax(dim=1).values
+
+
+def same_segment(segments):
+    """(b, n) ids -> (b, 1, n, n) bool: query i and key j lie in the same segment."""
+    runs = segment_runs(segments)
+    return (runs[:, :, None] == runs[:, None, :])[:, None]
 
 
 def segment_one_hot(runs, dtype):

@@ -118,14 +118,9 @@ def device_form(device) -> str:
 
 def pick_form(device, compiling=False, form="auto", exp_features=False, blindspot_size=1,
               per_feature_decay=False, chunk_size=CHUNK_SIZE, dtype=torch.float32) -> Form:
-    """The ``Form`` that runs: the module docstring's table.
-
-    Args:
-        device: the inputs' device. compiling: inside torch.compile's trace.
-        form: the request, one of ``FORM_NAMES`` ('auto': by the device).
-        exp_features, blindspot_size, per_feature_decay, chunk_size: the call's options.
-        dtype: the compute dtype (the fla form's kernels are float32).
-    """
+    """The ``Form`` that runs (the module docstring's table) for a call on ``device``, inside
+    torch.compile's trace or not (``compiling``), that requests ``form`` (one of ``FORM_NAMES``),
+    with these options and compute ``dtype`` (the fla form's kernels are float32)."""
     form = check_form(form)
     if form == "fla" or (form == "auto" and device.type == "cuda" and torch.cuda.is_available()):
         why_not = fla_missing(device, compiling, dtype)

@@ -5,7 +5,8 @@ from __future__ import annotations
 import torch
 from einops import rearrange
 
-from ..common import NEG_INF, _same_segment
+from ..common import NEG_INF
+from ..segments import same_segment
 
 __all__ = ["naive_causal_linear_attention"]
 
@@ -26,7 +27,7 @@ def naive_causal_linear_attention(q, k, v, log_decay=None, mask=None, blindspot_
     if mask is not None:
         visible = visible & rearrange(mask, "b j -> b 1 1 j")
     if segments is not None:
-        visible = visible & _same_segment(segments)
+        visible = visible & same_segment(segments)
     pair = q[:, :, :, None, :], k[:, :, None, :, :]  # (b, h, i, j, d) by broadcasting
     if log_decay is not None:
         if log_decay.ndim == 3:

@@ -41,8 +41,7 @@ __all__ = ["Summary", "summarize", "key_factors", "combine", "common_reference",
 
 
 class Summary(NamedTuple):
-    """A span's state contribution: see the module docstring. The span axis, when present,
-    is the same axis of all three (kv's axes are those of log_decay / ref plus e)."""
+    """A span's state contribution (the module docstring); a span axis is the same axis of all three."""
 
     kv: torch.Tensor
     log_decay: Optional[torch.Tensor] = None
@@ -123,20 +122,12 @@ def _check_summary(s: Summary, name: str, dim: int | None):
 
 def scan(summaries: Summary, initial: Optional[Summary] = None, dim: int = 0, drops: bool = True,
          form: str = "log_depth"):
-    """``combine`` folded over the spans along ``dim``.
-
-    Args:
-        summaries: one Summary per span along ``dim`` (counted from the front, before kv's last two).
-        initial: the summary of what came before the first span (None: nothing).
-        drops: whether some log_decay may be -inf (a span dropping the state before it).
-            False lets the references take their O(1) form, which takes a -inf as a decay of
-            -1e4 (a dropped state more than 1e4 above the span's keys would underflow them).
-        form: the linear scan, 'log_depth' (``linear_scan``), 'loop' (``sequential_linear_scan``)
-            or 'blocked' (``blocked_linear_scan``, the references too).
-    Returns:
-        (before, final): the summary of everything before each span (``initial`` included;
-        ``before.log_decay`` is None, not formed) and that of everything.
-    """
+    """``combine`` folded over the spans along ``dim`` (before kv's last two), after ``initial``
+    (None: nothing). ``drops``: whether some log_decay may be -inf; False lets the references
+    take their O(1) form, which takes a -inf as a decay of -1e4. ``form``: the linear scan,
+    'log_depth' (``linear_scan``), 'loop' (``sequential_linear_scan``) or 'blocked'
+    (``blocked_linear_scan``, the references too). Returns (before, final): the summary of
+    everything before each span (``before.log_decay`` not formed: None) and of everything."""
     _check_summary(summaries, "summaries", dim)
     if initial is not None:
         _check_summary(initial, "initial", None)
@@ -160,9 +151,9 @@ def scan(summaries: Summary, initial: Optional[Summary] = None, dim: int = 0, dr
 
 
 def references(m, log_decay, start, dim, drops=True, blocked=False):
-    """(r_prev, r) along ``dim``, without gradient: r_c = max(r_{c-1} + g_c, m_c), r_prev_c =
-    r_{c-1} (``start``, or -inf, before the first). m (…, c, d); log_decay (…, c, 1 or d) or
-    None; start (…, d) or None. ``blocked``: the (max, +) scan in ``_blocked_scan``'s form."""
+    """(r_prev, r) along ``dim``, without gradient: step 1 of the module docstring (r_prev_c =
+    r_{c-1}; ``start``, or -inf, before the first). m (…, c, d); log_decay (…, c, 1 or d) or
+    None. ``blocked``: the (max, +) scan in ``_blocked_scan``'s form."""
     with torch.no_grad():
         m = m.detach()
         if start is None:
@@ -200,11 +191,6 @@ LINEAR = _Semiring(torch.mul, lambda x, a, s: torch.addcmul(x, a, s), 1.0, 0.0)
 MAX_PLUS = _Semiring(torch.add, lambda x, a, s: torch.maximum(x, a + s), 0.0, NEG_INF)
 
 
-def _interleave(even, odd, dim):
-    """(…, p, …) twice -> (…, 2p, …) with even[i] at 2i and odd[i] at 2i + 1."""
-    return torch.stack((even, odd), dim=dim + 1).flatten(dim, dim + 1)
-
-
 def _scan(sr, a, x, initial, dim, reverse=False, exclusive=False):
     """S_j = x_j ⊕ a_j ⊗ S_{j-1} (``reverse``: S_{j+1}), starting from ``initial`` (x's shape
     without ``dim``; broadcasting allowed). a broadcasts against x and has x's size along
@@ -235,7 +221,7 @@ def _scan(sr, a, x, initial, dim, reverse=False, exclusive=False):
         seq = (mid, before) if reverse else (before, mid)
     else:
         seq = (after, mid) if reverse else (mid, after)
-    out = _interleave(*seq, dim)
+    out = torch.stack(seq, dim=dim + 1).flatten(dim, dim + 1)  # seq[0][i] at 2i, seq[1][i] at 2i + 1
     return (out.narrow(dim, 0, c) if odd else out), last
 
 
@@ -323,14 +309,10 @@ def _blocked_scan(sr, la, x, initial, dim, inclusive=False):
 
 
 def blocked_linear_scan(log_a, x, initial=None, dim=0):
-    """``linear_scan`` in a number of operations independent of c (torch.compile: the loop
-    would unroll, the log-depth scan's depth branches on c): blocks of ``SCAN_BLOCK``, each
-    state a sum of terms exp(sum of log a) x_j (``_segment_sums``), no factor above 1, nothing
-    cancelling. Backward is autograd's.
-
-    log_a: log a_c <= 0 (-inf: a dropped state) with x's number of dimensions, size c along
-    ``dim`` and 1 in the last; None for a = 1. x, initial and the result as ``linear_scan``
-    (``dim`` before x's last dimension)."""
+    """``linear_scan`` in a number of operations independent of c (``_blocked_scan``; for
+    torch.compile, where the loop would unroll and the log-depth scan branches on c); backward
+    is autograd's. log_a: log a_c <= 0 (-inf: a dropped state) with x's number of dimensions,
+    size c along ``dim`` and 1 in the last; None for a = 1. The rest as ``linear_scan``."""
     if not 0 <= dim < x.ndim - 1:
         raise ValueError(f"dim must index one of x's dimensions before its last, got {dim} for {x.ndim} dims")
     initial = _start(x, initial, dim)
@@ -357,8 +339,7 @@ def _shift_coefficients(a, c, dim):
 
 
 class _LinearScan(torch.autograd.Function):
-    """(a, x, initial) -> (states before each element, state after the last) of
-    S_c = a_c S_{c-1} + x_c. Backward is the reverse scan of the module docstring."""
+    """``linear_scan``; backward is the reverse scan of the module docstring."""
 
     @staticmethod
     def forward(ctx, a, x, initial, dim):
