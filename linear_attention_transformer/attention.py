@@ -16,19 +16,10 @@ from torch import nn
 
 from .attention_step import AttentionStep
 from .cache import NO_KEY, AttentionCache, GlobalCache, LocalCache
-from .context_parallel import (
-    context_parallel_causal_linear_attention,
-    context_parallel_linear_attention,
-    exchange_boundaries,
-)
+from .context_parallel import (context_parallel_causal_linear_attention, context_parallel_linear_attention,
+                               exchange_boundaries)
 from .gating import ForgetGate, LocalConv, OutputGate
-from .ops import (
-    FeatureMap,
-    causal_linear_attention,
-    linear_attention,
-    linear_attention_readout,
-    linear_attention_summary,
-)
+from .ops import FeatureMap, causal_linear_attention, linear_attention, linear_attention_readout, linear_attention_summary
 from .ops.causal.forms import CHUNK_SIZE
 from .ops.common import _check_mask
 from .ops.causal.recurrent import CausalState
@@ -141,14 +132,10 @@ class Attention(nn.Module):
 
         self.dim, self.heads, self.dim_head, self.kv_heads = dim, heads, dim_head, kv_heads
         self.causal = causal and not receives_context
-        self.receives_context = receives_context
-        self.n_local = n_local_attn_heads
-        self.local_window = _local_window(
-            local_attn_window_size, local_attn_look_backward, local_attn_look_forward, local_attn_exact_windowsize,
-            self.causal,
-        )
-        self.blindspot_size = blindspot_size
-        self.chunk_size = chunk_size
+        self.receives_context, self.n_local = receives_context, n_local_attn_heads
+        self.local_window = _local_window(local_attn_window_size, local_attn_look_backward, local_attn_look_forward,
+                                          local_attn_exact_windowsize, self.causal)
+        self.blindspot_size, self.chunk_size = blindspot_size, chunk_size
         self.form = None if kernel == "auto" else kernel  # (None: the scope's form, ``use_form``)
         self.feature_map = FeatureMap(feature_map)
 
@@ -465,10 +452,8 @@ class Attention(nn.Module):
             state = CausalState.zeros(batch_size, n_global, self.feature_map.feature_dim(dh), dh, self.blindspot_size,
                                          self.feature_map.is_softmax, device, torch.promote_types(dtype, torch.float32),
                                          waiting=self.forget_gate is None)
-            conv = None
-            if self.local_conv is not None:
-                conv = torch.zeros(batch_size, 3, n_global, self.local_conv[0].kernel_size - 1, dh, device=device,
-                                   dtype=dtype)
+            conv = None if self.local_conv is None else torch.zeros(
+                batch_size, 3, n_global, self.local_conv[0].kernel_size - 1, dh, device=device, dtype=dtype)
             global_ = GlobalCache(state, conv)
         return AttentionCache(0, local, global_, None)
 

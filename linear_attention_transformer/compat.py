@@ -27,9 +27,7 @@ def _linformer_options(k, one_kv_head, share_kv, dropout, options):
         if name in options and dropout:
             raise ValueError(f"give dropout (the linformer package's one rate) or {name}, not both")
     settings = LinformerSettings(k=k, one_kv_head=one_kv_head, share_kv=share_kv)
-    merged = {"attn_dropout": dropout, "ff_dropout": dropout}
-    merged.update(options)
-    return settings, merged
+    return settings, {"attn_dropout": dropout, "ff_dropout": dropout, **options}
 
 
 def Linformer(dim, seq_len, depth, k=256, heads=8, dim_head=None, one_kv_head=False, share_kv=False,

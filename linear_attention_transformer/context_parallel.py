@@ -1,8 +1,6 @@
-"""Context parallelism: one sequence split over the processes of a ``torch.distributed`` group.
-
-Rank r of P holds the contiguous slice r (equal lengths n_local, first position ``r *
-n_local``), gets back its slice of the output and, after backward, gradients whose sum over
-the ranks equals the one-process gradients. What a layer exchanges is independent of n (LASP-2):
+"""Context parallelism: one sequence split over the processes of a ``torch.distributed`` group
+(how to use it: docs/scale.md). Rank r of P holds the contiguous slice r, of n_local tokens
+from position ``r * n_local``. What a layer exchanges is independent of n (LASP-2):
 
 * causal global heads: each rank's ``Summary`` of its slice (``ops/causal/scan.py``), gathered
   by one autograd-aware all-reduce of a (P, …) tensor with each rank's summary in its slot
@@ -12,8 +10,7 @@ the ranks equals the one-process gradients. What a layer exchanges is independen
 * non-causal global heads: one autograd-aware all-reduce of kᵀv with its normaliser column
   (the softmax map first all-reduces the keys' per-feature maxima);
 * local heads, the convolution and token shift: a few of the neighbours' boundary tokens
-  (``exchange_boundaries``), one all-reduce of a (P, F) tensor. Slice lengths must be
-  multiples of the local window and of ``blindspot_size``.
+  (``exchange_boundaries``), one all-reduce of a (P, F) tensor.
 
 ``summary_bytes`` counts what the global heads send. ``torch.distributed.nn.functional``'s
 all_reduce is the autograd-aware collective (its deprecation warning is silenced here).

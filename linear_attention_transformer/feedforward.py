@@ -58,8 +58,7 @@ def _hidden(x, weight, bias, glu, activation):
 
 class FeedForwardStep:
     """A ``FeedForward`` on one position h (b, dim) (cached decoding, eval mode), its weights
-    read once. Called with ``into`` (b, dim), the output is added to it in place (no new
-    tensor of the output)."""
+    read once; called with ``into`` (b, dim), the output is added to it in place."""
 
     __slots__ = ("in_args", "out_weight", "out_weight_t", "out_bias")
 

@@ -53,10 +53,7 @@ class ForgetGate(nn.Module):
             self.gate_up.bias.copy_(spread)
 
     def forward(self, x):
-        log_a = self.log_gates(self.gate_down(x))
-        if self.granularity == "head":
-            return rearrange(log_a, "b n h -> b h n")
-        return rearrange(log_a, "b n h d -> b h n d")
+        return self.log_gates(self.gate_down(x)).transpose(1, 2)  # (b, n, h[, d]) -> (b, h, n[, d])
 
     def log_gates(self, down):
         """The gates from the low-rank projection ``down`` (…, rank) (also what a decoder's

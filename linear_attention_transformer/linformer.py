@@ -142,12 +142,10 @@ class LinformerSelfAttention(nn.Module):
             raise ValueError(f"dropout must be a float in [0, 1), got {dropout!r}")
 
         self.dim, self.seq_len, self.k = dim, seq_len, k
-        self.heads, self.dim_head = heads, dim_head
+        self.heads, self.dim_head, self.kv_heads = heads, dim_head, kv_heads
         self.one_kv_head, self.share_kv = one_kv_head, share_kv
-        self.kv_heads = kv_heads
 
-        inner = heads * dim_head
-        kv_inner = self.kv_heads * dim_head
+        inner, kv_inner = heads * dim_head, kv_heads * dim_head
         self.to_q = nn.Linear(dim, inner, bias=False)
         self.to_k = nn.Linear(dim, kv_inner, bias=False)
         self.to_v = nn.Linear(dim, kv_inner, bias=False)

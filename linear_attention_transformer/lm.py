@@ -89,9 +89,8 @@ class LinearAttentionTransformerLM(nn.Module):
         else:
             self.pos_emb = AbsolutePositionalEmbedding(emb_dim, max_seq_len)
         self.project_in = nn.Linear(emb_dim, dim) if emb_dim != dim else nn.Identity()
-        self.transformer = LinearAttentionTransformer(
-            dim, depth, max_seq_len, heads=heads, use_rotary_emb=use_rotary_emb, **kwargs
-        )
+        self.transformer = LinearAttentionTransformer(dim, depth, max_seq_len, heads=heads,
+                                                      use_rotary_emb=use_rotary_emb, **kwargs)
         self.norm = nn.LayerNorm(dim)
         self.return_embeddings = return_embeddings
         self.project_out = self.to_logits = None
@@ -114,13 +113,10 @@ class LinearAttentionTransformerLM(nn.Module):
     def forward(self, x, input_mask=None, context=None, context_mask=None, cache=None, return_cache=False,
                 segment_ids=None, context_parallel=None):
         """Logits (b, n, num_tokens) (or embeddings). With ``return_cache=True`` returns
-        (logits, cache): a ``DecodingCache`` holding the state after the last token of x.
-        Given ``cache``, x holds only the new tokens (one or more) that continue that
-        sequence, and ``input_mask`` (if any) covers only them; a cross-attention layer reuses
-        the context it reduced on the first call. The cache is updated in place and returned
-        (``cache.clone()`` first to branch from it); without ``return_cache`` it is read and
-        left as it was. ``segment_ids`` and ``context_parallel`` (x (b, n_local): this rank's
-        slice) as in ``LinearAttentionTransformer.forward``."""
+        (logits, cache): a ``DecodingCache`` holding the state after the last token of x, used
+        as docs/training.md ("The cache") says: given ``cache``, x (and ``input_mask``) hold
+        only the new tokens that continue that sequence. ``segment_ids`` and ``context_parallel``
+        (x (b, n_local): this rank's slice) as in ``LinearAttentionTransformer.forward``."""
         out = self._body(x, input_mask, context, context_mask, cache, return_cache, segment_ids, context_parallel)
         if not return_cache:
             return self._output(out)

@@ -323,13 +323,9 @@ class ReversibleSequence(nn.Module):
         _check_input(x)
         if len(self.blocks) == 0:
             return x
-        names, kwarg_tensors, static_kwargs = [], [], {}
-        for name, value in kwargs.items():
-            if isinstance(value, torch.Tensor):
-                names.append(name)
-                kwarg_tensors.append(value)
-            else:
-                static_kwargs[name] = value
+        names = [name for name, value in kwargs.items() if isinstance(value, torch.Tensor)]
+        kwarg_tensors = [kwargs[name] for name in names]
+        static_kwargs = {name: value for name, value in kwargs.items() if name not in names}
         params = [p for p in self.parameters() if p.requires_grad] if torch.is_grad_enabled() else []
         if torch.is_grad_enabled():
             for name, value in static_kwargs.items():

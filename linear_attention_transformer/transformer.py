@@ -45,9 +45,7 @@ class Branch(nn.Module):
     def __init__(self, dim, fn, shifts=None, reads=(), dropout=0.0):
         super().__init__()
         self.norm = nn.LayerNorm(dim)
-        self.fn = fn
-        self.shifts = shifts
-        self.reads = tuple(reads)
+        self.fn, self.shifts, self.reads = fn, shifts, tuple(reads)
         self.dropout = nn.Dropout(dropout)
 
     @property

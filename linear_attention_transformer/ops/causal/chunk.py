@@ -216,9 +216,8 @@ def _lost_to_underflow(den, mask, state, n, runs=None):
 
 
 def _recompute_chunks(out, lost, q, k, v, G, states, r_prev, same=None, reads=None):
-    """``out`` with the ``lost`` chunks replaced by ``_safe_chunk_outputs`` (each row is
-    divided by its own denominator afterwards). Eagerly only the lost chunks are recomputed
-    (their count read back); compiled, a ``torch.cond`` recomputes all when any is lost."""
+    """``out`` with the ``lost`` chunks replaced by ``_safe_chunk_outputs`` (each row is divided
+    by its own denominator afterwards), as the module docstring says."""
     if torch.compiler.is_compiling():
         # torch.cond's branches must agree on strides, which dynamo cannot prove for a symbolic
         # chunk length: operands go in flat, with their trailing shapes on the side, and the

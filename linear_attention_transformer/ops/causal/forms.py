@@ -144,7 +144,6 @@ def pick_form(device, compiling=False, form="auto", exp_features=False, blindspo
 
 
 def reads_back(form: Form) -> bool:
-    """Whether ``form`` may wait on the host (its loop over chunks does, eagerly): a rare case
-    can then be ruled out by one value read back (``non_finite.quarantine``) instead of
-    always paying for it. The other forms never branch on the data."""
+    """Whether ``form`` may wait on the host (its loop over chunks does, eagerly), so that a rare
+    case is best ruled out by one value read back (``non_finite.quarantine``)."""
     return form.scan == "loop"
