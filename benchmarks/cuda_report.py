@@ -21,8 +21,10 @@ Steps (``--skip`` leaves any out):
               the layout copies). Ours normalises (divides by q.z), fla's kernels alone do not.
 ``layer``     a whole attention layer on (b, n, h d): ours ``LinearSelfAttention`` (default map),
               ours with ``use_gate=True`` (each in today's form and, where fla runs, in the fla
-              form, ``use_form``), and a softmax layer with the same q/k/v/out projections
-              around SDPA.
+              form, ``use_form``), ours with half the heads local (window 128) with
+              ``kernel='torch'`` (the blocked local form) and ``'auto'`` (flex_attention on
+              CUDA, ``ops/windowed_flex.py``), and a softmax layer with the same q/k/v/out
+              projections around SDPA.
 ``lm``        one training step (cross-entropy of the logits, backward) of upstream's README LM at
               dim ``--lm-dim`` with ``use_gate=True`` (``bench_seed_lm.SEED_LM``; today's form and
               the fla form where fla runs) against a
@@ -58,6 +60,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from linear_attention_transformer.ops.causal.forms import device_form, use_form
+from linear_attention_transformer.ops.windowed_flex import local_form
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import (  # noqa: E402  (the folder of this script, see common.py)
@@ -252,7 +255,7 @@ def kernel_rows(args, n, fla):
 
 
 def layer_rows(args, n, fla):
-    from linear_attention_transformer import LinearSelfAttention
+    from linear_attention_transformer import Attention, LinearSelfAttention
 
     dev, b, h, d = args.device, args.batch, args.heads, args.dim_head
     dim = h * d
@@ -264,6 +267,11 @@ def layer_rows(args, n, fla):
     ]
     if fla[0] is not None:
         layers += [(f"{name}, fla form", layer, "fla") for name, layer, _ in layers[1:]]
+    # half the heads local (window 128): their blocked form against flex_attention ('auto' on CUDA)
+    local = dict(heads=h, dim_head=d, causal=True, n_local_attn_heads=h // 2, local_attn_window_size=128)
+    flex_or_not = local_form(torch.device(dev), args.dtype_t, head_dim=d)
+    layers += [(f"ours, {h // 2} local heads, kernel={kernel!r} ({form})", Attention(dim, **local, kernel=kernel),
+                args.today) for kernel, form in (("torch", "blocked"), ("auto", flex_or_not))]
     x = _leaf(torch.randn(b, n, dim, generator=torch.Generator(device="cpu").manual_seed(n), device="cpu").to(dev))
     rows = []
     for i, (name, layer, form) in enumerate(layers):

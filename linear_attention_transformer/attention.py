@@ -88,10 +88,12 @@ class Attention(nn.Module):
         use_gate: forget and output gates (``gating.py``) with ``gate_rank``,
             ``gate_temperature`` and ``gate_granularity``.
         use_local_conv: a convolution of ``local_conv_kernel`` taps on the global heads' q, k, v.
-        kernel: the causal global heads' kernel: 'auto' (by the device, ``ops/causal/forms.py``),
-            'torch' (this library's forms only) or 'fla' (flash-linear-attention's Triton kernels,
+        kernel: the fused GPU kernels: 'auto' (by the device: on CUDA the causal global heads on
+            flash-linear-attention where it imports, ``ops/causal/forms.py``, the local heads on
+            flex_attention, ``ops/windowed_flex.py``), 'torch' (this library's eager forms only,
+            for both kinds of head) or 'fla' (the causal global heads on fla's Triton kernels,
             ``pip install linear-attention-transformer[cuda]``; a call it cannot run raises
-            ValueError saying why). Causal self-attention only.
+            ValueError saying why; the local heads as 'auto'). 'fla' needs causal global heads.
     Shapes:
         x (b, n, dim); input_mask (b, n) bool; context (b, m, dim); context_mask (b, m) bool;
         rotary: (cos, sin) of the positions, each (n, dim_head) or (b, n, dim_head);
@@ -122,9 +124,11 @@ class Attention(nn.Module):
         if kernel not in KERNELS:
             raise ValueError(f"kernel must be one of {', '.join(map(repr, KERNELS))}, got {kernel!r}")
         for name, value in (("blindspot_size", blindspot_size), ("chunk_size", chunk_size),
-                            ("kernel", None if kernel == "auto" else kernel)):
+                            ("kernel", "fla" if kernel == "fla" else None)):
             if value is not None and not (causal and not receives_context):
                 raise ValueError(f"{name} applies to causal self-attention; this layer is not causal")
+        if kernel == "fla" and n_local_attn_heads == heads:
+            raise ValueError("kernel='fla' runs the causal global heads, and every head of this layer is local")
         blindspot_size = 1 if blindspot_size is None else blindspot_size
         chunk_size = CHUNK_SIZE if chunk_size is None else chunk_size
         if not isinstance(blindspot_size, int) or blindspot_size < 1:
@@ -137,6 +141,7 @@ class Attention(nn.Module):
                                           local_attn_exact_windowsize, self.causal)
         self.blindspot_size, self.chunk_size = blindspot_size, chunk_size
         self.form = None if kernel == "auto" else kernel  # (None: the scope's form, ``use_form``)
+        self.local_form = "blocked" if kernel == "torch" else "auto"
         self.feature_map = FeatureMap(feature_map)
 
         self.to_q = nn.Linear(dim, heads * dim_head, bias=False)
@@ -182,7 +187,7 @@ class Attention(nn.Module):
     def local_heads(self, q, k, v, mask, segments=None):
         """Windowed softmax attention (positions come from the model, not from the window); its
         form by the device (``ops/windowed_flex.py``: flex_attention on CUDA)."""
-        if local_form(q.device, q.dtype) == "flex":
+        if local_form(q.device, q.dtype, self.local_form, q.shape[-1]) == "flex":
             return flex_windowed_attention(q, k, v, self.local_window, mask, segments)
         return windowed_attention(q, k, v, self.local_window, mask, segments)
 

@@ -192,7 +192,8 @@ class _Ring:
     """A step's bookkeeping of a ``LocalCache`` ring: entering position p writes p into its slot
     and gives the bias (b or 1, 1, slots), 0 on the slots from the query's first key on, -inf
     elsewhere. With ``steady_after`` (the position the ring continues from), once every slot
-    holds a real key the bias is a row of a table made once."""
+    holds a real key the bias is a row of a table made once, and eager steps leave the key
+    positions to ``settle`` (one write fewer per step; the decoder settles when its cache is read)."""
 
     def __init__(self, window, cache, steady_after=None):
         if not window.causal:
@@ -208,6 +209,7 @@ class _Ring:
         self.kv_slots, self.position_slots = kv.unbind(3), positions.unbind(1)
         self.keys, self.values = kv.unbind(1)
         self.steady_from = self.steady = None
+        self.settled = True  # whether cache.positions is up to date
         if steady_after is not None:  # the ring continues from position ``steady_after``
             # steady from the position after the next write of each slot without a real key (a sync, once)
             at = steady_after
@@ -227,10 +229,11 @@ class _Ring:
         if host is not None:  # eager: the slot, and from steady on the bias, from the host
             slot = host % self.slots
             self.kv_slots[slot].copy_(kv)
-            self.position_slots[slot].copy_(p)
             keys, values = self.keys, self.values
             if self.steady_from is not None and host >= self.steady_from:
+                self.settled = False
                 return keys, values, self.table_rows[slot]
+            self.position_slots[slot].copy_(p)
             first = self.window.first_key(host)
         else:  # (views of the buffer made here: a compiled step's inputs do not alias)
             slot = torch.remainder(p, self.slots)[None]
@@ -242,3 +245,12 @@ class _Ring:
         if host is None and self.steady is not None:  # (not the int: a compiled step would guard on it)
             bias = torch.where(p >= self.steady, self.table.index_select(0, slot)[0], bias)
         return keys, values, bias
+
+    def settle(self, position):
+        """Write the key positions that steady eager steps left out, ``position`` tokens in:
+        every slot then holds a real key, slot s the latest position congruent to s."""
+        if not self.settled:
+            last = position - 1
+            slots = torch.arange(self.slots, device=self.cache.positions.device)
+            self.cache.positions.copy_((last - (last - slots) % self.slots).expand_as(self.cache.positions))
+            self.settled = True

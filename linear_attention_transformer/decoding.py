@@ -111,8 +111,10 @@ class Decoder:
 
     @property
     def cache(self):
-        """The ``DecodingCache`` this decoder steps (its position brought up to date)."""
+        """The ``DecodingCache`` this decoder steps (its positions brought up to date)."""
         self._cache.set_position(self.position)
+        for ring in self._steps.rings():
+            ring.settle(self.position)
         return self._cache
 
     def step(self, tokens):

@@ -221,6 +221,10 @@ class LMStep:
     def buffers(self):
         return [t for pair in self.branches for branch in pair for t in branch.buffers()]
 
+    def rings(self):
+        """The local heads' rings (``_Ring``: their key positions settle when the cache is read)."""
+        return [ring for pair in self.branches for branch in pair if (ring := getattr(branch.step, "ring", None))]
+
     def __call__(self, tokens, p, host=None):
         """tokens (b,) at position p (a long tensor of no dimension; ``host``: the same as an
         int on eager steps, else None) -> logits (b, num_tokens)."""

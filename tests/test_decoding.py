@@ -55,6 +55,33 @@ def test_decoder_equals_full_forward_float64(name, prompt):
     assert list(after) == list(before) and all(torch.equal(after[k], before[k]) for k in before)
 
 
+def local_caches(cache):
+    return [branch.fn.local for pair in cache.layers for branch in pair
+            if branch is not None and getattr(branch.fn, "local", None) is not None]
+
+
+@pytest.mark.parametrize("name", ["local+blindspot+shift+reversible", "gate+conv+rotary+exact window",
+                                  "elu, blindspot 3, no gate"])
+def test_the_cache_read_after_steady_steps_holds_every_key_position(name):
+    """Eager steps past the point where every ring slot holds a real key leave the key
+    positions unwritten (``_Ring.settle``); reading ``decoder.cache`` writes them. The cache
+    then equals the full forward's, and the cached path continues from it."""
+    cfg = DECODER_CONFIGS[name]
+    model = make(cfg)
+    x, mask, kw = inputs(cfg, n=30)
+    _, decoder = decoded(model, x[:, :27], mask[:, :27], kw, prompt=4)
+    assert not all(ring.settled for ring in decoder._steps.rings())  # steady steps left them out
+    cache = decoder.cache
+    _, full_cache = model(x[:, :27], input_mask=mask[:, :27], return_cache=True, **kw)
+    ours, want = local_caches(cache), local_caches(full_cache)
+    assert len(ours) == len(want) > 0
+    for a, b in zip(ours, want):
+        assert torch.equal(a.positions, b.positions)
+    continued, _ = model(x[:, 27:], input_mask=mask[:, 27:], cache=cache, return_cache=True, **kw)
+    full = model(x, input_mask=mask, **kw)
+    assert (continued - full[:, 27:]).abs().max() <= 1e-12 * full.abs().max()
+
+
 @pytest.mark.parametrize("name", ["local+blindspot+shift+reversible", "gate+conv+rotary+exact window"])
 def test_decoder_exact_at_large_logits(name):
     """Queries and keys scaled to logits in the hundreds: the exponential features' references

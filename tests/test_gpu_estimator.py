@@ -226,7 +226,8 @@ def test_cuda_report_dry_run_on_the_cpu(capsys):
     assert "DRY RUN" in out and "reference: square matmul" in out
     for case in ("sdpa (softmax, causal)", "ours, exp features", "ours, + per-head decay",
                  "ours, + per-feature decay", "softmax layer (SDPA)", "ours LinearSelfAttention",
-                 "ours, use_gate=True"):
+                 "ours, use_gate=True", "local heads, kernel='torch' (blocked)",
+                 "local heads, kernel='auto' (blocked)"):  # (flex on CUDA only)
         assert case in out
     if cuda_report.load_fla()[0] is None:
         assert "fla not importable" in out

@@ -16,24 +16,29 @@ without a second pass over the window.
 
 Which form runs is decided in one place, ``local_form``:
 
-=========  ====================================  ===========  ========================================
-requested  where                                 form         why
-=========  ====================================  ===========  ========================================
-auto       CUDA, flex_attention imports,         blocked,     ``FLEX_ON_CUDA``: flex (a fused kernel over
-           float16 / bfloat16 / float32          then flex    the window's blocks only, no (n, w) score
-                                                              blocks stored) once a GPU run has checked
-                                                              it; none has yet
-auto       anywhere else (the CPU above all)     blocked      torch 2.13 has no flex backward on the
-                                                              CPU, and its eager flex materialises
-                                                              all (n, n) scores
-blocked    anywhere                              blocked      ``windowed_attention``
-flex       anywhere flex_attention imports       flex         forced (tests run it eagerly on the CPU)
-=========  ====================================  ===========  ========================================
+=========  ====================================  =======  ==========================================
+requested  where                                 form     why
+=========  ====================================  =======  ==========================================
+auto       CUDA, flex_attention imports,         flex     a fused kernel over the window's blocks
+           float16 / bfloat16 / float32,                  only: no (n, w) score blocks stored, no
+           head dim >= 16                                 launch per block
+auto       anywhere else (the CPU above all)     blocked  torch 2.13 has no flex backward on the
+                                                          CPU; below 16 the head is under the
+                                                          Triton kernel's smallest dot
+blocked    anywhere                              blocked  ``windowed_attention`` (a layer's
+                                                          ``kernel='torch'``)
+flex       anywhere flex_attention imports       flex     forced (the tests, on the CPU)
+=========  ====================================  =======  ==========================================
 
-On CUDA outside torch.compile the kernel is compiled once here (``torch.compile`` of
-``flex_attention``) and the block mask is built compiled; inside a compiled model the call is
-traced with the rest. Eagerly on the CPU flex_attention runs unfused (a forward only): that
-is how the tests hold it equal to the blocked form. No GPU timing exists yet.
+On CUDA outside torch.compile the block mask and the kernel are compiled here, once per
+process (``torch.compile`` of ``create_block_mask`` and of ``flex_attention``; a second length
+recompiles once, to dynamic shapes); inside a compiled model the call is traced with the rest.
+The tests run it eagerly on the CPU (unfused, forward only), equal to the blocked form in
+float64. The CPU's compiled flex is not used: torch 2.13's CPU template returned wrong values
+and NaN on some calls (errors up to 3.5 at n = 40, window 8, an unmasked causal case,
+2026-11-25) where the compiled block mask was right. No GPU has run this form yet: the CUDA
+kernel, its backward and its timing are unmeasured; ``kernel='torch'`` on a layer keeps the
+blocked form.
 """
 
 from __future__ import annotations
@@ -55,28 +60,26 @@ LOCAL_FORMS = ("auto", "blocked", "flex")
 FLEX_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
-# what 'auto' runs on CUDA: 'blocked' until a GPU run has checked the compiled flex kernel
-# (forward, backward, recompiles per length); no GPU has been available yet (2026-11-25)
-FLEX_ON_CUDA = "blocked"
+FLEX_MIN_HEAD_DIM = 16  # the Triton kernel's smallest dot: smaller heads keep the blocked form
 
 
-def local_form(device, dtype=torch.float32, form="auto") -> str:
+def local_form(device, dtype=torch.float32, form="auto", head_dim=FLEX_MIN_HEAD_DIM) -> str:
     """'flex' or 'blocked': the form of a local head's call (the module docstring's table).
-    device, dtype: the inputs'. form: the request, one of ``LOCAL_FORMS``."""
+    device, dtype, head_dim: the inputs'. form: the request, one of ``LOCAL_FORMS``."""
     if form not in LOCAL_FORMS:
         raise ValueError(f"form must be one of {', '.join(map(repr, LOCAL_FORMS))}, got {form!r}")
     if form == "flex":
         if flex_attention is None:
             raise ValueError("form='flex' needs torch.nn.attention.flex_attention (torch >= 2.5)")
         return "flex"
-    if form == "auto" and flex_attention is not None and device.type == "cuda" and dtype in FLEX_DTYPES:
-        return FLEX_ON_CUDA
-    return "blocked"
+    on_cuda = device.type == "cuda" and dtype in FLEX_DTYPES and head_dim >= FLEX_MIN_HEAD_DIM
+    return "flex" if form == "auto" and flex_attention is not None and on_cuda else "blocked"
 
 
 @functools.cache
-def _compiled_flex():
-    return torch.compile(flex_attention)
+def _compiled(fn):
+    """``fn`` compiled once per process (flex_attention and create_block_mask)."""
+    return torch.compile(fn)
 
 
 def flex_windowed_attention(q, k, v, window: Window, key_mask=None, segments=None):
@@ -88,20 +91,24 @@ def flex_windowed_attention(q, k, v, window: Window, key_mask=None, segments=Non
     """
     b, _, n, _ = q.shape
     device = q.device
+    compiled = device.type == "cuda" and not torch.compiler.is_compiling()
     index = torch.arange(n, device=device)
     runs = None if segments is None else segment_runs(segments)
     positions = index.expand(b, n) if runs is None else positions_in_segment(runs)  # (b, n)
     real = torch.ones(b, n, dtype=torch.bool, device=device) if key_mask is None else key_mask
 
-    def mask_mod(batch, head, i, j):
-        visible = window.visible(positions[batch, i], positions[batch, j]) & real[batch, j]
-        return visible if runs is None else visible & (runs[batch, i] == runs[batch, j])
+    def mask_mod(batch, head, i, j):  # (reads only the tensors it needs: i, j are positions unpacked)
+        if runs is None:
+            visible = window.visible(i, j)
+        else:
+            visible = window.visible(positions[batch, i], positions[batch, j]) & (runs[batch, i] == runs[batch, j])
+        return visible if key_mask is None else visible & real[batch, j]
 
-    on_gpu = device.type == "cuda"
     per_row = key_mask is not None or runs is not None  # else one mask serves every row
-    blocks = create_block_mask(mask_mod, b if per_row else None, None, n, n, device=device, _compile=on_gpu)
+    block_mask, attend = (_compiled(create_block_mask), _compiled(flex_attention)) if compiled else \
+        (create_block_mask, flex_attention)
+    blocks = block_mask(mask_mod, b if per_row else None, None, n, n, device=device)
     q, k, v, bad = _quarantine(q, k, v)
-    attend = _compiled_flex() if on_gpu and not torch.compiler.is_compiling() else flex_attention
     out = attend(q, k, v, block_mask=blocks, scale=q.shape[-1] ** -0.5)
     if bad is None:
         return out

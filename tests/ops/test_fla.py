@@ -428,8 +428,21 @@ def test_the_layers_kernel_option_reaches_the_kernel(monkeypatch):
 @pytest.mark.parametrize("options, named", [
     (dict(causal=True, kernel="triton"), "kernel must be one of 'auto', 'torch', 'fla'"),
     (dict(causal=False, kernel="fla"), "kernel applies to causal self-attention"),
-    (dict(receives_context=True, kernel="torch"), "kernel applies to causal self-attention"),
+    (dict(receives_context=True, kernel="fla"), "kernel applies to causal self-attention"),
+    (dict(causal=True, n_local_attn_heads=2, kernel="fla"), "every head of this layer is local"),
 ])
 def test_a_kernel_the_layer_cannot_use_is_refused(options, named):
     with pytest.raises(ValueError, match=named):
         Attention(16, heads=2, **options)
+
+
+@pytest.mark.parametrize("options", [dict(), dict(receives_context=True), dict(n_local_attn_heads=2)], ids=str)
+def test_kernel_torch_fits_every_layer(options):
+    """'torch' asks for no fused kernel: every layer can honour it (its local heads, if any,
+    then keep the blocked form: test_windowed_flex)."""
+    torch.manual_seed(0)
+    layers = [Attention(16, heads=2, kernel=kernel, **options) for kernel in ("auto", "torch")]
+    layers[1].load_state_dict(layers[0].state_dict())
+    x, context = torch.randn(2, 9, 16), torch.randn(2, 5, 16)
+    inputs = dict(context=context) if options.get("receives_context") else {}
+    assert torch.equal(layers[0](x, **inputs), layers[1](x, **inputs))

@@ -2,7 +2,8 @@
 softmax (``windowed_attention_by_position``), and the choice of form (``local_form``).
 
 There is no GPU here: flex_attention runs eagerly on the CPU (unfused, forward only, float64
-accepted), which checks the mask and the readout, not the CUDA kernel."""
+accepted), which checks the mask and the readout, not the CUDA kernel (the CPU's compiled
+flex is wrong on some calls in torch 2.13: ops/windowed_flex.py)."""
 
 import pytest
 import torch
@@ -81,20 +82,18 @@ def test_non_finite_inputs_poison_what_sees_them(options):
     assert err <= 1e-12, f"max error {err:.2e}"
 
 
-def test_the_form_by_device(monkeypatch):
-    assert local_form(torch.device("cpu"), D) == "blocked"
-    assert local_form(torch.device("cpu"), torch.float32) == "blocked"
-    # the blocked form on CUDA too, until a GPU run has checked flex (docs/kernels.md)
-    assert local_form(torch.device("cuda"), torch.float32) == "blocked"
-    monkeypatch.setattr(windowed_flex, "FLEX_ON_CUDA", "flex")  # once checked: flex for the kernel's dtypes
-    assert local_form(torch.device("cuda"), torch.float32) == "flex"
-    assert local_form(torch.device("cuda"), torch.bfloat16) == "flex"
-    assert local_form(torch.device("cpu"), torch.float32) == "blocked"
-    assert local_form(torch.device("cuda"), D) == "blocked"
-    assert local_form(torch.device("cuda"), torch.float32, form="blocked") == "blocked"
-    assert local_form(torch.device("cpu"), D, form="flex") == "flex"
+def test_the_form_by_device():
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert local_form(cpu, D) == "blocked"
+    assert local_form(cpu, torch.float32) == "blocked"
+    assert local_form(cuda, torch.float32, head_dim=64) == "flex"
+    assert local_form(cuda, torch.bfloat16, head_dim=16) == "flex"
+    assert local_form(cuda, torch.bfloat16, head_dim=8) == "blocked"  # under the kernel's smallest dot
+    assert local_form(cuda, D, head_dim=64) == "blocked"
+    assert local_form(cuda, torch.float32, form="blocked", head_dim=64) == "blocked"
+    assert local_form(cpu, D, form="flex", head_dim=4) == "flex"
     with pytest.raises(ValueError, match="form must be one of"):
-        local_form(torch.device("cpu"), D, form="triton")
+        local_form(cpu, D, form="triton")
 
 
 @torch.no_grad()  # flex_attention has no backward on the CPU
@@ -115,3 +114,14 @@ def test_the_layer_runs_the_picked_form(monkeypatch):
     flex = layer(x, input_mask=mask, segment_ids=segment_ids)
     err = (flex - blocked).abs().max().item()
     assert err <= 1e-12, f"max error {err:.2e}"
+
+
+@torch.no_grad()
+def test_the_layers_kernel_option_picks_the_local_form(monkeypatch):
+    """kernel='torch' keeps the blocked form on every device; 'auto' leaves it to ``local_form``."""
+    asked = []
+    monkeypatch.setattr(attention_module, "local_form", lambda *args: asked.append(args[2:]) or "blocked")
+    x = torch.randn(2, 20, 32)
+    for kernel in ("auto", "torch"):  # (a layer without a causal order takes 'torch' too)
+        Attention(32, heads=4, n_local_attn_heads=2, local_attn_window_size=W, kernel=kernel)(x)
+    assert asked == [("auto", 8), ("blocked", 8)]
