@@ -427,9 +427,7 @@ class Attention(nn.Module):
             if context is None:
                 raise ValueError("this layer has receives_context=True: pass context=(batch, ctx_len, dim)")
             if context.ndim != 3 or context.shape[-1] != self.dim or context.shape[0] != x.shape[0]:
-                raise ValueError(
-                    f"context must have shape ({x.shape[0]}, ctx_len, {self.dim}), got {tuple(context.shape)}"
-                )
+                raise ValueError(f"context must have shape ({x.shape[0]}, ctx_len, {self.dim}), got {tuple(context.shape)}")
             _check_mask(context_mask, *context.shape[:2], "context_mask")
             _, k, v = self.project(x[:, :0], context)
             k, normalize = self.noncausal_keys(k, context_mask, context)

@@ -189,6 +189,9 @@ def state_before(summaries: Summary, rank: int, start: int = 0, blindspot_size: 
     """The ``CausalState`` before rank ``rank``'s slice (first position ``start``, a multiple of
     ``blindspot_size``): this rank's entry of the exclusive scan of ``gather_summaries``'
     (P, b, h, …) output over all P ranks."""
+    if start % blindspot_size:
+        raise ValueError(f"context_parallel: a slice must start at a blindspot block boundary (a multiple of "
+                         f"blindspot_size={blindspot_size}), got start {start}")
     before, _ = scan(summaries, dim=0, drops=True)
     ref = None if before.ref is None else before.ref[rank]
     kv = before.kv[rank]

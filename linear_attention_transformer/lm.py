@@ -71,17 +71,14 @@ class LinearAttentionTransformerLM(nn.Module):
         if use_rotary_emb and use_axial_pos_emb:
             raise ValueError("use_axial_pos_emb and use_rotary_emb are two position schemes: choose one")
         window = kwargs.pop("local_attn_window_size", None)
-        transformer_uses_window = LinearAttentionTransformer.uses_local_window(
-            kwargs.get("n_local_attn_heads", 0), kwargs.get("attend_axially", False)
-        )
+        transformer_uses_window = LinearAttentionTransformer.uses_local_window(kwargs.get("n_local_attn_heads", 0),
+                                                                               kwargs.get("attend_axially", False))
         if transformer_uses_window:
             kwargs["local_attn_window_size"] = window
         axial = not use_rotary_emb and (use_axial_pos_emb is None or use_axial_pos_emb)  # None: the default, axial
         if window is not None and not (transformer_uses_window or axial):
-            raise ValueError(
-                "local_attn_window_size shapes local heads, attend_axially and the axial position embedding: "
-                "this model has none of them"
-            )
+            raise ValueError("local_attn_window_size shapes local heads, attend_axially and the axial position "
+                             "embedding: this model has none of them")
         if use_rotary_emb:
             self.pos_emb = None
         elif axial:
