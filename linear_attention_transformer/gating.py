@@ -15,6 +15,8 @@ import torch.nn.functional as F
 from einops import rearrange
 from torch import nn
 
+from .ops.common import _check_positive_int
+
 
 GATE_GRANULARITIES = ("feature", "head")
 
@@ -34,8 +36,7 @@ class ForgetGate(nn.Module):
 
     def __init__(self, dim, heads, dim_head, rank=16, temperature=16.0, granularity="head"):
         super().__init__()
-        if not isinstance(rank, int) or rank < 1:
-            raise ValueError(f"gate_rank must be a positive int, got {rank!r}")
+        _check_positive_int("gate_rank", rank)
         if not temperature > 0:
             raise ValueError(f"gate_temperature must be > 0, got {temperature!r}")
         if granularity not in GATE_GRANULARITIES:
@@ -88,8 +89,7 @@ class LocalConv(nn.Module):
 
     def __init__(self, channels, kernel_size=3, causal=True):
         super().__init__()
-        if not isinstance(kernel_size, int) or kernel_size < 1:
-            raise ValueError(f"local_conv_kernel must be a positive int, got {kernel_size!r}")
+        _check_positive_int("local_conv_kernel", kernel_size)
         if not causal and kernel_size % 2 == 0:
             raise ValueError(f"local_conv_kernel must be odd in a non-causal model (it is centred), got {kernel_size}")
         self.kernel_size, self.causal = kernel_size, causal

@@ -15,7 +15,7 @@ from einops import rearrange
 from torch import nn
 
 from .ops import linear_attention
-from .ops.common import _check_int
+from .ops.common import _check_bool, _check_float_tensor, _check_int
 
 __all__ = ["ImageLinearAttention"]
 
@@ -56,8 +56,7 @@ class ImageLinearAttention(nn.Module):
         for name, value in (("chan", chan), ("chan_out", chan_out), ("key_dim", key_dim), ("value_dim", value_dim),
                             ("heads", heads)):
             _check_int(name, value)
-        if not isinstance(norm_queries, bool):
-            raise TypeError(f"norm_queries must be a bool, got {type(norm_queries).__name__}")
+        _check_bool("norm_queries", norm_queries)
         self.kernel_size = _pair("kernel_size", kernel_size, 1)
         self.padding = _pair("padding", padding, 0)
         self.stride = _pair("stride", stride, 1)
@@ -82,10 +81,7 @@ class ImageLinearAttention(nn.Module):
         return tuple((n + 2 * p - k) // st + 1 for n, p, k, st in zip(size, self.padding, self.kernel_size, s))
 
     def _check_input(self, name, t, b=None):
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-        if not t.is_floating_point():
-            raise TypeError(f"{name} must be a floating point tensor, got {t.dtype}")
+        _check_float_tensor(name, t)
         if t.ndim < 3 or t.shape[1] != self.chan:
             raise ValueError(f"{name} must have shape (batch, chan = {self.chan}, ...), got {tuple(t.shape)}")
         if b is not None and t.shape[0] != b:

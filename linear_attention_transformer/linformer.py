@@ -30,21 +30,13 @@ from einops import rearrange
 from torch import nn
 
 from .attention import resolve_heads
-from .ops.common import _check_int, _check_mask
+from .ops.common import _check_bool, _check_float_tensor, _check_int, _check_mask
 
 __all__ = ["LinformerSettings", "LinformerContextSettings", "LinformerSelfAttention", "linformer_layers"]
 
 
-def _check_bool(name, value):
-    if not isinstance(value, bool):
-        raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
-
-
 def _check_features(name, t, dim):
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    if not t.is_floating_point():
-        raise TypeError(f"{name} must be a floating point tensor, got {t.dtype}")
+    _check_float_tensor(name, t)
     if t.ndim != 3:
         raise ValueError(f"{name} must have shape (batch, length, dim), got {tuple(t.shape)}")
     if t.shape[-1] != dim:

@@ -237,13 +237,6 @@ class _ReversibleFunction(torch.autograd.Function):
 
         param_index = {id(p): i for i, p in enumerate(params)}
         param_grads: list[torch.Tensor | None] = [None] * len(params)
-        module_params: dict[int, list[int]] = {}
-
-        def params_of(module: nn.Module) -> list[int]:
-            key = id(module)
-            if key not in module_params:
-                module_params[key] = [param_index[id(p)] for p in module.parameters() if id(p) in param_index]
-            return module_params[key]
 
         def accumulate(store, i, grad):
             if grad is not None:
@@ -260,7 +253,7 @@ class _ReversibleFunction(torch.autograd.Function):
                 raise TypeError(f"a reversible block returned {type(out).__name__}, expected a tensor")
             if not out.requires_grad:  # a block that ignores its input and has no parameters
                 return out.detach(), None
-            indices = params_of(module)
+            indices = [param_index[id(p)] for p in module.parameters() if id(p) in param_index]
             inputs = [leaf, *(kwarg_leaves[j] for j in grad_kwargs), *(params[i] for i in indices)]
             grads = torch.autograd.grad(out, inputs, grad_out, allow_unused=True)
             n_kw = len(grad_kwargs)

@@ -24,7 +24,7 @@ from .cache import AxialCache, BranchCache, DecodingCache, copy_rows, map_tensor
 from .context_parallel import exchange_boundaries
 from .feedforward import FeedForward, FeedForwardStep
 from .linformer import LinformerContextSettings, LinformerSettings, linformer_layers
-from .ops.common import _check_mask
+from .ops.common import _check_mask, _check_positive_int
 from .place import PLAIN, Place
 from .positional import RotaryEmbedding
 from .reversible import ReversibleSequence, SequentialSequence
@@ -152,8 +152,7 @@ class FoldAxially(nn.Module):
 
     def __init__(self, width, attn):
         super().__init__()
-        if isinstance(width, bool) or not isinstance(width, int) or width < 1:
-            raise ValueError(f"local_attn_window_size (the stride of attend_axially) must be a positive int, got {width!r}")
+        _check_positive_int("local_attn_window_size (the stride of attend_axially)", width)
         self.width, self.attn = width, attn
 
     def forward(self, x, input_mask=None):
@@ -211,11 +210,6 @@ class FoldAxially(nn.Module):
         return out
 
 
-def _at(step, ctx):
-    """``step`` as a one-argument callable at the step context ``ctx``."""
-    return lambda h: step(h, ctx)
-
-
 def _cut(mask, start, stop):
     return None if mask is None else mask[:, start:stop]
 
@@ -226,20 +220,11 @@ class ProductKeyMemory(nn.Module):
 
     def __init__(self, dim, num_keys):
         super().__init__()
-        if not isinstance(num_keys, int) or num_keys < 1:
-            raise ValueError(f"pkm_num_keys must be a positive int, got {num_keys!r}")
+        _check_positive_int("pkm_num_keys", num_keys)
         self.pkm = PKM(dim, num_keys=num_keys, topk=min(32, num_keys))
 
     def forward(self, x):
         return self.pkm(x)
-
-
-def _per_layer(value, depth, name):
-    if isinstance(value, (tuple, list)):
-        if len(value) != depth:
-            raise ValueError(f"{name} as a tuple needs one entry per layer: {depth}, got {len(value)}")
-        return tuple(value)
-    return (value,) * depth
 
 
 def _parameters(factory):
@@ -340,10 +325,8 @@ class LinearAttentionTransformer(nn.Module):
         use_rotary_emb=False, **options
     ):
         super().__init__()
-        if not isinstance(depth, int) or depth < 1:
-            raise ValueError(f"depth must be a positive int, got {depth!r}")
-        if not isinstance(max_seq_len, int) or max_seq_len < 1:
-            raise ValueError(f"max_seq_len must be a positive int, got {max_seq_len!r}")
+        _check_positive_int("depth", depth)
+        _check_positive_int("max_seq_len", max_seq_len)
         if linformer_settings is not None:
             if not isinstance(linformer_settings, LinformerSettings):
                 raise TypeError("linformer_settings must be a LinformerSettings")
@@ -375,7 +358,11 @@ class LinearAttentionTransformer(nn.Module):
         # each layer kind takes its options once, here
         if linformer_settings is None:
             linear = options.take("linear attention", Attention)
-            local_heads = _per_layer(linear.pop("n_local_attn_heads", 0), depth, "n_local_attn_heads")
+            local_heads = linear.pop("n_local_attn_heads", 0)
+            if not isinstance(local_heads, (tuple, list)):
+                local_heads = (local_heads,) * depth
+            elif len(local_heads) != depth:
+                raise ValueError(f"n_local_attn_heads as a tuple needs one entry per layer: {depth}, got {len(local_heads)}")
             window_options = [name for name in linear if name.startswith("local_attn_")]
             if window_options and not any(local_heads):
                 raise ValueError(f"{', '.join(window_options)}: settings of local heads, and n_local_attn_heads is 0")
@@ -538,7 +525,7 @@ class LinearAttentionTransformer(nn.Module):
         ``BranchStep`` (``Branch.step_of``) composed by the stack's rule; on eager steps of a
         plain stack each branch adds its output into x (the step's own tensor) in place."""
         if isinstance(self.layers, ReversibleSequence) or ctx.host_position is None:
-            return self.layers.compose(x, [(_at(f, ctx), _at(g, ctx)) for f, g in branches])
+            return self.layers.compose(x, [[functools.partial(step, ctx=ctx) for step in pair] for pair in branches])
         for f, g in branches:
             f(x, ctx, x)
             g(x, ctx, x)

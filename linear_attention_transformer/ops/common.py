@@ -67,6 +67,23 @@ def _check_int(name, value, minimum=1):
         raise ValueError(f"{name} must be >= {minimum}, got {value}")
 
 
+def _check_positive_int(name, value):
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be a positive int, got {value!r}")
+
+
+def _check_bool(name, value):
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
+
+
+def _check_float_tensor(name, t):
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if not t.is_floating_point():
+        raise TypeError(f"{name} must be a floating point tensor, got {t.dtype}")
+
+
 def _check_mask(mask, b, n, name="mask"):
     if mask is None:
         return
