@@ -2,16 +2,11 @@
 
 ``Attention``'s cached path runs this for a single real token (no mask, no gradient), and
 ``Decoder`` at every step. The math lives with the pieces (``ops/windowed_attention.py``,
-``ops/causal/recurrent.py``, ``gating.py``); here is the layer's composition, made fast:
-
-* one matmul projects the token to every head's q, k, v and the gates' inputs (weights
-  concatenated once when the step is made: parameters changed afterwards are not seen);
-* local heads: keys and values go to the cache's ring (slot = position mod slots); the query
-  sees the slots in its window through a 0 / -inf bias, a row of a table made once when every
-  slot holds a real key (``steady``);
-* eager steps know the position as an int (``StepContext.host_position``): slots written
-  through views made once, a blindspot block joined only at its end, outputs written into
-  buffers made once, one ``addmm_`` into the residual stream. Neither form reads back.
+``ops/causal/recurrent.py``, ``gating.py``); here is the layer's composition, made fast: one
+matmul projects the token to every head's q, k, v and the gates' inputs (weights concatenated
+once when the step is made: parameters changed afterwards are not seen), the local heads'
+keys go to a ring (``_Ring``), and eager steps, which know the position as an int
+(``StepContext``), write through views and into buffers made once. Neither form reads back.
 """
 
 from __future__ import annotations

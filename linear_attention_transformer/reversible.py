@@ -119,11 +119,7 @@ def _device_module(device_type: str):
 
 def _rng_devices(tensors: Iterable[torch.Tensor]) -> list[torch.device]:
     """The non-CPU devices (with their own generators) that ``tensors`` live on."""
-    seen: dict[torch.device, None] = {}
-    for t in tensors:
-        if t.device.type not in ("cpu", "meta"):
-            seen.setdefault(t.device, None)
-    return list(seen)
+    return list(dict.fromkeys(t.device for t in tensors if t.device.type not in ("cpu", "meta")))
 
 
 class _RngState:
@@ -154,18 +150,10 @@ class _RngState:
             yield
 
 
-def _autocast_available(device_type: str) -> bool:
-    check = getattr(torch.amp, "is_autocast_available", None)
-    return check(device_type) if check is not None else device_type in ("cpu", "cuda")
-
-
 def _capture_autocast(device_types: Iterable[str]) -> list[tuple[str, bool, torch.dtype]]:
-    """``(device_type, enabled, dtype)`` of the current autocast state per device type."""
-    state = []
-    for device_type in dict.fromkeys(device_types):
-        if _autocast_available(device_type):
-            state.append((device_type, torch.is_autocast_enabled(device_type), torch.get_autocast_dtype(device_type)))
-    return state
+    available = getattr(torch.amp, "is_autocast_available", lambda device_type: device_type in ("cpu", "cuda"))
+    return [(device_type, torch.is_autocast_enabled(device_type), torch.get_autocast_dtype(device_type))
+            for device_type in dict.fromkeys(device_types) if available(device_type)]
 
 
 @contextlib.contextmanager
@@ -178,7 +166,6 @@ def _restore_autocast(state: list[tuple[str, bool, torch.dtype]], cache_enabled:
 
 
 def _nested_grad_tensor(value: Any) -> bool:
-    """True if a list/tuple/dict ``value`` hides a tensor that requires grad."""
     if isinstance(value, torch.Tensor):
         return value.requires_grad
     if isinstance(value, (list, tuple)):
@@ -208,7 +195,7 @@ class _ReversibleFunction(torch.autograd.Function):
         ctx.autocast_cache = torch.is_autocast_cache_enabled()
 
         ctx.rng_states = []
-        x1, x2 = _compose(blocks, x, kwargs, lambda: ctx.rng_states.append(_RngState(devices)))
+        x1, x2 = reversible_rule(x, _bound(blocks, kwargs), lambda: ctx.rng_states.append(_RngState(devices)))
         ctx.blocks, ctx.names, ctx.static_kwargs, ctx.params = blocks, names, static_kwargs, params
         ctx.param_versions = [p._version for p in params]
         ctx.save_for_backward(x1, x2, *kwarg_tensors)
@@ -327,8 +314,7 @@ class ReversibleSequence(nn.Module):
                                     "such tensors as top-level keyword arguments")
         grads = torch.is_grad_enabled() and (x.requires_grad or params or any(t.requires_grad for t in kwarg_tensors))
         if not grads:
-            y1, y2 = _compose(self.blocks, x, kwargs)
-            return (y1 + y2) / 2
+            return self.compose(x, _bound(self.blocks, kwargs))
         if _sharded_inside(self.blocks):
             raise TypeError("a ReversibleSequence cannot hold FSDP units: its backward recomputes the blocks outside "
                             "FSDP's hooks, so their gradients would be lost; apply fully_shard to the reversible stack "
@@ -361,9 +347,4 @@ def reversible_rule(x, pairs, before_call=None):
 
 
 def _bound(blocks, kwargs):
-    """The blocks' (f, g) as one-argument callables, with ``kwargs`` bound."""
     return [(functools.partial(f, **kwargs), functools.partial(g, **kwargs)) for f, g in blocks]
-
-
-def _compose(blocks, x, kwargs, before_call=None):
-    return reversible_rule(x, _bound(blocks, kwargs), before_call)

@@ -228,7 +228,6 @@ class ProductKeyMemory(nn.Module):
 
 
 def _parameters(factory):
-    """The keyword names ``factory`` accepts."""
     kinds = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
     return {name for name, p in inspect.signature(factory).parameters.items() if p.kind in kinds}
 

@@ -440,26 +440,25 @@ def causal_linear_attention(q, k, v, log_decay=None, mask=None, blindspot_size=1
     position = (state.position if state is not None else 0) + n
     ref = final.ref
     if not blindspot:
-        return out.to(out_dtype), _non_finite_state(bad, CausalState(kv, ref, position=position))
-    if n % C == 0:  # every block complete
-        pending = torch.zeros_like(kv)
-        pending_ref = torch.full_like(ref, NEG_INF) if exp_features else None
-        return out.to(out_dtype), _non_finite_state(bad, CausalState(kv, ref, pending, pending_ref, position))
-    # the last block is unfinished: its keys wait in `pending`, the visible state is the
-    # one the last chunk's queries read, decayed through that chunk
-    last, last_ref = states[:, :, -1], None
-    pending = torch.einsum("bhld,bhle->bhde", k_to_end[:, :, -1], v[:, :, -1])
-    if exp_features and G is not None:
-        last_ref = r_prev[:, :, -1] + G_end[:, :, -1].detach()
-        one = (G_end[:, :, -1] - G_end[:, :, -1].detach()).exp()[..., None]  # carries the gradient
-        last, pending = last * one, pending * one
-    elif exp_features:
-        last_ref = r_prev[:, :, -1]
-    elif G is not None:
-        last = last * G_end[:, :, -1, :, None].exp()
-    return out.to(out_dtype), _non_finite_state(bad, CausalState(
-        last, last_ref, pending, m[:, :, -1] if exp_features else None, position
-    ))
+        state = CausalState(kv, ref, position=position)
+    elif n % C == 0:  # every block complete
+        state = CausalState(kv, ref, torch.zeros_like(kv), torch.full_like(ref, NEG_INF) if exp_features else None,
+                            position)
+    else:
+        # the last block is unfinished: its keys wait in `pending`, the visible state is the
+        # one the last chunk's queries read, decayed through that chunk
+        last, last_ref = states[:, :, -1], None
+        pending = torch.einsum("bhld,bhle->bhde", k_to_end[:, :, -1], v[:, :, -1])
+        if exp_features and G is not None:
+            last_ref = r_prev[:, :, -1] + G_end[:, :, -1].detach()
+            one = (G_end[:, :, -1] - G_end[:, :, -1].detach()).exp()[..., None]  # carries the gradient
+            last, pending = last * one, pending * one
+        elif exp_features:
+            last_ref = r_prev[:, :, -1]
+        elif G is not None:
+            last = last * G_end[:, :, -1, :, None].exp()
+        state = CausalState(last, last_ref, pending, m[:, :, -1] if exp_features else None, position)
+    return out.to(out_dtype), _non_finite_state(bad, state)
 
 
 def _continue_inside_block(q, k, v, log_decay, mask, blindspot_size, chunk_size, exp_features, state, return_state,
