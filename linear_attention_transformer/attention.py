@@ -86,12 +86,10 @@ class Attention(nn.Module):
         use_gate: forget and output gates (``gating.py``) with ``gate_rank``,
             ``gate_temperature`` and ``gate_granularity``.
         use_local_conv: a convolution of ``local_conv_kernel`` taps on the global heads' q, k, v.
-        kernel: the fused GPU kernels: 'auto' (by the device: on CUDA the causal global heads on
-            flash-linear-attention where it imports, ``ops/causal/forms.py``, the local heads on
-            flex_attention, ``ops/windowed_flex.py``), 'torch' (this library's eager forms only,
-            for both kinds of head) or 'fla' (the causal global heads on fla's Triton kernels,
-            ``pip install linear-attention-transformer[cuda]``; a call it cannot run raises
-            ValueError saying why; the local heads as 'auto'). 'fla' needs causal global heads.
+        kernel: the fused GPU kernels (docs/kernels.md): 'auto' (on CUDA the causal global heads
+            on flash-linear-attention where it imports, the local heads on flex_attention),
+            'torch' (this library's eager forms only) or 'fla' (the causal global heads on fla,
+            ``pip install linear-attention-transformer[cuda]``; a call it cannot run raises).
     Shapes:
         x (b, n, dim); input_mask (b, n) bool; context (b, m, dim); context_mask (b, m) bool;
         rotary: (cos, sin) of the positions, each (n, dim_head) or (b, n, dim_head);

@@ -36,11 +36,8 @@ class _Cache:
         """Like ``nn.Module.to``, but a copy (buffers of its own, as ``clone``): a device moves
         every tensor, a dtype converts the floating ones (positions keep theirs)."""
         device, dtype, non_blocking, _ = torch._C._nn._parse_to(*args, **kwargs)
-
-        def move(t):
-            return t.to(device, dtype if t.is_floating_point() else None, non_blocking=non_blocking, copy=True)
-
-        return map_tensors(self, move)
+        return map_tensors(self, lambda t: t.to(device, dtype if t.is_floating_point() else None,
+                                                non_blocking=non_blocking, copy=True))
 
     def __repr__(self):
         fields = ", ".join(f"{n}={getattr(self, n).__class__.__name__}" for n in self.__slots__)

@@ -441,11 +441,9 @@ class LinearAttentionTransformer(nn.Module):
         n), is given) restarting at its first token. ``input_mask`` still marks padding.
 
         ``context_parallel``: a ``torch.distributed`` process group (or a ``ContextParallel``)
-        over which one sequence is split (docs/scale.md): x (b, n_local, dim) is this rank's
-        contiguous slice, in rank order, all slices of the same length; returns this rank's
-        slice of the output. Rotary positions start at rank * n_local (``positions``, if
-        given, are the slice's). None: off. What the model cannot do with either (or a cache)
-        raises ValueError before any communication (``check_place``).
+        over which one sequence is split, x (b, n_local, dim) and the output this rank's slice
+        (docs/scale.md; ``positions``, if given, are the slice's). What the model cannot do with
+        either (or a cache) raises ValueError before any communication (``check_place``).
 
         ``context`` / ``context_mask`` need ``receives_context=True``, and ``positions`` (the
         rotary embedding's) ``use_rotary_emb=True``: without them they raise ValueError."""
