@@ -408,11 +408,9 @@ class Attention(nn.Module):
         """The new queries over the ring's keys and their own (before they are written)."""
         n = q.shape[2]
         keys, values = (torch.cat((stored, new.to(stored.dtype)), dim=2) for stored, new in zip(cache.kv.unbind(1), (k, v)))
-        new_positions = torch.arange(position, position + n, device=q.device).expand(q.shape[0], n)
-        if mask is not None:
-            new_positions = torch.where(mask, new_positions, NO_KEY)
-        k_positions = torch.cat((cache.positions, new_positions), dim=1)  # NO_KEY: before every window
         q_positions = torch.arange(position, position + n, device=q.device)
+        new_positions = q_positions.expand(q.shape[0], n) if mask is None else torch.where(mask, q_positions, NO_KEY)
+        k_positions = torch.cat((cache.positions, new_positions), dim=1)  # NO_KEY: before every window
         return windowed_attention_by_position(q, keys, values, q_positions, k_positions, self.local_window)
 
     def _cross_attention(self, x, context, context_mask, cache):

@@ -44,15 +44,11 @@ class AttentionStep:
         heads, dh, kvh = attn.heads, attn.dim_head, attn.kv_heads
         self.heads, self.dim_head, self.kv_heads = heads, dh, kvh
         self.n_local, self.n_global = nl, ng = attn.n_local, heads - attn.n_local
-        weights, sizes = [attn.to_q.weight, attn.to_kv.weight], [heads * dh, 2 * kvh * dh]
         gate, out_gate = attn.forget_gate, attn.output_gate
-        if gate is not None:
-            weights.append(gate.gate_down.weight)
-            sizes.append(gate.gate_down.out_features)
-        if out_gate is not None:
-            weights.append(out_gate.gate_out.weight)
-            sizes.append(out_gate.gate_out.out_features)
-        self.weight = torch.cat(weights, dim=0)
+        linears = [attn.to_q, attn.to_kv] + ([] if gate is None else [gate.gate_down])
+        linears += [] if out_gate is None else [out_gate.gate_out]
+        sizes = [linear.out_features for linear in linears]
+        self.weight = torch.cat([linear.weight for linear in linears], dim=0)
         # the local heads' queries come out of the projection already scaled by dim_head^-1/2
         # (rotary is a rotation: it commutes with the scale)
         self.weight[: nl * dh] *= dh ** -0.5

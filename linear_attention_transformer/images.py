@@ -75,10 +75,15 @@ class ImageLinearAttention(nn.Module):
         return (f"chan={self.chan}, chan_out={self.chan_out}, heads={self.heads}, key_dim={self.key_dim}, "
                 f"value_dim={self.value_dim}, norm_queries={self.norm_queries}")
 
-    def _grid(self, size, stride=True):
-        """Spatial size after a convolution with this module's kernel and padding."""
+    def _grid(self, name, size, stride=True):
+        """Spatial size after a convolution with this module's kernel and padding (ValueError
+        naming ``name`` when nothing is left)."""
         s = self.stride if stride else (1, 1)
-        return tuple((n + 2 * p - k) // st + 1 for n, p, k, st in zip(size, self.padding, self.kernel_size, s))
+        grid = tuple((n + 2 * p - k) // st + 1 for n, p, k, st in zip(size, self.padding, self.kernel_size, s))
+        if min(grid) < 1:
+            raise ValueError(f"{name} of spatial size {tuple(size)} is too small for kernel_size={self.kernel_size}, "
+                             f"padding={self.padding}, stride={self.stride}")
+        return grid
 
     def _check_input(self, name, t, b=None):
         _check_float_tensor(name, t)
@@ -92,11 +97,8 @@ class ImageLinearAttention(nn.Module):
         if img.ndim != 4:
             raise ValueError(f"img must have shape (batch, chan, height, width), got {tuple(img.shape)}")
         b = img.shape[0]
-        grid = self._grid(img.shape[-2:])
-        out_grid = self._grid(grid, stride=False)
-        if min(grid + out_grid) < 1:
-            raise ValueError(f"img of spatial size {tuple(img.shape[-2:])} is too small for kernel_size="
-                             f"{self.kernel_size}, padding={self.padding}, stride={self.stride}")
+        grid = self._grid("img", img.shape[-2:])
+        self._grid("img's q/k/v grid", grid, stride=False)  # (to_out's)
 
         q, k, v = self.to_q(img), self.to_k(img), self.to_v(img)
         q, k, v = (rearrange(t, "b (h d) x y -> b h (x y) d", h=self.heads) for t in (q, k, v))
@@ -105,10 +107,7 @@ class ImageLinearAttention(nn.Module):
             self._check_input("context", context, b)
             if context.ndim != 4:
                 context = rearrange(context, "b c ... -> b c 1 (...)")
-            if min(self._grid(context.shape[-2:])) < 1:
-                raise ValueError(f"context of spatial size {tuple(context.shape[-2:])} (after flattening) is too "
-                                 f"small for kernel_size={self.kernel_size}, padding={self.padding}, "
-                                 f"stride={self.stride}")
+            self._grid("context (after flattening)", context.shape[-2:])
             ck, cv = (rearrange(f(context), "b (h d) x y -> b h (x y) d", h=self.heads) for f in (self.to_k, self.to_v))
             k, v = torch.cat((k, ck), dim=2), torch.cat((v, cv), dim=2)
 

@@ -194,13 +194,10 @@ class LinformerSelfAttention(nn.Module):
             _check_mask(context_mask, b, context.shape[1], "context_mask")
             kv_input, kv_mask = context, context_mask
 
-        m = kv_input.shape[1]
         if kv_mask is not None:
-            # out of place: the caller's tensor is never touched
             kv_input = kv_input.masked_fill(~rearrange(kv_mask, "b m -> b m 1"), 0.0)
 
-        # project along the sequence first; a length m < seq_len uses the first m rows of
-        # E and F, which is exactly zero-padding the sequence to seq_len
+        # project along the sequence first (the module docstring)
         mixed_k = self._mix(kv_input, self.proj_k)
         mixed_v = mixed_k if self.proj_v is None else self._mix(kv_input, self.proj_v)
 

@@ -181,21 +181,22 @@ class FoldAxially(nn.Module):
         b, n, _ = x.shape
         w = self.width
         inner, position = cache.inner, cache.position
-        outs = []
+
+        def one(t):
+            return self._step(x[:, t : t + 1], _cut(input_mask, t, t + 1), inner, position + t)
+
         # whole rounds of w tokens, aligned to the residue classes, go through the folded
         # chunked form at once; the tokens before and after them one at a time
         head = min(n, -position % w)
         full = (n - head) // w * w
-        for t in range(head):
-            outs.append(self._step(x[:, t : t + 1], _cut(input_mask, t, t + 1), inner, position + t))
+        outs = [one(t) for t in range(head)]
         if full:
             xs = rearrange(x[:, head : head + full], "b (i w) d -> (b w) i d", w=w)
             ms = _cut(input_mask, head, head + full)
             ms = None if ms is None else rearrange(ms, "b (i w) -> (b w) i", w=w)
             out, _ = self.attn(xs, input_mask=ms, cache=inner, return_cache=True)
             outs.append(rearrange(out, "(b w) i d -> b (i w) d", b=b))
-        for t in range(head + full, n):
-            outs.append(self._step(x[:, t : t + 1], _cut(input_mask, t, t + 1), inner, position + t))
+        outs += [one(t) for t in range(head + full, n)]
         cache.position = position + n
         return torch.cat(outs, dim=1)
 

@@ -296,9 +296,7 @@ def causal_linear_attention(q, k, v, log_decay=None, mask=None, blindspot_size=1
     _check_mask(mask, b, n)
     if blindspot_size < 1 or chunk_size < 1:
         raise ValueError("blindspot_size and chunk_size must be >= 1")
-    if form is None:
-        form = scoped_form()
-    check_form(form)
+    form = check_form(scoped_form() if form is None else form)
     if segments is not None and (state is not None or return_state):
         raise ValueError("segments cannot be combined with a state (state / return_state): a state continues one sequence")
     if state is not None and n == 1:  # decoding one token: the recurrence is the cheapest form
