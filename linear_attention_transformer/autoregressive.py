@@ -531,6 +531,9 @@ class AutoregressiveWrapper(nn.Module):
         num_tokens = getattr(self.net, "num_tokens", None)
         if isinstance(num_tokens, Integral):
             check_token_ids(start_tokens, num_tokens, "start_tokens")
+            if torch.iinfo(start_tokens.dtype).max < num_tokens - 1:  # (the output keeps that dtype)
+                raise ValueError(f"start_tokens of dtype {start_tokens.dtype} cannot hold the token ids up to "
+                                 f"{num_tokens - 1} that generate may return; pass them as int32 or int64")
         if isinstance(seq_len, bool) or not isinstance(seq_len, Integral):
             raise TypeError(f"seq_len must be an int, got {seq_len!r}")
         if seq_len < 1:

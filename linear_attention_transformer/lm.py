@@ -18,7 +18,7 @@ from .transformer import LinearAttentionTransformer, _parameters, refuse_unknown
 def check_token_ids(tokens, num_tokens, name):
     """ValueError naming ``name`` unless every id lies in [0, num_tokens): one min/max reduction
     and one host sync, instead of the embedding's IndexError about its own index."""
-    low, high = (int(t) for t in torch.aminmax(tokens))
+    low, high = (int(t) for t in torch.aminmax(tokens.long()))  # (no aminmax for every integer dtype)
     if low < 0 or high >= num_tokens:
         raise ValueError(f"{name} holds token ids from {low} to {high}; valid ids are 0 to {num_tokens - 1} "
                          f"(num_tokens={num_tokens})")
@@ -162,10 +162,11 @@ class LinearAttentionTransformerLM(nn.Module):
         return out[0] if place.cached and not return_cache else out
 
     def _embed(self, x):
-        """The token embedding; ids outside the vocabulary are looked for (``check_token_ids``)
-        only once it has failed, so valid ids cost no host sync (a GPU asserts on the device)."""
+        """The token embedding (ids of any integer dtype: the embedding takes int64); ids outside
+        the vocabulary are looked for (``check_token_ids``) only once it has failed, so valid
+        ids cost no host sync (a GPU asserts on the device)."""
         try:
-            return self.token_emb(x)
+            return self.token_emb(x.long())
         except IndexError:
             check_token_ids(x, self.num_tokens, "x")
             raise

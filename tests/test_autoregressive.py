@@ -231,6 +231,35 @@ def test_output_keeps_prompt_dtype():
     assert out.dtype == torch.int32 and out.tolist() == [[4, 5, 6]]
 
 
+@pytest.mark.parametrize("dtype", [torch.uint8, torch.int16, torch.uint16, torch.int32])
+def test_token_ids_of_any_integer_dtype(dtype):
+    """uint8 bytes (enwik8 read as bytes) and the other integer dtypes act as int64 ids: the
+    forward, the loss, the decoder's step and generate (whose output keeps the prompt's dtype)."""
+    from linear_attention_transformer import LinearAttentionTransformerLM
+
+    torch.manual_seed(0)
+    model = LinearAttentionTransformerLM(num_tokens=20, dim=16, depth=1, heads=2, max_seq_len=32, causal=True,
+                                         n_local_attn_heads=1, local_attn_window_size=4).eval()
+    x = torch.randint(0, 20, (2, 9))
+    assert torch.equal(model(x.to(dtype)), model(x))
+    wrapper = AutoregressiveWrapper(model)
+    assert torch.equal(wrapper(x.to(dtype)), wrapper(x))
+    _, ours = model.start_decoding(x[:, :4].to(dtype))
+    _, want = model.start_decoding(x[:, :4])
+    assert torch.equal(ours.step(x[:, 4].to(dtype)), want.step(x[:, 4]))
+    out = wrapper.generate(x[:, :4].to(dtype), 5, temperature=0.0)
+    assert out.dtype == dtype and torch.equal(out.long(), wrapper.generate(x[:, :4], 5, temperature=0.0))
+
+
+def test_a_prompt_dtype_too_narrow_for_the_vocabulary_is_refused():
+    """generate returns ids in the prompt's dtype: one that cannot hold them is refused, not wrapped."""
+    from linear_attention_transformer import LinearAttentionTransformerLM
+
+    model = LinearAttentionTransformerLM(num_tokens=300, dim=16, depth=1, heads=2, max_seq_len=32, causal=True)
+    with pytest.raises(ValueError, match="start_tokens of dtype torch.uint8 cannot hold the token ids up to 299"):
+        AutoregressiveWrapper(model).generate(torch.tensor([[3, 4]], dtype=torch.uint8), 3)
+
+
 def test_greedy_equals_hand_rolled_loop():
     net = ToyLM()
     prompt = torch.randint(0, 11, (3, 4), generator=torch.Generator().manual_seed(1))
