@@ -119,7 +119,8 @@ class Decoder:
 
     def step(self, tokens):
         check_integer_ids(tokens, "tokens")
-        tokens = tokens.long()  # (any integer dtype: the embedding takes int64; no copy for int64)
+        if tokens.dtype != torch.int64:  # (any integer dtype: the embedding takes int64)
+            tokens = tokens.long()
         if tuple(tokens.shape) != (self.batch,):
             raise ValueError(f"tokens must have shape ({self.batch},): one token per row, got {tuple(tokens.shape)}")
         if torch.compiler.is_compiling():

@@ -166,7 +166,7 @@ class LinearAttentionTransformerLM(nn.Module):
         the vocabulary are looked for (``check_token_ids``) only once it has failed, so valid
         ids cost no host sync (a GPU asserts on the device)."""
         try:
-            return self.token_emb(x.long())
+            return self.token_emb(x if x.dtype == torch.int64 else x.long())
         except IndexError:
             check_token_ids(x, self.num_tokens, "x")
             raise
