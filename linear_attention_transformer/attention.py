@@ -21,7 +21,7 @@ from .context_parallel import (context_parallel_causal_linear_attention, context
 from .gating import ForgetGate, LocalConv, OutputGate
 from .ops import FeatureMap, causal_linear_attention, linear_attention, linear_attention_readout, linear_attention_summary
 from .ops.causal.forms import CHUNK_SIZE
-from .ops.common import _check_mask, _check_positive_int
+from .ops.common import _check_int, _check_mask
 from .ops.causal.recurrent import CausalState
 from .ops.segments import aligned_layout, from_layout, to_layout
 from .ops.windowed_attention import Window, windowed_attention, windowed_attention_by_position
@@ -39,12 +39,12 @@ HEADS = 8  # the default number of heads of every attention layer and model
 def resolve_heads(dim, heads, dim_head=None, kv_heads=None, one_kv_head=False):
     """Check the head arithmetic once, with errors that name the argument.
     Returns (dim_head, kv_heads)."""
-    _check_positive_int("heads", heads)
+    _check_int("heads", heads)
     if dim_head is None:
         if dim % heads:
             raise ValueError(f"dim ({dim}) must be divisible by heads ({heads}) when dim_head is not given")
         dim_head = dim // heads
-    _check_positive_int("dim_head", dim_head)
+    _check_int("dim_head", dim_head)
     if one_kv_head:
         if kv_heads not in (None, 1):
             raise ValueError(f"one_kv_head=True means kv_heads=1, got kv_heads={kv_heads}")
@@ -114,7 +114,7 @@ class Attention(nn.Module):
             raise ValueError("local_attn_window_size is a setting of local heads, and n_local_attn_heads is 0")
         local_attn_window_size = LOCAL_WINDOW_SIZE if local_attn_window_size is None else local_attn_window_size
         if n_local_attn_heads:
-            _check_positive_int("local_attn_window_size", local_attn_window_size)
+            _check_int("local_attn_window_size", local_attn_window_size)
         # both shape the causal kernel only: given to a layer without a causal order they would be ignored
         if kernel not in KERNELS:
             raise ValueError(f"kernel must be one of {', '.join(map(repr, KERNELS))}, got {kernel!r}")
@@ -126,7 +126,7 @@ class Attention(nn.Module):
             raise ValueError("kernel='fla' runs the causal global heads, and every head of this layer is local")
         blindspot_size = 1 if blindspot_size is None else blindspot_size
         chunk_size = CHUNK_SIZE if chunk_size is None else chunk_size
-        _check_positive_int("blindspot_size", blindspot_size)
+        _check_int("blindspot_size", blindspot_size)
 
         self.dim, self.heads, self.dim_head, self.kv_heads = dim, heads, dim_head, kv_heads
         self.causal = causal and not receives_context

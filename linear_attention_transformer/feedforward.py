@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .ops.common import _check_positive_int
+from .ops.common import _check_int
 
 _ACTIVATIONS = {"gelu": F.gelu, "relu": F.relu}
 
@@ -29,7 +29,7 @@ class FeedForward(nn.Module):
         super().__init__()
         if int(chunks) != chunks or chunks < 1:
             raise ValueError(f"ff_chunks must be a positive integer, got {chunks!r}")
-        _check_positive_int("ff_mult", mult)
+        _check_int("ff_mult", mult)
         if activation not in _ACTIVATIONS:
             raise ValueError(f"ff_activation must be one of {sorted(_ACTIVATIONS)}, got {activation!r}")
         hidden = dim * mult

@@ -24,7 +24,7 @@ from .cache import AxialCache, BranchCache, DecodingCache, copy_rows, map_tensor
 from .context_parallel import exchange_boundaries
 from .feedforward import FeedForward, FeedForwardStep
 from .linformer import LinformerContextSettings, LinformerSettings, linformer_layers
-from .ops.common import _check_mask, _check_positive_int
+from .ops.common import _check_int, _check_mask
 from .place import PLAIN, Place
 from .positional import RotaryEmbedding
 from .reversible import ReversibleSequence, SequentialSequence
@@ -152,7 +152,7 @@ class FoldAxially(nn.Module):
 
     def __init__(self, width, attn):
         super().__init__()
-        _check_positive_int("local_attn_window_size (the stride of attend_axially)", width)
+        _check_int("local_attn_window_size (the stride of attend_axially)", width)
         self.width, self.attn = width, attn
 
     def forward(self, x, input_mask=None):
@@ -221,7 +221,7 @@ class ProductKeyMemory(nn.Module):
 
     def __init__(self, dim, num_keys):
         super().__init__()
-        _check_positive_int("pkm_num_keys", num_keys)
+        _check_int("pkm_num_keys", num_keys)
         self.pkm = PKM(dim, num_keys=num_keys, topk=min(32, num_keys))
 
     def forward(self, x):
@@ -325,8 +325,8 @@ class LinearAttentionTransformer(nn.Module):
         use_rotary_emb=False, **options
     ):
         super().__init__()
-        _check_positive_int("depth", depth)
-        _check_positive_int("max_seq_len", max_seq_len)
+        _check_int("depth", depth)
+        _check_int("max_seq_len", max_seq_len)
         if linformer_settings is not None:
             if not isinstance(linformer_settings, LinformerSettings):
                 raise TypeError("linformer_settings must be a LinformerSettings")

@@ -67,11 +67,6 @@ def _check_int(name, value, minimum=1):
         raise ValueError(f"{name} must be >= {minimum}, got {value}")
 
 
-def _check_positive_int(name, value):
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name} must be a positive int, got {value!r}")
-
-
 def _check_bool(name, value):
     if not isinstance(value, bool):
         raise TypeError(f"{name} must be a bool, got {type(value).__name__}")

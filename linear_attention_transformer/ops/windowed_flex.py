@@ -95,14 +95,13 @@ def flex_windowed_attention(q, k, v, window: Window, key_mask=None, segments=Non
     index = torch.arange(n, device=device)
     runs = None if segments is None else segment_runs(segments)
     positions = index.expand(b, n) if runs is None else positions_in_segment(runs)  # (b, n)
-    real = torch.ones(b, n, dtype=torch.bool, device=device) if key_mask is None else key_mask
 
     def mask_mod(batch, head, i, j):  # (reads only the tensors it needs: i, j are positions unpacked)
         if runs is None:
             visible = window.visible(i, j)
         else:
             visible = window.visible(positions[batch, i], positions[batch, j]) & (runs[batch, i] == runs[batch, j])
-        return visible if key_mask is None else visible & real[batch, j]
+        return visible if key_mask is None else visible & key_mask[batch, j]
 
     per_row = key_mask is not None or runs is not None  # else one mask serves every row
     block_mask, attend = (_compiled(create_block_mask), _compiled(flex_attention)) if compiled else \
@@ -120,5 +119,6 @@ def flex_windowed_attention(q, k, v, window: Window, key_mask=None, segments=Non
         last = index.expand(b, n)
     else:  # the end of the window look_forward windows after the query's (Window.visible)
         last = torch.minimum(start + (positions // window.size + window.look_forward + 1) * window.size - 1, end)
-    hit = seen(bad_key & real[:, None], last[:, None].clamp(max=n - 1), first[:, None])
+    bad_key = bad_key if key_mask is None else bad_key & key_mask[:, None]
+    hit = seen(bad_key, last[:, None].clamp(max=n - 1), first[:, None])
     return poisoned(out, bad_query | hit)
