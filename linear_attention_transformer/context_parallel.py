@@ -25,7 +25,7 @@ import torch
 from .ops import CausalState, causal_linear_attention, linear_attention_readout, linear_attention_summary
 from .ops.causal.forms import CHUNK_SIZE
 from .ops.causal.scan import Summary, scan, summarize
-from .ops.common import NEG_INF, _append_ones, _apply_key_mask, _compute_dtype
+from .ops.common import _append_ones, _apply_key_mask, _compute_dtype
 
 __all__ = ["ContextParallel", "causal_summary", "gather_summaries", "state_before",
            "context_parallel_causal_linear_attention", "noncausal_summary", "context_parallel_linear_attention",
@@ -195,9 +195,7 @@ def state_before(summaries: Summary, rank: int, start: int = 0, blindspot_size: 
     before, _ = scan(summaries, dim=0, drops=True)
     ref = None if before.ref is None else before.ref[rank]
     kv = before.kv[rank]
-    if blindspot_size == 1:
-        return CausalState(kv, ref, position=start)
-    return CausalState(kv, ref, torch.zeros_like(kv), None if ref is None else torch.full_like(ref, NEG_INF), start)
+    return CausalState.at_block_boundary(kv, ref, start, blindspot_size > 1)
 
 
 def context_parallel_causal_linear_attention(q, k, v, place: ContextParallel, log_decay=None, mask=None,

@@ -407,3 +407,38 @@ def test_split_after_an_all_padding_prefix_float32(offset, blindspot, helpers):
         outs.append(out)
     helpers.assert_matches(torch.stack(outs, dim=2), full[:, :, split:], rtol=1e-5, what="steps after padding")
     assert torch.equal(state.ref, state2.ref)
+
+
+def test_a_step_refuses_a_state_of_another_layout():
+    """A state made for other options would be read wrongly (or fail deep inside): refused."""
+    q = k = torch.rand(1, 2, 3)
+    v = torch.rand(1, 2, 4)
+    zeros = CausalState.zeros(1, 2, 3, 4, blindspot_size=2, exp_features=True)
+    waiting = CausalState.zeros(1, 2, 3, 4, blindspot_size=2, waiting=True)
+    wrong = [(zeros, dict(blindspot_size=2)), (zeros, dict(exp_features=True)), (waiting, dict(blindspot_size=2))]
+    for state, kw in wrong:
+        with pytest.raises(ValueError, match="state must be a CausalState of these exp_features and blindspot_size"):
+            causal_linear_attention_step(q, k, v, state, **kw)
+    out, state = causal_linear_attention_step(q, k, v, zeros, blindspot_size=2, exp_features=True)
+    assert state.position == 1 and torch.equal(out, torch.zeros_like(out))  # the first block sees no key
+
+
+@pytest.mark.parametrize("blindspot, split", [(1, 11), (4, 24), (4, 26)])
+def test_steps_from_a_chunked_prefix_at_large_logits_keep_their_gradients(blindspot, split, helpers):
+    """A chunked prefix's reference may sit a rounding above its largest term, so a step's
+    denominator can fall just below 1: read as it is (a clamp to 1 there once cut the
+    gradient of every key, and moved the output by ~1e-13 in float64)."""
+    n = 30
+    q, k, v, log_decay, mask = make_inputs("per_feature", True, n, 3, helpers, True)
+    q, k = q * 1000, k * 1000
+    leaves = [t.clone().requires_grad_(True) for t in (q, k, v, log_decay)]
+    kw = dict(blindspot_size=blindspot, exp_features=True)
+    head, rest = slice(0, split), slice(split, n)
+    out1, state = causal_linear_attention(*(piece(t, head) for t in leaves), mask[:, head], return_state=True, **kw)
+    out2, _ = recurrent_causal_linear_attention(*(piece(t, rest) for t in leaves), mask[:, rest], state=state, **kw)
+    judge = naive_causal_linear_attention(*leaves, mask=mask, **kw)
+    r = torch.randn(judge.shape, dtype=judge.dtype, generator=torch.Generator().manual_seed(0))
+    helpers.assert_matches(torch.cat((out1, out2), dim=2), judge, rtol=1e-12)
+    got, want = (torch.autograd.grad((out * r).sum(), leaves) for out in (torch.cat((out1, out2), dim=2), judge))
+    for name, g_got, g_want in zip(("q", "k", "v", "log_decay"), got, want):
+        helpers.assert_matches(g_got, g_want, rtol=1e-9, what=f"d/d{name}")

@@ -437,11 +437,8 @@ def causal_linear_attention(q, k, v, log_decay=None, mask=None, blindspot_size=1
     # padded steps have no keys and no decay: `kv` is the state after token n - 1
     position = (state.position if state is not None else 0) + n
     ref = final.ref
-    if not blindspot:
-        state = CausalState(kv, ref, position=position)
-    elif n % C == 0:  # every block complete
-        state = CausalState(kv, ref, torch.zeros_like(kv), torch.full_like(ref, NEG_INF) if exp_features else None,
-                            position)
+    if not blindspot or n % C == 0:  # (with a blindspot: every block complete)
+        state = CausalState.at_block_boundary(kv, ref, position, blindspot)
     else:
         # the last block is unfinished: its keys wait in `pending`, the visible state is the
         # one the last chunk's queries read, decayed through that chunk

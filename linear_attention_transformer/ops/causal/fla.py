@@ -40,7 +40,7 @@ written in fla's terms:
   whose segment starts in its own block sees nothing (no query factor), and each segment's
   first key starts one of fla's sequences. The returned state is the one after the last
   query token, with the last block's keys pending (``scan.summarize``), joined when that
-  block is complete (``recurrent._complete_block``).
+  block is complete (``scan.combine``).
 
 Not mapped: torch.compile (not tested) and float64 (the kernels are float32). Non-finite
 inputs are quarantined by the caller as for every form (``non_finite.py``): read as 0 here,
@@ -62,8 +62,8 @@ from einops import rearrange
 
 from ..common import NEG_INF, _append_ones, _apply_key_mask, _divide, _exp_ratio, _log_ratio, _queries_relative_to
 from ..segments import segment_runs
-from .recurrent import CausalState, _complete_block
-from .scan import references, summarize
+from .recurrent import CausalState
+from .scan import Summary, combine, references, summarize
 
 __all__ = ["fla_causal_linear_attention", "fla_missing"]
 
@@ -227,4 +227,5 @@ def fla_causal_linear_attention(q, k, v, log_decay=None, mask=None, blindspot_si
         return out
     if n % B:  # the last block is unfinished: its keys wait in `pending`
         return out, CausalState(last, ref, pending.kv, pending.ref, position)
-    return out, CausalState(*_complete_block(last, ref, pending.kv, pending.ref, exp_features), position)
+    last, _, ref = combine(Summary(last, None, ref), pending)  # every block complete: the last one joins
+    return out, CausalState.at_block_boundary(last, ref, position, blindspot=True)

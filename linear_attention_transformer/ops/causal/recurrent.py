@@ -1,17 +1,13 @@
 """The causal recurrence, one token at a time: S_t = a_t S_{t-1} + k_t v_tᵀ, on one state,
-``CausalState``, in two forms of one step (the math of the references: ``chunk.py``):
+``CausalState``, by one step, ``CausalState.step`` (the math of the references: ``chunk.py``).
 
-* ``causal_linear_attention_step``: a new state per token, differentiable, masked keys
-  allowed; over a sequence (``recurrent_causal_linear_attention``) it is the judge the other
-  forms are tested against;
-* ``CausalState.step``: the same numbers written in place into the state's fixed-shape
-  buffers, for decoding (no gradient, real tokens only): nothing allocated that outlives the
-  step, nothing read back to the host, one traced graph. A blindspot block's join is either
-  skipped by a caller that knows the position on the host, or scaled by flags (``join_flags``)
-  that leave every buffer bit for bit as it was except at the block's last position.
-
-Why two: autograd must keep the sums each step multiplies, so the differentiable step needs
-new tensors; the in-place step overwrites them, and leaves out the guards for a masked key.
+The step writes in place into the state's fixed-shape buffers: a decoder steps its own state
+with nothing allocated that outlives the step, nothing read back to the host, one traced
+graph. A blindspot block's join is either skipped by a caller that knows the position on the
+host, or scaled by flags (``join_flags``) that leave every buffer bit for bit as it was except
+at the block's last position. ``causal_linear_attention_step`` steps a copy instead (a new
+state per token, differentiable, masked keys allowed); over a sequence,
+``recurrent_causal_linear_attention``, it is the judge the chunked forms are tested against.
 """
 
 from __future__ import annotations
@@ -19,9 +15,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..common import (NEG_INF, _append_ones, _apply_key_mask, _check_mask, _compute_dtype, _divide, _exp_ratio,
-                      _queries_relative_to)
-from .scan import Summary, combine, common_reference, join_factors
+from ..common import NEG_INF, _append_ones, _apply_key_mask, _check_mask, _compute_dtype, _exp_ratio
+from .scan import common_reference, join_factors
 
 __all__ = ["CausalState", "causal_linear_attention_step", "recurrent_causal_linear_attention"]
 
@@ -41,8 +36,8 @@ class CausalState:
             decay) the in-place step keeps the block's keys in slots (position t in slot t mod
             B; empty: key -inf or 0, value 0) and joins them at the block's end (``pending``
             then holds only a prompt's part of the block). Else None.
-        position: tokens consumed (an int) by the functional step; the in-place step leaves
-            the count to its caller (the cache's position).
+        position: tokens consumed (an int), counted by ``causal_linear_attention_step``;
+            ``step`` leaves the count to its caller (a decoder's cache position).
     ``causal_linear_attention_step`` never modifies a state: a caller may keep one and branch.
     """
 
@@ -67,6 +62,14 @@ class CausalState:
                         kv.new_empty(b, h, blindspot_size, e + 1))
             state._empty_slots()
         return state
+
+    @classmethod
+    def at_block_boundary(cls, kv, ref, position, blindspot=False):
+        """The state holding ``kv`` on ``ref`` after ``position`` tokens, with a blindspot's
+        pending block empty (nothing seen of the next block yet)."""
+        if not blindspot:
+            return cls(kv, ref, position=position)
+        return cls(kv, ref, torch.zeros_like(kv), None if ref is None else torch.full_like(ref, NEG_INF), position)
 
     def _empty_slots(self):
         self.keys.fill_(NEG_INF if self.ref is not None else 0.0)
@@ -122,11 +125,13 @@ class CausalState:
             return p % blindspot_size, (p + 1) % blindspot_size == 0
         return torch.remainder(p, blindspot_size)[None], torch.remainder(p + 1, blindspot_size) == 0
 
-    def step(self, q, k, v, log_decay=None, where=None, all_seen=False, out=None):
-        """One real token in place: q, k (b, h, d) (logits with exponential features), v (b, h, e)
+    def step(self, q, k, v, log_decay=None, where=None, all_seen=False, out=None, masked_keys=False):
+        """One token in place: q, k (b, h, d) (logits with exponential features), v (b, h, e)
         in the state's dtype, log_decay None, (b, h) or (b, h, d); ``where``: the position's
-        ``where`` (None: no join now); ``all_seen``: as ``read_state``. Returns out (b, h, e),
-        written into ``out`` when given."""
+        ``where`` (None: no join now); ``all_seen``: as ``read_state``; ``masked_keys``: k may
+        be a masked key (-inf), which needs ``join_factors``' guard (a decoder's keys are real).
+        Returns out (b, h, e), written into ``out`` when given. Differentiable on tensors of
+        their own (``causal_linear_attention_step`` steps a copy)."""
         if self.keys is not None:
             return self._step_waiting(q, k, v, *where, all_seen, out)
         kv, ref, pending, pending_ref = self.kv, self.ref, self.pending, self.pending_ref
@@ -145,7 +150,7 @@ class CausalState:
                     pending.mul_(a)
         acc, acc_ref = (pending, pending_ref) if blindspot else (kv, ref)
         if exp_features:  # a key moves the reference to max(ref, k) (``join_factors``)
-            new_ref, acc_factor, key_factor = join_factors(acc_ref, k, other_finite=True)
+            new_ref, acc_factor, key_factor = join_factors(acc_ref, k, other_finite=not masked_keys)
             acc.mul_(acc_factor[..., None]).addcmul_(key_factor[..., None], v1)
             acc_ref.copy_(new_ref)
         else:
@@ -214,58 +219,27 @@ def causal_linear_attention_step(q, k, v, state: CausalState, log_decay=None, bl
         state: the ``CausalState`` after the previous token (``CausalState.zeros`` at the start).
         log_decay: optional (b, h) or (b, h, d), log a_t <= 0.
     Returns:
-        (out (b, h, e), new state). A masked token is simply not stepped.
+        (out (b, h, e), new state): ``CausalState.step`` on a copy of ``state``, differentiable.
+        A masked token is simply not stepped; a masked key (-inf, or 0 with given features) is
+        allowed.
     """
+    layout = (state.ref is not None, state.pending is not None, state.keys is not None)
+    if layout != (exp_features, blindspot_size > 1, False):
+        raise ValueError("state must be a CausalState of these exp_features and blindspot_size, without waiting "
+                         "slots (CausalState.zeros, or a decoder's state.as_causal_state)")
+    new = state._map(torch.clone)
+    new.position = state.position + 1
+    out_dtype, dtype = q.dtype, new.kv.dtype
     with torch.autocast(q.device.type, enabled=False):  # the state must not drop to half precision
-        out, state = _step(q, k, v, state, log_decay, blindspot_size, exp_features)
-    return out.to(q.dtype), state
-
-
-def _step(q, k, v, state, log_decay, blindspot_size, exp_features):
-    dtype = state.kv.dtype
-    q, k, v = (t.to(dtype) for t in (q, k, v))
-    v = _append_ones(v)
-    kv, ref, pending, pending_ref = state.kv, state.ref, state.pending, state.pending_ref
-    if log_decay is not None and exp_features:
-        # the decay moves the references, not the sums: the largest term stays 1
-        ld = log_decay.to(dtype)
-        ld = ld[..., None] if ld.ndim == 2 else ld
-        ref = ref + ld.detach()
-        pending_ref = None if pending_ref is None else pending_ref + ld.detach()
-        if ld.requires_grad:  # the references carry no gradient: a factor of exactly 1 does
-            one = (ld - ld.detach()).exp()[..., None]
-            kv = kv * one
-            pending = None if pending is None else pending * one
-    elif log_decay is not None:
-        a = log_decay.to(dtype).exp()
-        a = a[..., None, None] if a.ndim == 2 else a[..., None]
-        kv = kv * a
-        pending = None if pending is None else pending * a
-
-    def add_key(acc, acc_ref):
-        if not exp_features:
-            return acc + torch.einsum("bhd,bhe->bhde", k, v), None
-        new_ref, acc_factor, key_factor = join_factors(acc_ref, k)
-        return acc * acc_factor[..., None] + torch.einsum("bhd,bhe->bhde", key_factor, v), new_ref
-
-    if blindspot_size > 1:
-        pending, pending_ref = add_key(pending, pending_ref)
-    else:
-        kv, ref = add_key(kv, ref)
-    qf = _queries_relative_to(q, ref) if exp_features else q
-    out = _divide(torch.einsum("bhd,bhde->bhe", qf, kv))
-
-    position = state.position + 1
-    if blindspot_size > 1 and position % blindspot_size == 0:
-        kv, ref, pending, pending_ref = _complete_block(kv, ref, pending, pending_ref, exp_features)
-    return out, CausalState(kv, ref, pending, pending_ref, position)
-
-
-def _complete_block(kv, ref, pending, pending_ref, exp_features):
-    """A blindspot block is complete: its keys (pending) become visible to the next block's
-    queries. Returns the new (kv, ref, pending, pending_ref)."""
-    kv, _, ref = combine(Summary(kv, None, ref), Summary(pending, None, pending_ref))
-    return kv, ref, torch.zeros_like(pending), None if pending_ref is None else torch.full_like(pending_ref, NEG_INF)
+        q, k, v = (t.to(dtype) for t in (q, k, v))
+        log_decay = None if log_decay is None else log_decay.to(dtype)
+        out = new.step(q, k, v, log_decay, masked_keys=True)
+        zero = new.kv.new_zeros(())
+        where = join_flags(state.position, blindspot_size, exp_features, zero, zero + NEG_INF)
+        if blindspot_size > 1 and where is not None:  # joined on copies: the read keeps its tensors for backward
+            new = new._map(torch.clone)
+            new._join(*where)
+    return out.to(out_dtype), new
 
 
 def recurrent_causal_linear_attention(q, k, v, log_decay=None, mask=None, blindspot_size=1, exp_features=False,
@@ -335,21 +309,22 @@ def join_flags(p, blindspot_size, exp_features, zero, hidden):
 
 
 def read_state(q, kv, ref, all_seen=False, out=None):
-    """A query reads a state in place of ``_queries_relative_to`` and ``_divide`` (the same
-    numbers, no autograd, written into ``out`` when given): q (b, h, d), kv (b, h, d, e + 1) on
+    """A query reads a state (the numbers of ``_queries_relative_to`` and ``_divide``, written
+    into ``out`` when given): q (b, h, d), kv (b, h, d, e + 1) on
     ref (b, h, d) (None: given features) -> (b, h, e); 0 for a row before any key.
     ``all_seen``: the caller knows every row has seen a key (the factors are then a softmax,
     and the guards are left out). Products and sums, not a batched matmul: see
     ``windowed_attention_step``."""
     if ref is None:
         num = (q[..., None] * kv).sum(dim=-2)
-        den = num[..., -1:]
-        return torch.div(num[..., :-1], torch.where(den > 0, den, 1.0), out=out)
-    if all_seen:
+    elif all_seen:
         num = (torch.softmax(q + ref, dim=-1)[..., None] * kv).sum(dim=-2)
         return torch.div(num[..., :-1], num[..., -1:], out=out)
-    logits = q + ref
-    # a row before any key: ref and top are -inf; a finite top gives 0 / 0 -> 0 / 1
-    top = logits.amax(dim=-1, keepdim=True).clamp(min=-torch.finfo(logits.dtype).max)
-    num = ((logits - top).exp()[..., None] * kv).sum(dim=-2)
-    return torch.div(num[..., :-1], num[..., -1:].clamp(min=1.0), out=out)
+    else:
+        logits = q + ref
+        # a row before any key: ref and top are -inf; a finite top gives 0 / 0, read as 0
+        top = logits.amax(dim=-1, keepdim=True).clamp(min=-torch.finfo(logits.dtype).max)
+        num = ((logits - top).exp()[..., None] * kv).sum(dim=-2)
+    # (a denominator may be just below 1 where a prefill's reference is rounded: only 0 is guarded)
+    den = num[..., -1:]
+    return torch.div(num[..., :-1], torch.where(den > 0, den, 1.0), out=out)
