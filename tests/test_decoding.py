@@ -10,8 +10,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from linear_attention_transformer import AutoregressiveWrapper, LinearAttentionTransformerLM
 from linear_attention_transformer.decoding import CacheDecoder, Decoder
-from linear_attention_transformer.ops import CausalState
-from linear_attention_transformer.ops import causal_linear_attention_step
+from linear_attention_transformer.ops import CausalState, causal_linear_attention, naive_causal_linear_attention
 from linear_attention_transformer.ops.causal.recurrent import join_flags
 
 D = torch.float64
@@ -167,7 +166,7 @@ def test_generate_uses_the_decoder_and_matches_recompute():
 @pytest.mark.parametrize("exp_features, logit_scale", [(True, 1.0), (True, 300.0), (False, 1.0)])
 @pytest.mark.parametrize("blindspot", [1, 3])
 @pytest.mark.parametrize("gate", [None, "head", "feature"])
-def test_global_step_equals_reference_step_float64(exp_features, logit_scale, blindspot, gate):
+def test_global_step_equals_the_explicit_matrix_float64(exp_features, logit_scale, blindspot, gate):
     g = torch.Generator().manual_seed(blindspot)
     b, h, d, e, n = 2, 3, 4, 5, 11
     q, k = (torch.randn(b, h, n, d, generator=g, dtype=D) * logit_scale for _ in range(2))
@@ -178,67 +177,54 @@ def test_global_step_equals_reference_step_float64(exp_features, logit_scale, bl
     if gate is not None:
         shape = (b, h, n) if gate == "head" else (b, h, n, d)
         log_decay = -torch.rand(*shape, generator=g, dtype=D) * 3
-    reference = CausalState.zeros(b, h, d, e, blindspot, exp_features, dtype=D)
+    judge = naive_causal_linear_attention(q, k, v, log_decay, blindspot_size=blindspot, exp_features=exp_features)
     lean = CausalState.zeros(b, h, d, e, blindspot, exp_features, dtype=D)
     zero = torch.zeros((), dtype=D)
     for t in range(n):
         ld = None if log_decay is None else log_decay[:, :, t]
-        want, reference = causal_linear_attention_step(q[:, :, t], k[:, :, t], v[:, :, t], reference, ld, blindspot,
-                                                       exp_features)
         join = join_flags(torch.tensor(t), blindspot, exp_features, zero, torch.full((), float("-inf"), dtype=D))
         got = lean.step(q[:, :, t], k[:, :, t], v[:, :, t], ld, join if blindspot > 1 else None)
         assert torch.isfinite(got).all()
-        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
-        torch.testing.assert_close(lean.kv, reference.kv, rtol=1e-12, atol=1e-12)
-        if exp_features:
-            torch.testing.assert_close(lean.ref, reference.ref, rtol=0, atol=0)
-        if blindspot > 1:
-            # after a join the lean pending keeps its old sums under a reference of -inf (the
-            # next key's rescale empties them): compare what they stand for
-            def effective(pending, pending_ref):
-                return pending if pending_ref is None else pending * torch.isfinite(pending_ref)[..., None]
-
-            torch.testing.assert_close(effective(lean.pending, lean.pending_ref),
-                                       effective(reference.pending, reference.pending_ref), rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(got, judge[:, :, t], rtol=1e-12, atol=1e-12)
 
 
 @pytest.mark.parametrize("exp_features, logit_scale", [(True, 1.0), (True, 300.0), (False, 1.0)])
 @pytest.mark.parametrize("traced", [False, True], ids=["eager", "traced"])
 @pytest.mark.parametrize("prompt", [0, 2, 4])  # 2, 4: the first block began in the prompt (pending)
-def test_step_after_a_prompt_equals_reference_step_float64(exp_features, logit_scale, traced, prompt):
-    """The in-place step loaded with the state after a prompt of ``prompt`` tokens
-    (``CausalState.load``, as a cached call leaves it): every output and the state after
-    every step equal the reference step's, with the join given as the position an eager step
-    knows (an int: joined only at a block's end) or as tensor flags (the form a compiled step
-    traces: computed at every step, a no-op where the block is not complete)."""
+def test_step_after_a_prompt_equals_the_explicit_matrix_float64(exp_features, logit_scale, traced, prompt):
+    """The in-place step loaded with the chunked kernel's state after a prompt of ``prompt``
+    tokens (``CausalState.load``, as a cached call leaves it): every output equals the
+    explicit matrix's, and the state at the end the chunked kernel's, with the join given as
+    the position an eager step knows (an int: joined only at a block's end) or as tensor flags
+    (the form a compiled step traces: computed at every step, a no-op where the block is not
+    complete)."""
     g = torch.Generator().manual_seed(prompt)
     b, h, d, e, n, blindspot = 2, 3, 4, 5, 14, 3
     q, k = (torch.randn(b, h, n, d, generator=g, dtype=D) * logit_scale for _ in range(2))
     v = torch.randn(b, h, n, e, generator=g, dtype=D)
     if not exp_features:
         q, k = q.exp(), k.exp()
-    reference = CausalState.zeros(b, h, d, e, blindspot, exp_features, dtype=D)
-    for t in range(prompt):
-        _, reference = causal_linear_attention_step(q[:, :, t], k[:, :, t], v[:, :, t], reference, None, blindspot,
-                                                    exp_features)
-    start = [t for t in (reference.kv, reference.ref, reference.pending, reference.pending_ref) if t is not None]
-    given = [t.clone() for t in start]
-    lean = CausalState.zeros(b, h, d, e, blindspot, exp_features, dtype=D)
-    lean.load(reference)
+    kw = dict(blindspot_size=blindspot, exp_features=exp_features)
+    judge, after = causal_linear_attention(q, k, v, return_state=True, **kw)
+    torch.testing.assert_close(judge, naive_causal_linear_attention(q, k, v, **kw), rtol=1e-12, atol=1e-12)
+    prompted = CausalState.zeros(b, h, d, e, dtype=D, **kw)
+    if prompt:
+        _, prompted = causal_linear_attention(q[:, :, :prompt], k[:, :, :prompt], v[:, :, :prompt], return_state=True,
+                                              **kw)
+    given = [t.clone() for t in prompted.buffers()]
+    lean = CausalState.zeros(b, h, d, e, dtype=D, **kw)
+    lean.load(prompted)
     zero, hidden = torch.zeros((), dtype=D), torch.full((), float("-inf"), dtype=D)
     for t in range(prompt, n):
-        want, reference = causal_linear_attention_step(q[:, :, t], k[:, :, t], v[:, :, t], reference, None,
-                                                       blindspot, exp_features)
         join = join_flags(torch.tensor(t) if traced else t, blindspot, exp_features, zero, hidden)
         got = lean.step(q[:, :, t], k[:, :, t], v[:, :, t], None, join)
         assert torch.isfinite(got).all()
-        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
-        torch.testing.assert_close(lean.kv, reference.kv, rtol=1e-12, atol=1e-12)
-        if exp_features:
-            torch.testing.assert_close(lean.ref, reference.ref, rtol=0, atol=0)
-    # loading copies: the reference's tensors were not stepped in place
-    assert all(torch.equal(a, b) for a, b in zip(given, start))
-    torch.testing.assert_close(lean.as_causal_state(n).kv, reference.kv, rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(got, judge[:, :, t], rtol=1e-12, atol=1e-12)
+    # loading copies: the prompt's state was not stepped in place
+    assert all(torch.equal(a, b) for a, b in zip(given, prompted.buffers()))
+    torch.testing.assert_close(lean.as_causal_state(n).kv, after.kv, rtol=1e-12, atol=1e-12)
+    if exp_features:
+        torch.testing.assert_close(lean.ref, after.ref, rtol=1e-12, atol=0)
 
 
 # ------------------------------------------- no sync, fixed buffers, one compiled graph

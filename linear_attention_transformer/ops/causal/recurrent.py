@@ -15,8 +15,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..common import NEG_INF, _append_ones, _apply_key_mask, _check_mask, _compute_dtype, _exp_ratio
-from .scan import common_reference, join_factors
+from ..common import NEG_INF, _append_ones, _apply_key_mask, _check_mask, _compute_dtype
+from .scan import Summary, combine, join_factors, summarize
 
 __all__ = ["CausalState", "causal_linear_attention_step", "recurrent_causal_linear_attention"]
 
@@ -274,22 +274,14 @@ def _emptied(state, rows):
 
 
 def _with_slots(sums, refs, keys, values):
-    """Sums (b, h, d, E) held under log references ``refs`` (b, h, d) (None: given features)
-    joined with the keys (b, h, B, d) and values (b, h, B, E) of slots (a slot without a key:
-    key -inf, or 0) -> (one sum, its reference). Every term is brought at once to the largest
-    reference (the rule of ``join_factors``, each factor an ``_exp_ratio``)."""
-    if refs[0] is None:
-        new_ref, weights = None, keys
-        joined = sums[0]
-        for s in sums[1:]:
-            joined = joined + s
-    else:
-        new_ref = common_reference(*refs, keys.amax(dim=2))
-        weights = _exp_ratio(keys, new_ref[:, :, None])
-        joined = sums[0] * _exp_ratio(refs[0], new_ref)[..., None]
-        for s, r in zip(sums[1:], refs[1:]):
-            joined = joined + s * _exp_ratio(r, new_ref)[..., None]
-    return joined + weights.transpose(-1, -2) @ values, new_ref
+    """Sums (b, h, d, E) held under log references ``refs`` (b, h, d) (None: given features),
+    in order, then the keys (b, h, B, d) and values (b, h, B, E) of slots (a slot without a
+    key: key -inf, or 0) -> (one sum, its reference): ``scan.combine`` over their summaries."""
+    joined = Summary(sums[0], None, refs[0])
+    for s, r in zip(sums[1:], refs[1:]):
+        joined = combine(joined, Summary(s, None, r))
+    joined = combine(joined, summarize(keys, values, exp_features=refs[0] is not None)[0])
+    return joined.kv, joined.ref
 
 
 def join_flags(p, blindspot_size, exp_features, zero, hidden):
