@@ -211,13 +211,10 @@ class Attention(nn.Module):
         if self.local_conv is not None and group is not None:
             q, k, v = self._convolve_context_parallel(q, k, v, mask, group)
         elif self.local_conv is not None:
-            previous = (None,) * 3 if fresh else cache.conv.unbind(1)
-            raw = (q, k, v)
-            q, k, v = (conv(t, mask, p, segments) for conv, t, p in zip(self.local_conv, raw, previous))
-            if cache is not None:
-                with torch.no_grad():  # (a cache carries no gradient)
-                    for i, (t, p) in enumerate(zip(raw, previous)):
-                        cache.conv[:, i].copy_(_last_inputs(t, mask, p, cache.conv.shape[3]))
+            keep = (None,) * 3 if cache is None else cache.conv.unbind(1)  # (updated in place)
+            previous = (None,) * 3 if fresh else keep
+            q, k, v = (conv(t, mask, p, segments, kept)
+                       for conv, t, p, kept in zip(self.local_conv, (q, k, v), previous, keep))
         fm = self.feature_map
         if self.causal:
             log_gate = None if self.forget_gate is None else self.forget_gate(x)
@@ -479,17 +476,6 @@ def _local_window(size, look_backward, look_forward, exact, causal):
 def _given(**settings):
     """The settings that are not None: the others keep the defaults of the module they go to."""
     return {name: value for name, value in settings.items() if value is not None}
-
-
-def _last_inputs(t, mask, previous, count):
-    """The last ``count`` inputs of a convolution (masked ones zeroed), for the next call."""
-    if count == 0:
-        return t[:, :, :0]
-    if mask is not None:
-        t = t.masked_fill(~rearrange(mask, "b n -> b 1 n 1"), 0.0)
-    if previous is None:
-        previous = t.new_zeros(*t.shape[:2], count, t.shape[-1])
-    return torch.cat((previous, t), dim=2)[:, :, -count:]
 
 
 class LinearSelfAttention(Attention):
