@@ -62,12 +62,8 @@ class Branch(nn.Module):
         if self.shifts is not None and place.group is not None:
             h = _shift_tokens_context_parallel(h, self.shifts, mask, place.group)
         elif self.shifts is not None:
-            shifted = shift_tokens(h, self.shifts, mask, previous=None if cache is None else cache.shift,
-                                   segments=place.segments)
-            if place.cached:  # the token the next call's first token shifts in (no gradient)
-                with torch.no_grad():
-                    cache.shift.copy_(h[:, -1] if mask is None else h[:, -1].masked_fill(~mask[:, -1:], 0.0))
-            h = shifted
+            shift = None if cache is None else cache.shift  # (the token the next call's first token shifts in)
+            h = shift_tokens(h, self.shifts, mask, previous=shift, segments=place.segments, keep=shift)
         routed = {name: inputs.get(name) for name in self.reads}
         if not self.stateful:
             out = self.fn(h, **routed)
