@@ -24,11 +24,15 @@ NEG_INF = float("-inf")
 
 class StepContext:
     """What one step's layers share: the position p (a long tensor of no dimension), the same
-    as an int on eager steps (else None), and the rotary (cos, sin) of the position or None."""
+    as an int on eager steps (else None), and the rotary (cos, sin) of the position or None.
+    Under autocast a step takes the form a compiled step traces (its F.linear casts; the eager
+    form writes into buffers of the model's dtype): ``host_position`` is then None."""
 
     __slots__ = ("position", "host_position", "rotary")
 
     def __init__(self, position, host_position, rotary):
+        if host_position is not None and torch.is_autocast_enabled(position.device.type):
+            host_position = None
         self.position, self.host_position, self.rotary = position, host_position, rotary
 
 
@@ -99,11 +103,8 @@ class AttentionStep:
 
     @staticmethod
     def context(position, rotary=None, device=None):
-        """The ``StepContext`` of a call of one token at ``position`` (an int) (autocast: the
-        form a compiled step traces; the eager form writes into buffers of the model's dtype)."""
-        p = torch.tensor(position, device=device)
-        host = None if torch.is_autocast_enabled(p.device.type) else position
-        return StepContext(p, host, rotary)
+        """The ``StepContext`` of a call of one token at ``position`` (an int)."""
+        return StepContext(torch.tensor(position, device=device), position, rotary)
 
     def _split(self, proj, rotary):
         """The projection (b, width) -> (q local (b, nl, 1, dh), kv local (b, 2, nl, dh), q, k,
