@@ -234,12 +234,10 @@ class Attention(nn.Module):
                 cache.state.load(state)
             return out
         if group is not None:  # the softmax map's keys take their softmax over the whole sequence
-            key_gates = self._key_gates(x)
-            if fm.is_softmax:
-                return context_parallel_linear_attention(fm.queries(q), k, v, group, mask, normalize=key_gates is not None,
-                                                         softmax_keys=True, key_scale=key_gates)
-            return context_parallel_linear_attention(fm.queries(q), fm.noncausal_keys(k, mask)[0], v, group, mask,
-                                                     normalize=True, key_scale=key_gates)
+            key_gates, softmax = self._key_gates(x), fm.is_softmax
+            keys = k if softmax else fm.noncausal_keys(k, mask)[0]
+            return context_parallel_linear_attention(fm.queries(q), keys, v, group, mask, softmax_keys=softmax,
+                                                     normalize=not softmax or key_gates is not None, key_scale=key_gates)
         k, normalize = self.noncausal_keys(k, mask, x, segments)
         return linear_attention(fm.queries(q), k, v, mask, normalize=normalize, segments=segments)
 
