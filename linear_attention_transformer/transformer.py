@@ -384,12 +384,8 @@ class LinearAttentionTransformer(nn.Module):
             cross_attention = linformer_layers(context_linformer_settings, dim, None, depth, **shared, **taken)
         options.check_all_taken()
 
-        def feedforward(layer):
-            if layer + 1 in pkm_layers:
-                return ProductKeyMemory(dim, pkm_num_keys)
-            return FeedForward(dim, **ff_options)
-
-        def branch(fn):
+        def feedforward_branch(layer):
+            fn = ProductKeyMemory(dim, pkm_num_keys) if layer + 1 in pkm_layers else FeedForward(dim, **ff_options)
             return Branch(dim, fn, shifts)
 
         def attention_branch(fn, *reads, shifts=shifts):
@@ -397,12 +393,12 @@ class LinearAttentionTransformer(nn.Module):
 
         blocks = []
         for layer in range(depth):
-            blocks.append((attention_branch(self_attention[layer], "input_mask"), branch(feedforward(layer))))
+            blocks.append((attention_branch(self_attention[layer], "input_mask"), feedforward_branch(layer)))
 
             if attend_axially:
                 axial = Attention(dim, causal=causal, **shared, **axial_options)
                 fold = FoldAxially(LOCAL_WINDOW_SIZE if local_attn_window_size is None else local_attn_window_size, axial)
-                blocks.append((attention_branch(fold, "input_mask"), branch(feedforward(layer))))
+                blocks.append((attention_branch(fold, "input_mask"), feedforward_branch(layer)))
 
             if receives_context:
                 if context_linformer_settings is None:
@@ -410,7 +406,7 @@ class LinearAttentionTransformer(nn.Module):
                 else:
                     cross = cross_attention[layer]
                 # the context is fixed for the whole sequence: no token shift in this branch
-                blocks.append((attention_branch(cross, "context", "context_mask", shifts=None), branch(feedforward(layer))))
+                blocks.append((attention_branch(cross, "context", "context_mask", shifts=None), feedforward_branch(layer)))
 
         self.layers = ReversibleSequence(blocks) if reversible else SequentialSequence(blocks, checkpoint=checkpoint)
         self.rotary = RotaryEmbedding(resolve_heads(dim, heads, dim_head)[0]) if use_rotary_emb else None
