@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from einops import rearrange, repeat
 from torch import nn
 
-from .attention_step import AttentionStep
+from .attention_step import AttentionStep, StepContext
 from .cache import NO_KEY, AttentionCache, GlobalCache, LocalCache
 from .context_parallel import (context_parallel_causal_linear_attention, context_parallel_linear_attention,
                                exchange_boundaries)
@@ -364,8 +364,8 @@ class Attention(nn.Module):
         rotary, segments, group = place.rotary, place.segments, place.group
         if cache is not None and x.shape[1] == 1 and input_mask is None and not torch.is_grad_enabled():
             # one real token: the decoder's step, on the cache's buffers
-            step = AttentionStep(self, cache, x.shape[0])
-            return step(x[:, 0], step.context(cache.position, rotary, x.device))[:, None]
+            ctx = StepContext(torch.tensor(cache.position, device=x.device), cache.position, rotary)
+            return AttentionStep(self, cache, x.shape[0])(x[:, 0], ctx)[:, None]
         q, k, v = self.project(x, x)
         if rotary is not None:
             q, k = apply_rotary(q, rotary), apply_rotary(k, rotary)

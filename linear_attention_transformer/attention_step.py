@@ -101,11 +101,6 @@ class AttentionStep:
         found += [] if self.conv is None else [self.conv]
         return found + ([] if self.state is None else self.state.buffers())
 
-    @staticmethod
-    def context(position, rotary=None, device=None):
-        """The ``StepContext`` of a call of one token at ``position`` (an int)."""
-        return StepContext(torch.tensor(position, device=device), position, rotary)
-
     def _split(self, proj, rotary):
         """The projection (b, width) -> (q local (b, nl, 1, dh), kv local (b, 2, nl, dh), q, k,
         v global (b, ng, dh) each): views, unless rotary or kv_heads make new tensors."""
