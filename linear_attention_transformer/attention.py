@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from einops import rearrange, repeat
 from torch import nn
 
-from .attention_step import AttentionStep
+from .attention_step import AttentionStep, StepContext
 from .cache import NO_KEY, AttentionCache, GlobalCache, LocalCache
 from .context_parallel import (context_parallel_causal_linear_attention, context_parallel_linear_attention,
                                exchange_boundaries)
@@ -211,13 +211,10 @@ class Attention(nn.Module):
         if self.local_conv is not None and group is not None:
             q, k, v = self._convolve_context_parallel(q, k, v, mask, group)
         elif self.local_conv is not None:
-            previous = (None,) * 3 if fresh else cache.conv.unbind(1)
-            raw = (q, k, v)
-            q, k, v = (conv(t, mask, p, segments) for conv, t, p in zip(self.local_conv, raw, previous))
-            if cache is not None:
-                with torch.no_grad():  # (a cache carries no gradient)
-                    for i, (t, p) in enumerate(zip(raw, previous)):
-                        cache.conv[:, i].copy_(_last_inputs(t, mask, p, cache.conv.shape[3]))
+            keep = (None,) * 3 if cache is None else cache.conv.unbind(1)  # (updated in place)
+            previous = (None,) * 3 if fresh else keep
+            q, k, v = (conv(t, mask, p, segments, kept)
+                       for conv, t, p, kept in zip(self.local_conv, (q, k, v), previous, keep))
         fm = self.feature_map
         if self.causal:
             log_gate = None if self.forget_gate is None else self.forget_gate(x)
@@ -237,12 +234,10 @@ class Attention(nn.Module):
                 cache.state.load(state)
             return out
         if group is not None:  # the softmax map's keys take their softmax over the whole sequence
-            key_gates = self._key_gates(x)
-            if fm.is_softmax:
-                return context_parallel_linear_attention(fm.queries(q), k, v, group, mask, normalize=key_gates is not None,
-                                                         softmax_keys=True, key_scale=key_gates)
-            return context_parallel_linear_attention(fm.queries(q), fm.noncausal_keys(k, mask)[0], v, group, mask,
-                                                     normalize=True, key_scale=key_gates)
+            key_gates, softmax = self._key_gates(x), fm.is_softmax
+            keys = k if softmax else fm.noncausal_keys(k, mask)[0]
+            return context_parallel_linear_attention(fm.queries(q), keys, v, group, mask, softmax_keys=softmax,
+                                                     normalize=not softmax or key_gates is not None, key_scale=key_gates)
         k, normalize = self.noncausal_keys(k, mask, x, segments)
         return linear_attention(fm.queries(q), k, v, mask, normalize=normalize, segments=segments)
 
@@ -369,8 +364,8 @@ class Attention(nn.Module):
         rotary, segments, group = place.rotary, place.segments, place.group
         if cache is not None and x.shape[1] == 1 and input_mask is None and not torch.is_grad_enabled():
             # one real token: the decoder's step, on the cache's buffers
-            step = AttentionStep(self, cache, x.shape[0])
-            return step(x[:, 0], step.context(cache.position, rotary, x.device))[:, None]
+            ctx = StepContext(torch.tensor(cache.position, device=x.device), cache.position, rotary)
+            return AttentionStep(self, cache, x.shape[0])(x[:, 0], ctx)[:, None]
         q, k, v = self.project(x, x)
         if rotary is not None:
             q, k = apply_rotary(q, rotary), apply_rotary(k, rotary)
@@ -479,17 +474,6 @@ def _local_window(size, look_backward, look_forward, exact, causal):
 def _given(**settings):
     """The settings that are not None: the others keep the defaults of the module they go to."""
     return {name: value for name, value in settings.items() if value is not None}
-
-
-def _last_inputs(t, mask, previous, count):
-    """The last ``count`` inputs of a convolution (masked ones zeroed), for the next call."""
-    if count == 0:
-        return t[:, :, :0]
-    if mask is not None:
-        t = t.masked_fill(~rearrange(mask, "b n -> b 1 n 1"), 0.0)
-    if previous is None:
-        previous = t.new_zeros(*t.shape[:2], count, t.shape[-1])
-    return torch.cat((previous, t), dim=2)[:, :, -count:]
 
 
 class LinearSelfAttention(Attention):

@@ -24,11 +24,15 @@ NEG_INF = float("-inf")
 
 class StepContext:
     """What one step's layers share: the position p (a long tensor of no dimension), the same
-    as an int on eager steps (else None), and the rotary (cos, sin) of the position or None."""
+    as an int on eager steps (else None), and the rotary (cos, sin) of the position or None.
+    Under autocast a step takes the form a compiled step traces (its F.linear casts; the eager
+    form writes into buffers of the model's dtype): ``host_position`` is then None."""
 
     __slots__ = ("position", "host_position", "rotary")
 
     def __init__(self, position, host_position, rotary):
+        if host_position is not None and torch.is_autocast_enabled(position.device.type):
+            host_position = None
         self.position, self.host_position, self.rotary = position, host_position, rotary
 
 
@@ -80,13 +84,11 @@ class AttentionStep:
         and views of its parts, and the heads' outputs (b, heads * dh + 1) with a last column
         of ones, so that the output projection's bias is one more weight column."""
         b, heads, dh, nl = batch, self.heads, self.dim_head, self.n_local
-        q_end, kv_end = self.ends[0], self.ends[1]
         self.weight_t = self.weight.t()
         self.proj = proj = self.weight.new_empty(b, self.weight.shape[0])
-        self.parts = None  # (q local (b, nl, 1, dh), kv local (b, 2, nl, dh), q, k, v global (b, ng, dh))
-        if attn.kv_heads == heads:  # the parts are views of the projection (before rotary)
-            q, kv = proj[:, :q_end].view(b, heads, dh), proj[:, q_end:kv_end].view(b, 2, heads, dh)
-            self.parts = (q[:, :nl, None], kv[:, :, :nl], q[:, nl:], kv[:, 0, nl:], kv[:, 1, nl:])
+        self.parts = None
+        if attn.kv_heads == heads:  # the parts are views of the projection (before rotary): made once
+            self.parts = self._split(proj, None)
         self.heads_out = proj.new_ones(b, heads * dh + 1)
         self.heads_flat = self.heads_out[:, :-1]
         heads_view = self.heads_flat.view(b, heads, dh)
@@ -98,14 +100,6 @@ class AttentionStep:
         found = [] if self.ring is None else [self.ring.cache.kv, self.ring.cache.positions]
         found += [] if self.conv is None else [self.conv]
         return found + ([] if self.state is None else self.state.buffers())
-
-    @staticmethod
-    def context(position, rotary=None, device=None):
-        """The ``StepContext`` of a call of one token at ``position`` (an int) (autocast: the
-        form a compiled step traces; the eager form writes into buffers of the model's dtype)."""
-        p = torch.tensor(position, device=device)
-        host = None if torch.is_autocast_enabled(p.device.type) else position
-        return StepContext(p, host, rotary)
 
     def _split(self, proj, rotary):
         """The projection (b, width) -> (q local (b, nl, 1, dh), kv local (b, 2, nl, dh), q, k,
@@ -187,8 +181,6 @@ class _Ring:
     positions to ``settle`` (one write fewer per step; the decoder settles when its cache is read)."""
 
     def __init__(self, window, cache, steady_after=None):
-        if not window.causal:
-            raise ValueError("a decoder's local window must be causal")
         self.window, self.cache = window, cache
         self.slots = slots = cache.slots
         kv, positions = cache.kv, cache.positions

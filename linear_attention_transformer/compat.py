@@ -20,9 +20,7 @@ LinearImageAttention = ImageLinearAttention
 
 
 def _linformer_options(k, one_kv_head, share_kv, dropout, options):
-    """The model keywords the ``linformer`` package's arguments stand for."""
-    if isinstance(dropout, bool) or not isinstance(dropout, (int, float)) or not 0.0 <= dropout < 1.0:
-        raise ValueError(f"dropout must be a float in [0, 1), got {dropout!r}")
+    """The model keywords the ``linformer`` package's arguments stand for (the Linformer layers check ``dropout``)."""
     for name in ("attn_dropout", "ff_dropout"):
         if name in options and dropout:
             raise ValueError(f"give dropout (the linformer package's one rate) or {name}, not both")

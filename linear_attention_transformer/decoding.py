@@ -134,19 +134,16 @@ class Decoder:
         p = self.position
         if p >= self.max_seq_len:
             raise ValueError(f"sequence length {p + 1} exceeds max_seq_len={self.max_seq_len}")
-        # under autocast the form a compiled step traces (its F.linear casts; the eager form
-        # writes into buffers of the model's dtype)
-        host = None if torch.is_autocast_enabled(self.device.type) else p
         threads, saved = self.step_threads, None
         if threads is not None and torch.get_num_threads() != threads:
             saved = torch.get_num_threads()
             torch.set_num_threads(threads)
         try:
             if torch.is_inference_mode_enabled():  # (generate runs in it: no context to enter)
-                out = self._advance(tokens, host)
+                out = self._advance(tokens, p)
             else:
                 with torch.inference_mode():
-                    out = self._advance(tokens, host)
+                    out = self._advance(tokens, p)
         finally:
             if saved is not None:
                 torch.set_num_threads(saved)

@@ -107,8 +107,9 @@ class LocalConv(nn.Module):
         """How many earlier positions each output sees (what a decoder must remember)."""
         return self.kernel_size - 1 if self.causal else self.kernel_size // 2
 
-    def forward(self, x, mask=None, previous=None, segments=None):
-        """``previous``: (b, h, kernel_size - 1, d) inputs before x[:, :, 0] (cached decoding)."""
+    def forward(self, x, mask=None, previous=None, segments=None, keep=None):
+        """``previous``: (b, h, kernel_size - 1, d) inputs before x[:, :, 0] (cached decoding);
+        ``keep``: a buffer of that shape, given the last inputs (masked ones zeroed) for the next call."""
         if segments is not None and previous is not None:
             raise ValueError("LocalConv: segments and previous (cached decoding) cannot be combined")
         h = x.shape[1]
@@ -116,6 +117,9 @@ class LocalConv(nn.Module):
             x = x.masked_fill(~rearrange(mask, "b n -> b 1 n 1"), 0.0)
         n, left, right = x.shape[2], self.left_context, self.kernel_size - 1 - self.left_context
         x = F.pad(x, (0, 0, left, right)) if previous is None else torch.cat((previous, x), dim=2)
+        if keep is not None:
+            with torch.no_grad():  # (a cache carries no gradient)
+                keep.copy_(x[:, :, x.shape[2] - right - keep.shape[2] : x.shape[2] - right])
         # a few taps: a sum of shifted, scaled copies is faster than a depthwise conv1d on
         # the CPU and needs no transpose of the (b, h, n, d) layout
         weight = rearrange(self.taps(h).to(x.dtype), "h k d -> k h 1 d")

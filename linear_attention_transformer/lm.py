@@ -9,6 +9,7 @@ from torch import nn
 from .attention import HEADS, LOCAL_WINDOW_SIZE
 from .attention_step import StepContext
 from .decoding import start_decoding
+from .ops.common import _check_int
 from .ops.segments import check_integer_ids
 from .place import Place
 from .positional import AbsolutePositionalEmbedding, AxialPositionalEmbedding
@@ -56,11 +57,9 @@ class LinearAttentionTransformerLM(nn.Module):
     ):
         super().__init__()
         refuse_unknown_keywords(type(self).__name__, kwargs, self.option_names())
-        if not isinstance(num_tokens, int) or num_tokens < 1:
-            raise ValueError(f"num_tokens must be a positive int, got {num_tokens!r}")
+        _check_int("num_tokens", num_tokens)
         emb_dim = dim if emb_dim is None else emb_dim
-        if isinstance(emb_dim, bool) or not isinstance(emb_dim, int) or emb_dim < 1:
-            raise ValueError(f"emb_dim must be a positive int, got {emb_dim!r}")
+        _check_int("emb_dim", emb_dim)
         if not isinstance(tie_embedding, bool):
             raise TypeError(f"tie_embedding must be True or False, got {tie_embedding!r}")
         if tie_embedding and return_embeddings:

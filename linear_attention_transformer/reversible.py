@@ -65,6 +65,14 @@ def _check_input(x: Any) -> None:
         raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
 
 
+def plain_rule(x, pairs):
+    """x <- x + f(x), x <- x + g(x) for each (f, g) of one-argument callables."""
+    for f, g in pairs:
+        x = x + f(x)
+        x = x + g(x)
+    return x
+
+
 class SequentialSequence(nn.Module):
     """Plain residual composition of ``(f, g)`` blocks (the module docstring's first rule).
 
@@ -82,10 +90,7 @@ class SequentialSequence(nn.Module):
         self.blocks = _build_blocks(blocks)
         self.checkpoint = checkpoint
 
-    @staticmethod
-    def compose(x, pairs):
-        """The plain rule over ``pairs`` of one-argument callables (cached decoding's too)."""
-        return plain_rule(x, pairs)
+    compose = staticmethod(plain_rule)  # (cached decoding's composition too)
 
     @staticmethod
     def _block(f, g, x, **kwargs):
@@ -321,14 +326,6 @@ class ReversibleSequence(nn.Module):
                             "(or a module around it) as one unit")
         y1, y2 = _ReversibleFunction.apply(self.blocks, (tuple(names), static_kwargs), x, *kwarg_tensors, *params)
         return (y1 + y2) / 2
-
-
-def plain_rule(x, pairs):
-    """x <- x + f(x), x <- x + g(x) for each (f, g) of one-argument callables."""
-    for f, g in pairs:
-        x = x + f(x)
-        x = x + g(x)
-    return x
 
 
 def reversible_rule(x, pairs, before_call=None):

@@ -62,12 +62,8 @@ class Branch(nn.Module):
         if self.shifts is not None and place.group is not None:
             h = _shift_tokens_context_parallel(h, self.shifts, mask, place.group)
         elif self.shifts is not None:
-            shifted = shift_tokens(h, self.shifts, mask, previous=None if cache is None else cache.shift,
-                                   segments=place.segments)
-            if place.cached:  # the token the next call's first token shifts in (no gradient)
-                with torch.no_grad():
-                    cache.shift.copy_(h[:, -1] if mask is None else h[:, -1].masked_fill(~mask[:, -1:], 0.0))
-            h = shifted
+            shift = None if cache is None else cache.shift  # (the token the next call's first token shifts in)
+            h = shift_tokens(h, self.shifts, mask, previous=shift, segments=place.segments, keep=shift)
         routed = {name: inputs.get(name) for name in self.reads}
         if not self.stateful:
             out = self.fn(h, **routed)
@@ -388,12 +384,8 @@ class LinearAttentionTransformer(nn.Module):
             cross_attention = linformer_layers(context_linformer_settings, dim, None, depth, **shared, **taken)
         options.check_all_taken()
 
-        def feedforward(layer):
-            if layer + 1 in pkm_layers:
-                return ProductKeyMemory(dim, pkm_num_keys)
-            return FeedForward(dim, **ff_options)
-
-        def branch(fn):
+        def feedforward_branch(layer):
+            fn = ProductKeyMemory(dim, pkm_num_keys) if layer + 1 in pkm_layers else FeedForward(dim, **ff_options)
             return Branch(dim, fn, shifts)
 
         def attention_branch(fn, *reads, shifts=shifts):
@@ -401,12 +393,12 @@ class LinearAttentionTransformer(nn.Module):
 
         blocks = []
         for layer in range(depth):
-            blocks.append((attention_branch(self_attention[layer], "input_mask"), branch(feedforward(layer))))
+            blocks.append((attention_branch(self_attention[layer], "input_mask"), feedforward_branch(layer)))
 
             if attend_axially:
                 axial = Attention(dim, causal=causal, **shared, **axial_options)
                 fold = FoldAxially(LOCAL_WINDOW_SIZE if local_attn_window_size is None else local_attn_window_size, axial)
-                blocks.append((attention_branch(fold, "input_mask"), branch(feedforward(layer))))
+                blocks.append((attention_branch(fold, "input_mask"), feedforward_branch(layer)))
 
             if receives_context:
                 if context_linformer_settings is None:
@@ -414,7 +406,7 @@ class LinearAttentionTransformer(nn.Module):
                 else:
                     cross = cross_attention[layer]
                 # the context is fixed for the whole sequence: no token shift in this branch
-                blocks.append((attention_branch(cross, "context", "context_mask", shifts=None), branch(feedforward(layer))))
+                blocks.append((attention_branch(cross, "context", "context_mask", shifts=None), feedforward_branch(layer)))
 
         self.layers = ReversibleSequence(blocks) if reversible else SequentialSequence(blocks, checkpoint=checkpoint)
         self.rotary = RotaryEmbedding(resolve_heads(dim, heads, dim_head)[0]) if use_rotary_emb else None

@@ -32,41 +32,33 @@ def linear_attention(q, k, v, mask=None, normalize=True, segments=None):
     """
     if segments is None:
         return linear_attention_readout(q, linear_attention_summary(k, v, mask, normalize))
-    _check_mask(mask, k.shape[0], k.shape[2])
-    out_dtype, dtype = q.dtype, _compute_dtype(k)
-    with torch.autocast(k.device.type, enabled=False):
-        q, k, v = (t.to(dtype) for t in (q, k, v))
-        k, v, _ = _apply_key_mask(k, v, None, mask, exp_features=False)
-        if normalize:
-            v = _append_ones(v)
-        member = segment_one_hot(segment_runs(segments), dtype)[:, None]  # (b, 1, S, n)
-        # the keys of each segment (zero elsewhere), reduced to one kᵀv per segment
-        summaries = (k[:, :, None] * member[..., None]).transpose(-1, -2) @ v[:, :, None]  # (b, h, S, d, e)
-        out = ((q[:, :, None] @ summaries) * member[..., None]).sum(dim=2)  # each query its own
-        if normalize:
-            out = _divide(out)
-    return out.to(out_dtype)
+    # one kᵀv per segment (S, b, h, d, e), of its own keys (the others zeroed), read by every
+    # query; each query keeps its own segment's
+    member = rearrange(segment_one_hot(segment_runs(segments), _compute_dtype(k)), "b s n -> s b 1 n 1")
+    out = linear_attention_readout(q, linear_attention_summary(k * member, v, mask, normalize))
+    return (out * member).sum(dim=0).to(q.dtype)
 
 
 def linear_attention_summary(k, v, mask=None, normalize=True):
-    """The keys and values reduced to kᵀv: (b, h, d, e), or (b, h, d, e + 1) with the
-    normaliser column when ``normalize``. A decoder computes it once per context."""
-    _check_mask(mask, k.shape[0], k.shape[2])
+    """The keys and values reduced to kᵀv: (…, b, h, d, e), or (…, b, h, d, e + 1) with the
+    normaliser column when ``normalize``; k (…, b, h, m, d) (leading axes: one summary each),
+    v (b, h, m, e). A decoder computes it once per context."""
+    _check_mask(mask, k.shape[-4], k.shape[-2])
     dtype = _compute_dtype(k)
     with torch.autocast(k.device.type, enabled=False):
         k, v = k.to(dtype), v.to(dtype)
         k, v, _ = _apply_key_mask(k, v, None, mask, exp_features=False)
         if normalize:
             v = _append_ones(v)
-        summary = torch.einsum("bhmd,bhme->bhde", k, v)
+        summary = torch.einsum("...md,...me->...de", k, v)
     return summary, normalize
 
 
 def linear_attention_readout(q, summary):
-    """Queries read a ``linear_attention_summary``: (b, h, n, d) -> (b, h, n, e)."""
+    """Queries read a ``linear_attention_summary``: (b, h, n, d) -> (…, b, h, n, e)."""
     kv, normalize = summary
     with torch.autocast(q.device.type, enabled=False):
-        out = torch.einsum("bhnd,bhde->bhne", q.to(kv.dtype), kv)
+        out = torch.einsum("...nd,...de->...ne", q.to(kv.dtype), kv)
         if normalize:
             out = _divide(out)
     return out.to(q.dtype)
