@@ -93,6 +93,7 @@ class AttentionStep:
         self.heads_flat = self.heads_out[:, :-1]
         heads_view = self.heads_flat.view(b, heads, dh)
         self.out_local, self.out_global = heads_view[:, :nl], heads_view[:, nl:]
+        self.out_buffers = [t for t, n in ((self.out_local, nl), (self.out_global, heads - nl)) if n]
         self.out_weight_t = torch.cat((self.to_out.weight, self.to_out.bias[:, None]), dim=1).t()
 
     def buffers(self):
@@ -104,9 +105,9 @@ class AttentionStep:
     def _split(self, proj, rotary):
         """The projection (b, width) -> (q local (b, nl, 1, dh), kv local (b, 2, nl, dh), q, k,
         v global (b, ng, dh) each): views, unless rotary or kv_heads make new tensors."""
-        b, heads, dh, kvh, nl = proj.shape[0], self.heads, self.dim_head, self.kv_heads, self.n_local
-        if rotary is None and self.parts is not None and proj is self.proj:
+        if rotary is None and proj is self.proj and self.parts is not None:
             return self.parts
+        b, heads, dh, kvh, nl = proj.shape[0], self.heads, self.dim_head, self.kv_heads, self.n_local
         q_end, kv_end = self.ends[0], self.ends[1]
         if rotary is not None:  # q and k are side by side: rotate them at once
             qk = apply_rotary(proj[:, : q_end + kvh * dh].view(b, heads + kvh, dh), rotary)
@@ -145,7 +146,7 @@ class AttentionStep:
             if self.out_gate is not None:
                 out = out * torch.sigmoid(proj[:, self.ends[-2]:])
             return F.linear(out, self.to_out.weight, self.to_out.bias)
-        for out, buffer in zip(outs, [t for t, n in ((self.out_local, self.n_local), (self.out_global, self.n_global)) if n]):
+        for out, buffer in zip(outs, self.out_buffers):
             if out is not buffer:
                 buffer.copy_(out)
         if self.out_gate is not None:
