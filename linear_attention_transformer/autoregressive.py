@@ -421,6 +421,13 @@ class AutoregressiveWrapper(nn.Module):
         (the tokens of ``seq`` it covers), ``compile`` (compile_step's options) and ``step``."""
         window = self.max_seq_len
         n = seq.shape[1]
+        step = None if cache_state is None or cache_state["cache"] is None else cache_state.get("step")
+        if step is not None and n <= window and cache_state["length"] == n - 1:
+            # the decoder's step: the newest token is real, no mask to pass (contiguous: the
+            # column of the running buffer has its row stride, which would differ between
+            # calls and make a compiled step guard on it)
+            cache_state["length"] = n
+            return step(seq[:, -1].contiguous())
         net_kwargs = dict(kwargs)
 
         if cache_state is None:
@@ -434,23 +441,18 @@ class AutoregressiveWrapper(nn.Module):
         # dropping its oldest token means building the cache anew from the last window.
         incremental = cache is not None and n <= window and cache_state["length"] == n - 1
         decoding = self._starts_decoding()
-        if incremental and decoding:  # the newest token is real: no mask to pass
-            # (contiguous: the column of the running buffer has its row stride, which would
-            # differ between calls and make a compiled step guard on it)
-            logits = cache_state["step"](seq[:, -1].contiguous())
+        start = n - 1 if incremental else max(n - window, 0)
+        if mask is not None:
+            net_kwargs["input_mask"] = mask[:, start:]
+        if decoding and n >= window:  # the next step rebuilds from its own window: no decoder to keep
+            logits, cache = self.net(seq[:, start:], **net_kwargs)[:, -1], None
+        elif decoding:
+            logits, cache = self.net.start_decoding(seq[:, start:], **net_kwargs)
+            cache_state["step"] = self._compiled_step(cache, cache_state.get("compile"))
         else:
-            start = n - 1 if incremental else max(n - window, 0)
-            if mask is not None:
-                net_kwargs["input_mask"] = mask[:, start:]
-            if decoding and n >= window:  # the next step rebuilds from its own window: no decoder to keep
-                logits, cache = self.net(seq[:, start:], **net_kwargs)[:, -1], None
-            elif decoding:
-                logits, cache = self.net.start_decoding(seq[:, start:], **net_kwargs)
-                cache_state["step"] = self._compiled_step(cache, cache_state.get("compile"))
-            else:
-                logits, cache = self.net(seq[:, start:], cache=cache if incremental else None,
-                                         return_cache=True, **net_kwargs)
-                logits = logits[:, -1]
+            logits, cache = self.net(seq[:, start:], cache=cache if incremental else None,
+                                     return_cache=True, **net_kwargs)
+            logits = logits[:, -1]
         cache_state["cache"], cache_state["length"] = cache, n
         return logits
 
@@ -594,7 +596,8 @@ class AutoregressiveWrapper(nn.Module):
         try:
             for _ in range(seq_len):
                 logits = self._next_logits(seq, mask, cache_state, kwargs)
-                logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
+                if logits.dtype in (torch.float16, torch.bfloat16):
+                    logits = logits.float()
 
                 if temperature == 0:
                     token = logits.argmax(dim=-1)
@@ -603,7 +606,8 @@ class AutoregressiveWrapper(nn.Module):
                         logits = sample_filter(logits)
                     probs = F.softmax(logits / temperature, dim=-1)
                     token = torch.multinomial(probs, 1).squeeze(-1)
-                token = token.to(dtype)
+                if token.dtype != dtype:
+                    token = token.to(dtype)
 
                 # The running sequence keeps what was picked, also for rows already
                 # finished (their later picks are discarded), so the net never has to
