@@ -596,7 +596,7 @@ class AutoregressiveWrapper(nn.Module):
         try:
             for _ in range(seq_len):
                 logits = self._next_logits(seq, mask, cache_state, kwargs)
-                if logits.dtype in (torch.float16, torch.bfloat16):
+                if logits.dtype.itemsize < 4:  # (half precision: sampled in float32)
                     logits = logits.float()
 
                 if temperature == 0:

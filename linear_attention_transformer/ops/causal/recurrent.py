@@ -234,11 +234,12 @@ def causal_linear_attention_step(q, k, v, state: CausalState, log_decay=None, bl
         q, k, v = (t.to(dtype) for t in (q, k, v))
         log_decay = None if log_decay is None else log_decay.to(dtype)
         out = new.step(q, k, v, log_decay, masked_keys=True)
-        zero = new.kv.new_zeros(())
-        where = join_flags(state.position, blindspot_size, exp_features, zero, zero + NEG_INF)
-        if blindspot_size > 1 and where is not None:  # joined on copies: the read keeps its tensors for backward
-            new = new._map(torch.clone)
-            new._join(*where)
+        if blindspot_size > 1:
+            zero = new.kv.new_zeros(())
+            where = join_flags(state.position, blindspot_size, exp_features, zero, zero + NEG_INF)
+            if where is not None:  # joined on copies: the read keeps its tensors for backward
+                new = new._map(torch.clone)
+                new._join(*where)
     return out.to(out_dtype), new
 
 
