@@ -45,12 +45,11 @@ from torch import nn
 from .context_parallel import ContextParallel
 from .lm import check_token_ids
 from .ops.common import _check_mask
-from .ops.segments import check_integer_ids, check_segment_ids
+from .ops.segments import check_integer_ids, check_segment_ids, is_integer_dtype
 from .place import check_modes
 
 __all__ = ["top_k", "top_p", "linear_cross_entropy", "AutoregressiveWrapper"]
 
-_INTEGER_DTYPES = (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64)
 # the filters' default threshold, and generate's
 FILTER_THRES = 0.9
 
@@ -206,7 +205,7 @@ def linear_cross_entropy(features, weight, bias, targets, ignore_index=-100, chu
     # forming the gradients costs two matmuls per chunk: only when backward can use them
     if total_count is not None:
         if isinstance(total_count, bool) or not (isinstance(total_count, Integral) or (
-                torch.is_tensor(total_count) and total_count.ndim == 0 and total_count.dtype in _INTEGER_DTYPES)):
+                torch.is_tensor(total_count) and total_count.ndim == 0 and is_integer_dtype(total_count.dtype))):
             raise TypeError(f"total_count must be None, an int or a 0-d integer tensor, got {total_count!r}")
         total_count = torch.as_tensor(total_count, device=features.device)
     want_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (features, weight, bias))

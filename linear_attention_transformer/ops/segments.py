@@ -17,9 +17,14 @@ __all__ = [
 ]
 
 
+def is_integer_dtype(dtype):
+    """Whether ``dtype`` holds integers (signed or unsigned, any width; bool is not one)."""
+    return not (dtype.is_floating_point or dtype.is_complex or dtype == torch.bool)
+
+
 def check_integer_ids(ids, name):
     """TypeError unless ``ids`` (token or segment ids) is a tensor of an integer dtype."""
-    if not torch.is_tensor(ids) or ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool:
+    if not torch.is_tensor(ids) or not is_integer_dtype(ids.dtype):
         raise TypeError(f"{name} must be an integer tensor, got {getattr(ids, 'dtype', type(ids).__name__)}")
 
 
