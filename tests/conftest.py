@@ -1,5 +1,9 @@
 """Fixtures shared by the model-level tests.
 
+Optional dependencies: a test marked ``@pytest.mark.requires("fla", "triton")`` skips, naming
+what is missing, where those modules do not import; with ``LAT_REQUIRE_OPTIONAL=1`` (CI sets
+it) a missing one fails the test instead, so that nothing is skipped there.
+
 Opt-in device: ``LAT_TEST_DEVICE=cuda python -m pytest -q tests`` (or ``--lat-device cuda``)
 makes that device torch's default device for the whole run (``torch.set_default_device``), so
 that every tensor and module a test makes without naming a device lands there. Unset, nothing
@@ -7,12 +11,14 @@ changes: the suite runs on the CPU exactly as before. Tests that name ``device="
 CPU generators stay on the CPU (or fail on a mismatch, which the run then reports).
 """
 
+import importlib
 import os
 
 import pytest
 import torch
 
 DEVICE_ENV = "LAT_TEST_DEVICE"
+REQUIRE_OPTIONAL_ENV = "LAT_REQUIRE_OPTIONAL"
 
 
 def pytest_addoption(parser):
@@ -25,6 +31,8 @@ def _requested_device(config):
 
 
 def pytest_configure(config):
+    config.addinivalue_line("markers", "requires(*modules): the test needs these optional modules (skips "
+                                       f"without them, fails without them under {REQUIRE_OPTIONAL_ENV}=1)")
     requested = _requested_device(config)
     if requested is None:
         return
@@ -61,3 +69,24 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+def _import_failure(module):
+    """Why ``module`` does not import (a phrase), or None."""
+    try:
+        importlib.import_module(module)
+    except Exception as error:  # (a package built for another Triton fails on import, not always ImportError)
+        return f"{module} does not import ({type(error).__name__}: {error})"
+    return None
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item):
+    for mark in item.iter_markers("requires"):
+        missing = [why for why in map(_import_failure, mark.args) if why]
+        if not missing:
+            continue
+        reason = "; ".join(missing) + " (the [cuda] extra installs fla-core; torch's CUDA builds bring Triton)"
+        if os.environ.get(REQUIRE_OPTIONAL_ENV) == "1":
+            pytest.fail(f"{REQUIRE_OPTIONAL_ENV}=1 and {reason}", pytrace=False)
+        pytest.skip(reason)
