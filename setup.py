@@ -11,7 +11,9 @@ VERSION = re.search(r'^__version__ = "([^"]+)"$',
 EXAMPLES_EXTRA = ["tqdm>=4.60", "matplotlib>=3.5"]
 
 setup(
-    name="linear-attention-transformer",
+    # the import name stays linear_attention_transformer; the distribution has a name of its own, since
+    # "linear-attention-transformer" on the package index is the upstream project this one replaces
+    name="hybrid-linear-attention",
     version=VERSION,
     description="Linear attention transformers: exact causal linear attention, local heads, gating, cached decoding",
     long_description=open("README.md", encoding="utf-8").read(),

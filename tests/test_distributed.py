@@ -231,3 +231,25 @@ def test_fsdp_units_inside_a_reversible_stack_are_refused(tmp_path):
 
 if __name__ == "__main__" and sys.argv[1:2] == ["--worker"]:
     worker_main(sys.argv[2:5])
+
+
+def torch_python_state():
+    """What of torch's thread-local state can hold Python objects that a collective started
+    now would carry to gloo's thread: modes, default saved-tensor hooks, a graph-exec group."""
+    return (torch._C._len_torch_function_stack(), torch._C._len_torch_dispatch_stack(),
+            torch._C._autograd._top_saved_tensors_default_hooks(False), torch._C._get_graph_exec_group())
+
+
+@pytest.mark.parametrize("name, options", [*CONFIGS.items(), ("checkpoint", dict(checkpoint=True))])
+def test_the_library_puts_no_python_object_where_ddp_starts_its_collectives(name, options):
+    """DDP starts its all-reduces from hooks on the gradients' accumulation, and each carries
+    the thread-local state of that moment to gloo's thread (docs/scale.md, "Ending a run"):
+    the library's forward and backward leave nothing of theirs there."""
+    torch.manual_seed(0)
+    model = LinearAttentionTransformerLM(**BASE, **options)
+    seen = []
+    for parameter in model.parameters():
+        parameter.register_post_accumulate_grad_hook(lambda p: seen.append(torch_python_state()))
+    loss_of(model, batch(0, 0)).backward()
+    assert len(seen) == len(list(model.parameters()))
+    assert set(seen) == {(0, 0, None, None)}
