@@ -177,7 +177,8 @@ def fla_missing(device, dtype=torch.float32, gated_backward=False):
                 "triton's import)")
     if device.type not in ("cpu", "cuda"):
         return f"fla's Triton kernels run on CUDA, not on {device.type}"
-    index = -1 if device.type != "cuda" else device.index if device.index is not None else torch.cuda.current_device()
+    index = -1 if device.type != "cuda" else device.index if device.index is not None else \
+        torch.cuda.current_device() if torch.cuda.is_available() else 0
     return fla_unavailable(device.type, index, gated_backward)
 
 
