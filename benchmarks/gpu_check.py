@@ -266,7 +266,8 @@ class PlainLayer(nn.Module):
         b, n, _ = x.shape
         q, k, v = self.to_qkv(x).view(b, n, 3, self.heads, self.dim_head).unbind(2)
         if self.attend == "sdpa":
-            out = F.scaled_dot_product_attention(*(t.transpose(1, 2) for t in (q, k, v)), is_causal=True).transpose(1, 2)
+            q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2)
         else:
             extra = 1 if self.attend == "fla, v + 1 column" else 0
             v = F.pad(v.float(), (0, extra), value=1.0)

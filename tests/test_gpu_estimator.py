@@ -222,7 +222,7 @@ def test_gpu_check_dry_run_on_the_cpu(tmp_path, capsys):
 
     import gpu_check
 
-    code = gpu_check.main(["--cpu-dry-run", "--out", str(tmp_path), "--budget", "600"])  # (no row skipped on a busy CPU)
+    code = gpu_check.main(["--cpu-dry-run", "--out", str(tmp_path), "--budget", "600"])  # (none skipped: busy CPU)
     report = json.loads((tmp_path / "gpu_check.json").read_text())
     assert code == 0, capsys.readouterr().out
     assert {"torch", "cuda", "triton", "fla-core", "device", "fla form"} <= set(report["versions"])

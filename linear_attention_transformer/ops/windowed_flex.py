@@ -5,7 +5,8 @@
 ``torch.nn.attention.flex_attention``: a ``mask_mod`` asks ``Window.visible`` of the two
 tokens' positions (segment-relative with ``segments``), and also whether they share a segment
 and whether the key is real. A block-sparse mask (below) makes a compiled kernel visit only
-the key blocks inside some query's window, and it never stores the (n, n) scores. A query that sees no key gets 0, as in the blocked form.
+the key blocks inside some query's window, and it never stores the (n, n) scores. A query
+that sees no key gets 0, as in the blocked form.
 
 Non-finite inputs (``non_finite.py``) are read as 0, as in the blocked form; a query is then
 NaN when its own token or a key it sees is non-finite. The keys a query sees lie between
@@ -121,7 +122,7 @@ def window_blocks(n, window: Window, device, widen=False, full=True):
     first, last = _key_bounds(window, n, widen)
     qs, qe, ks, ke = start[:, None], end[:, None], start[None, :], end[None, :]
     seen = (first(qs) <= ke) & (last(qe) >= ks)
-    complete = (end - start + 1) == BLOCK  # (a block the sequence ends inside is never full, as create_block_mask has it)
+    complete = (end - start + 1) == BLOCK  # (a block the sequence ends inside is never full: create_block_mask's rule)
     whole = (first(qe) <= ks) & (last(qs) >= ke) & complete[:, None] & complete[None, :] if full else \
         torch.zeros_like(seen)
     parts = []
@@ -151,8 +152,8 @@ def _flex(q, k, v, blocks, window, key_mask, runs, positions):
     """flex_attention over ``blocks`` (``window_blocks``), masked by the window, the key mask and
     the segments: the function compiled per configuration (``_compiled_flex``)."""
     n = q.shape[2]
-    block_mask = BlockMask.from_kv_blocks(*blocks, BLOCK_SIZE=BLOCK, mask_mod=_mask_mod(window, key_mask, runs, positions),
-                                          seq_lengths=(n, n))
+    mask_mod = _mask_mod(window, key_mask, runs, positions)
+    block_mask = BlockMask.from_kv_blocks(*blocks, BLOCK_SIZE=BLOCK, mask_mod=mask_mod, seq_lengths=(n, n))
     return flex_attention(q, k, v, block_mask=block_mask, scale=q.shape[-1] ** -0.5)
 
 
