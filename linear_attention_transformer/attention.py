@@ -89,7 +89,7 @@ class Attention(nn.Module):
         kernel: the fused GPU kernels (docs/kernels.md): 'auto' (on CUDA the causal global heads
             on flash-linear-attention where it imports, the local heads on flex_attention),
             'torch' (this library's eager forms only) or 'fla' (the causal global heads on fla,
-            ``pip install linear-attention-transformer[cuda]``; a call it cannot run raises).
+            the ``[cuda]`` extra; a call it cannot run raises).
     Shapes:
         x (b, n, dim); input_mask (b, n) bool; context (b, m, dim); context_mask (b, m) bool;
         rotary: (cos, sin) of the positions, each (n, dim_head) or (b, n, dim_head);

@@ -161,9 +161,14 @@ class LinearAttentionTransformerLM(nn.Module):
         return out[0] if place.cached and not return_cache else out
 
     def _embed(self, x):
-        """The token embedding (ids of any integer dtype: the embedding takes int64); ids outside
-        the vocabulary are looked for (``check_token_ids``) only once it has failed, so valid
-        ids cost no host sync (a GPU asserts on the device)."""
+        """The token embedding (ids of any integer dtype: the embedding takes int64). Ids outside
+        the vocabulary raise ``check_token_ids``' ValueError on every device: on the CPU it
+        looks only once the embedding has failed (valid ids cost nothing); elsewhere, where the
+        embedding would fail on the device (CUDA: a device-side assert, and the process loses
+        its CUDA context), it looks first, with one reduction and one host sync per forward.
+        Not inside torch.compile: a compiled model's caller checks its ids (``check_token_ids``)."""
+        if x.device.type != "cpu" and not torch.compiler.is_compiling():
+            check_token_ids(x, self.num_tokens, "x")
         try:
             return self.token_emb(x if x.dtype == torch.int64 else x.long())
         except IndexError:

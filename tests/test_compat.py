@@ -103,3 +103,26 @@ def test_version_agrees_with_setup_py():
     result = subprocess.run([sys.executable, "setup.py", "--version"], cwd=root, capture_output=True, text=True,
                             check=True)
     assert result.stdout.strip().splitlines()[-1] == linear_attention_transformer.__version__
+
+
+def test_python_requires_agrees_with_the_cuda_extra():
+    """setup.py's python_requires admits no Python that the cuda extra's fla-core refuses
+    (every fla-core line it admits needs 3.10; the installed one's metadata says so too), and
+    the extra admits both tested lines, 0.5 and 0.6."""
+    from importlib import metadata
+
+    from packaging.specifiers import SpecifierSet
+
+    text = (Path(linear_attention_transformer.__file__).parent.parent / "setup.py").read_text(encoding="utf-8")
+    python = SpecifierSet(re.search(r'python_requires="([^"]+)"', text).group(1))
+    fla = SpecifierSet(re.search(r'"cuda": \["fla-core([^"]+)"\]', text).group(1))
+    needs = [">=3.10"]
+    try:
+        needs.append(metadata.metadata("fla-core")["Requires-Python"])
+    except metadata.PackageNotFoundError:
+        pass
+    for version in ("3.8", "3.9", "3.10", "3.11", "3.12", "3.13"):
+        if version in python:
+            assert all(version in SpecifierSet(need) for need in needs), f"Python {version}: fla-core refuses it"
+    assert "3.10" in python
+    assert all(v in fla for v in ("0.5.1", "0.5.2", "0.6.0")) and "0.7.0" not in fla and "0.5.0" not in fla

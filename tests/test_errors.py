@@ -159,6 +159,26 @@ def test_token_ids_outside_the_vocabulary_name_the_argument_and_range(bad):
         model(x[:, 2:3], cache=cache)
 
 
+def test_token_ids_are_checked_before_the_embedding_off_the_cpu(monkeypatch):
+    """Off the CPU the ids are checked before the embedding reads them (on CUDA an id outside
+    the vocabulary is a device-side assert that loses the CUDA context): here on the meta
+    device, where the embedding would not fail at all."""
+    import linear_attention_transformer.lm as lm_module
+
+    seen = []
+
+    def check(ids, num_tokens, name):
+        seen.append((ids.device.type, num_tokens, name))
+        raise ValueError("checked")
+
+    monkeypatch.setattr(lm_module, "check_token_ids", check)
+    with pytest.raises(ValueError, match="checked"):
+        lm(causal=True).to("meta")(tokens().to("meta"))
+    assert seen == [("meta", TOKENS, "x")]
+    lm(causal=True)(tokens())  # (valid ids on the CPU: not checked, no host sync)
+    assert len(seen) == 1
+
+
 def test_empty_sequences_are_refused_at_every_entry():
     with pytest.raises(ValueError, match=r"at least one token.*\(1, 0\)"):
         lm(causal=True)(torch.zeros(1, 0, dtype=torch.long))

@@ -211,39 +211,58 @@ def test_command_line_refuses_bad_input(argv, message, capsys):
     assert message in capsys.readouterr().err
 
 
-# ------------------------------------------------------------- benchmarks/cuda_report.py
+# ------------------------------------------------------------- benchmarks/gpu_check.py
 
 
-def test_cuda_report_dry_run_on_the_cpu(capsys):
-    """The CUDA command's dry mode runs here: every case of the kernel and layer groups gives a
-    row (fla's are skipped with a note when it is not installed), nothing fails."""
-    import cuda_report
+def test_gpu_check_dry_run_on_the_cpu(tmp_path, capsys):
+    """The GPU check's dry run goes through every section on the CPU and writes its JSON and
+    markdown: each correctness row within tolerance or refused with its reason (fla needs CUDA
+    here), decoding equal to the full forward, timing rows with tokens per second."""
+    import json
 
-    code = cuda_report.main(["--device", "cpu", "--dry-run", "--skip", "tests", "lm", "existing",
-                             "--lengths", "32", "--warmup", "0"])
-    out = capsys.readouterr().out
-    assert code == 0, out
-    assert "DRY RUN" in out and "reference: square matmul" in out
-    for case in ("sdpa (softmax, causal)", "ours, exp features", "ours, + per-head decay",
-                 "ours, + per-feature decay", "softmax layer (SDPA)", "ours LinearSelfAttention",
-                 "ours, use_gate=True", "local heads, kernel='torch' (blocked)",
-                 "local heads, kernel='auto' (blocked)"):  # (flex on CUDA only)
-        assert case in out
-    if cuda_report.load_fla()[0] is None:
-        assert "fla not importable" in out
+    import gpu_check
+
+    code = gpu_check.main(["--cpu-dry-run", "--out", str(tmp_path), "--budget", "600"])  # (none skipped: busy CPU)
+    report = json.loads((tmp_path / "gpu_check.json").read_text())
+    assert code == 0, capsys.readouterr().out
+    assert {"torch", "cuda", "triton", "fla-core", "device", "fla form"} <= set(report["versions"])
+    rows = {row["name"]: row for row in report["rows"]}
+    assert {row["section"] for row in report["rows"]} == {"correctness", "decoding", "timing"}
+    for name in ("default", "gated", "given-feature", "seed-like"):
+        for dtype in ("fp32", "bf16"):
+            assert rows[f"{name}, kernel=torch, {dtype}"]["status"] == "ok"
+            assert rows[f"{name}, kernel=fla, {dtype}"]["status"] in ("ok", "unavailable")
+    assert float(rows["default, kernel=torch, fp32"]["out_err"]) < 1e-5
+    assert rows["cached decoding, eager"]["status"] == rows["cached decoding, compiled (CUDA graphs)"]["status"] == "ok"
+    assert float(rows["layer, torch, n=64"]["tokens_per_s"].replace(",", "")) > 0
+    assert rows["lm, sdpa, n=64"]["status"] == "ok"
+    assert "| default, kernel=torch, fp32 | ok |" in (tmp_path / "gpu_check.md").read_text()
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["--device", "cpu"], "--dry-run"),
-    (["--device", "cpu", "--dry-run", "--lengths", "1"], "--lengths"),
-    (["--device", "nowhere", "--dry-run"], "not a torch device"),
-])
-def test_cuda_report_refuses_bad_input(argv, message, capsys):
-    import cuda_report
+def test_gpu_check_guards_each_row(tmp_path):
+    """A row that raises is recorded with its error and the check goes on; past the section's
+    budget the rows are skipped."""
+    import gpu_check
 
+    report = gpu_check.Report(str(tmp_path), budget=60)
+    report.begin("s", 60)
+    report.row("raises", lambda: 1 / 0)
+    report.row("goes on", lambda: dict(value=1))
+    report.deadline = 0
+    report.row("late", lambda: dict(value=2))
+    statuses = [(row["name"], row["status"]) for row in report.rows]
+    assert statuses == [("raises", "error"), ("goes on", "ok"), ("late", "skipped")]
+    assert "ZeroDivisionError" in report.rows[0]["note"]
+    assert "goes on" in (tmp_path / "gpu_check.md").read_text()
+
+
+def test_gpu_check_refuses_a_machine_without_cuda(capsys, monkeypatch):
+    import gpu_check
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(SystemExit) as exit_info:
-        cuda_report.main(argv)
-    assert exit_info.value.code == 2 and message in capsys.readouterr().err
+        gpu_check.main([])
+    assert exit_info.value.code == 2 and "--cpu-dry-run" in capsys.readouterr().err
 
 
 def test_default_device_is_the_opt_in_one(test_device):
@@ -268,6 +287,9 @@ def test_the_device_option_sets_the_default_device(monkeypatch):
         def getoption(self, name):
             assert name == "--lat-device"
             return "meta"
+
+        def addinivalue_line(self, name, line):  # (the hook also registers the requires marker)
+            assert name == "markers"
 
     monkeypatch.delenv("LAT_TEST_DEVICE", raising=False)  # restored (to unset) afterwards
     before = torch.get_default_device()

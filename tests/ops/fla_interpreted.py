@@ -1,6 +1,7 @@
 """Runs test_fla.py's cases, and an LM's training step and cached forward, through the fla form on fla's real
 Triton kernels, in Triton's interpreter on the CPU, and saves outputs and gradients for
-test_fla.py to judge.
+test_fla.py to judge; some cases again inside torch.compile (``COMPILED``), counting the
+kernels' calls.
 
     python fla_interpreted.py cases.pt results.pt
 
@@ -13,12 +14,13 @@ import sys
 os.environ["TRITON_INTERPRET"] = "1"
 
 import torch  # noqa: E402
-from triton.runtime import autotuner  # noqa: E402
+from triton.runtime import autotuner, interpreter  # noqa: E402
 
 import torch.nn.functional as F  # noqa: E402
 
 from linear_attention_transformer import LinearAttentionTransformerLM  # noqa: E402
 from linear_attention_transformer.ops import causal_linear_attention  # noqa: E402
+from linear_attention_transformer.ops.causal import fla as fla_form  # noqa: E402
 from linear_attention_transformer.ops.causal.forms import use_form  # noqa: E402
 
 # The autotuner times its configurations with a benchmarker that needs a GPU driver. Timing
@@ -26,22 +28,46 @@ from linear_attention_transformer.ops.causal.forms import use_form  # noqa: E402
 autotuner.Autotuner.do_bench = property(lambda self: lambda kernel_call, quantiles=None, **_: [0.0] * len(quantiles))
 
 
-def run(case):
-    leaves = [None if case[name] is None else case[name].clone().requires_grad_()
-              for name in ("q", "k", "v", "log_decay")]
+class _LoopIndexAsTensor(interpreter.ASTTransformer):
+    """A compiled kernel's loop index is a Triton scalar; the interpreter's is a Python int, on
+    which fla-core 0.6's ``i_t.to(tl.int64)`` fails. Each ``for i in ...`` loop here starts
+    with ``i = i``, an assignment the interpreter turns into a Triton scalar: the kernels' own
+    code is unchanged, only the interpreter's reading of it."""
+
+    def visit_For(self, node):
+        self.generic_visit(node)
+        if isinstance(node.target, interpreter.ast.Name):
+            name = node.target.id
+            rebind = interpreter.ast.Assign(targets=[interpreter.ast.Name(id=name, ctx=interpreter.ast.Store())],
+                                            value=interpreter.ast.Name(id=name, ctx=interpreter.ast.Load()))
+            node.body.insert(0, self.visit_Assign(rebind))
+        return node
+
+
+interpreter.FunctionRewriter.ast_transformer = _LoopIndexAsTensor()
+
+
+def outputs(case, leaves):
+    """The case's output from its leaves (q, k, v, log_decay) in the fla form."""
     options = dict(exp_features=case["exp_features"], blindspot_size=case["blindspot_size"], form="fla")
     split = case["split"]
     if split is None:
-        out = causal_linear_attention(*leaves, mask=case["mask"], segments=case["segments"], **options)
-    else:  # a prefix returns the state, the rest continues from it
-        def part(t, sl):
-            return None if t is None else t[:, sl] if t.ndim == 2 else t[:, :, sl]
+        return causal_linear_attention(*leaves, mask=case["mask"], segments=case["segments"], **options)
 
-        head, state = causal_linear_attention(*(part(t, slice(0, split)) for t in leaves),
-                                              mask=part(case["mask"], slice(0, split)), return_state=True, **options)
-        tail = causal_linear_attention(*(part(t, slice(split, None)) for t in leaves), state=state,
-                                       mask=part(case["mask"], slice(split, None)), **options)
-        out = torch.cat((head, tail), dim=2)
+    def part(t, sl):  # a prefix returns the state, the rest continues from it
+        return None if t is None else t[:, sl] if t.ndim == 2 else t[:, :, sl]
+
+    head, state = causal_linear_attention(*(part(t, slice(0, split)) for t in leaves),
+                                          mask=part(case["mask"], slice(0, split)), return_state=True, **options)
+    tail = causal_linear_attention(*(part(t, slice(split, None)) for t in leaves), state=state,
+                                   mask=part(case["mask"], slice(split, None)), **options)
+    return torch.cat((head, tail), dim=2)
+
+
+def run(case, forward=outputs):
+    leaves = [None if case[name] is None else case[name].clone().requires_grad_()
+              for name in ("q", "k", "v", "log_decay")]
+    out = forward(case, leaves)
     present = [t for t in leaves if t is not None]
     grads = torch.autograd.grad((out * case["weight"]).sum(), present)
     return dict(out=out.detach(), grads=[g.detach() for g in grads])
@@ -66,6 +92,33 @@ def run_lm(config, tokens):
                 grads={name: p.grad for name, p in model.named_parameters()})
 
 
+COMPILED = (0, 2)  # the cases also run inside torch.compile
+
+
+def run_compiled(case):
+    """``run`` with its forward inside torch.compile (aot_eager: dynamo's graphs and autograd's,
+    without code generation; the backward outside, as a training step has it), with the
+    number of calls that reached fla's kernels."""
+    calls = []
+    kernels = fla_form._kernels()
+
+    def counted(kernel):
+        @torch.compiler.disable
+        def call(*args, **kwargs):
+            calls.append(kernel.__name__)
+            return kernel(*args, **kwargs)
+        return call
+
+    fla_form._kernels = lambda: tuple(counted(kernel) for kernel in kernels)
+    try:
+        result = run(case, torch.compile(outputs, backend="aot_eager"))
+    finally:
+        fla_form._kernels = lambda: kernels
+    return dict(result, calls=calls)
+
+
 if __name__ == "__main__":
     cases, lm = torch.load(sys.argv[1])
-    torch.save(([run(case) for case in cases], run_lm(lm["config"], lm["tokens"])), sys.argv[2])
+    results = [run(case) for case in cases]
+    compiled = {index: run_compiled(cases[index]) for index in COMPILED}
+    torch.save((results, run_lm(lm["config"], lm["tokens"]), compiled), sys.argv[2])

@@ -249,15 +249,95 @@ def fla_importable(monkeypatch):
 
 
 def test_auto_takes_fla_on_cuda_when_it_maps(monkeypatch, fla_importable):
-    """On a CUDA machine with fla importable 'auto' is the fla form, except where it does not
-    map (torch.compile, float64) or fla does not import: then today's form."""
+    """On a CUDA machine with fla importable 'auto' is the fla form, compiled or not, except
+    where it does not map (float64) or fla does not import: then today's form."""
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(fla_form, "_WARNED", set())
     assert forms.pick_form(CUDA) == forms.FORMS["fla"]
     assert forms.pick_form(CUDA, exp_features=True, blindspot_size=4) == forms.FORMS["fla"]
+    assert forms.pick_form(CUDA, compiling=True, exp_features=True) == forms.FORMS["fla"]
     assert forms.pick_form(CUDA, exp_features=True, dtype=DOUBLE) == ("log_depth", True, 16)
-    assert forms.pick_form(CUDA, compiling=True, exp_features=True) == ("blocked", True, 16)
     monkeypatch.setattr(fla_form, "_import_error", lambda: "fla-core does not import")
-    assert forms.pick_form(CUDA, exp_features=True) == ("log_depth", True, 16)
+    with pytest.warns(RuntimeWarning, match="torch form on CUDA instead of fla's kernels: fla-core does not import"):
+        assert forms.pick_form(CUDA, exp_features=True) == ("log_depth", True, 16)
+    assert forms.pick_form(CUDA, compiling=True, exp_features=True) == ("blocked", True, 16)
+
+
+def test_auto_warns_once_per_reason(monkeypatch, recwarn):
+    """'auto' on CUDA without fla says so once per reason, naming the fix; float64 (the
+    caller's choice) and kernel='torch' say nothing."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(fla_form, "_WARNED", set())
+    reason = "fla-core is not installed; " + fla_form.FIX
+    monkeypatch.setattr(fla_form, "_import_error", lambda: reason)
+    forms.pick_form(CUDA, form="torch")
+    forms.pick_form(CUDA, dtype=DOUBLE)
+    assert not recwarn.list
+    for _ in range(3):
+        forms.pick_form(CUDA)
+    assert [str(w.message) for w in recwarn.list] == [
+        "kernel 'auto' runs the torch form on CUDA instead of fla's kernels: fla-core is not installed; "
+        "pip install -e '.[cuda]' in a clone of this library, or pip install 'fla-core>=0.5.1,<0.7' (kernel='torch' "
+        "chooses it without this warning)"]
+    monkeypatch.setattr(fla_form, "_import_error", lambda: "fla-core does not import (ImportError: x)")
+    forms.pick_form(CUDA)
+    assert len(recwarn.list) == 2 and "does not import (ImportError: x)" in str(recwarn.list[1].message)
+
+
+@pytest.mark.parametrize("triton_version, capability, tilelang, bad", [
+    ("3.6.0", 9, False, True),
+    ("3.4.0", 9, False, True),
+    ("3.7.0+git1234", 9, False, True),
+    ("3.7.1", 9, False, False),
+    ("3.8.0", 9, False, False),
+    ("3.3.1", 9, False, False),
+    ("3.6.0", 8, False, False),
+    ("3.6.0", 10, False, False),
+    ("3.6.0", 9, True, False),
+])
+def test_the_known_bad_pair(triton_version, capability, tilelang, bad):
+    """fla's gated backward of chunk_simple_gla is refused by fla itself on Hopper with Triton
+    3.4.0 to 3.7.0 unless tilelang is installed: recognised from the versions alone."""
+    why = fla_form.known_bad_pair(triton_version, capability, tilelang)
+    assert (why is not None) == bad
+    if bad:
+        assert "Hopper" in why and triton_version in why and "pip install tilelang" in why
+
+
+def test_the_known_bad_pair_runs_the_torch_form_for_what_it_affects(monkeypatch, fla_importable, recwarn):
+    """On a Hopper with Triton 3.6 and no tilelang, given features with a per-head decay that
+    need gradients run the torch form (one warning; a ValueError when fla is forced); every
+    other configuration keeps fla."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(fla_form, "_environment", lambda index: ("3.6.0", 9, False))
+    monkeypatch.setattr(fla_form, "_WARNED", set())
+    assert forms.pick_form(CUDA) == forms.FORMS["fla"]  # (no gradients of a gated call needed)
+    assert forms.pick_form(CUDA, per_feature_decay=True) == forms.FORMS["fla"]
+    for _ in range(2):
+        assert forms.pick_form(CUDA, gated_backward=True).scan == "log_depth"
+    assert len(recwarn.list) == 1 and "Hopper with Triton 3.6.0" in str(recwarn.list[0].message)
+    with pytest.raises(ValueError, match="form='fla' cannot run this call: fla-core refuses the gated backward"):
+        forms.pick_form(CUDA, form="fla", gated_backward=True)
+
+
+def test_the_gated_backward_is_named_by_the_call(monkeypatch):
+    """``causal_linear_attention`` asks for the gated backward exactly for given features with a
+    per-head decay, where a gradient is needed."""
+    asked = []
+    real = forms.pick_form
+    monkeypatch.setattr(chunk_module, "pick_form", lambda *args: asked.append(args[-1]) or real(*args))
+    q, k, v, head, feature = inputs(1, 1, 8, 4, 3, 0, False, decay="head") + inputs(1, 1, 8, 4, 3, 0, False,
+                                                                                    decay="feature")[3:]
+    causal_linear_attention(q, k, v, head)
+    causal_linear_attention(q, k, v, feature)
+    causal_linear_attention(q, k, v, head, exp_features=True)
+    with torch.no_grad():
+        causal_linear_attention(q, k, v, head)
+    causal_linear_attention(*(t.detach() for t in (q, k, v, head)))
+    assert asked == [True, False, False, False, False]
 
 
 def test_auto_on_the_cpu_never_asks_for_fla(monkeypatch):
@@ -271,13 +351,13 @@ def test_auto_on_the_cpu_never_asks_for_fla(monkeypatch):
 
 @pytest.mark.parametrize("device, compiling, dtype, interpreted, import_error, reason", [
     (CPU, False, torch.float32, False, None, "TRITON_INTERPRET=1"),
-    (CUDA, True, torch.float32, True, None, "torch.compile"),
     (CUDA, False, DOUBLE, True, None, "float32 .*not in torch.float64"),
     (torch.device("meta"), False, torch.float32, True, None, "run on CUDA, not on meta"),
     (CUDA, False, torch.float32, True, "fla-core does not import (ImportError)", r"does not import \(ImportError\)"),
 ])
 def test_forcing_fla_where_it_cannot_run_names_why(monkeypatch, device, compiling, dtype, interpreted, import_error,
                                                      reason):
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     monkeypatch.setattr(fla_form, "_interpreted", lambda: interpreted)
     monkeypatch.setattr(fla_form, "_import_error", lambda: import_error)
     with pytest.raises(ValueError, match=f"form='fla' cannot run this call: .*{reason}"):
@@ -309,7 +389,7 @@ def test_the_package_runs_without_fla():
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, (str(ROOT), os.environ.get("PYTHONPATH"))))}
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300)
     assert result.returncode == 0, result.stderr
-    assert "form='fla' cannot run this call: fla-core does not import" in result.stdout
+    assert "form='fla' cannot run this call: fla-core is not installed; pip install" in result.stdout
 
 
 # ------------------------------------------------------------------ fla's real kernels, interpreted
@@ -346,8 +426,9 @@ LM = dict(num_tokens=50, dim=32, heads=4, depth=1, max_seq_len=100, causal=True,
 
 @pytest.fixture(scope="module")
 def interpreted(tmp_path_factory):
-    """(cases, results, lm): the cases, and an LM's training step (``LM``), run by
-    ``fla_interpreted.py`` on fla's Triton kernels."""
+    """(cases, results, lm, compiled): the cases, and an LM's training step (``LM``), run by
+    ``fla_interpreted.py`` on fla's Triton kernels; ``compiled``: some cases again, inside
+    torch.compile."""
     folder = tmp_path_factory.mktemp("fla")
     cases = interpreter_cases()
     tokens = torch.randint(0, LM["num_tokens"], (2, 71), generator=torch.Generator().manual_seed(3))
@@ -357,8 +438,8 @@ def interpreted(tmp_path_factory):
                              str(folder / "cases.pt"), str(folder / "results.pt")],
                             capture_output=True, text=True, env=env, timeout=600)
     assert result.returncode == 0, result.stderr[-4000:]
-    results, lm = torch.load(folder / "results.pt")
-    return cases, results, dict(lm, tokens=tokens)
+    results, lm, compiled = torch.load(folder / "results.pt")
+    return cases, results, dict(lm, tokens=tokens), compiled
 
 
 @pytest.mark.parametrize("index", range(5), ids=[c["name"] for c in interpreter_cases()])
@@ -366,7 +447,7 @@ def interpreted(tmp_path_factory):
 def test_flas_kernels_interpreted_equal_the_naive_form(interpreted, index):
     """fla's Triton kernels (float32, in Triton's interpreter) against the float64 judge of the
     same float32 inputs: output, gradients, and with a state the continuation from it."""
-    cases, results, _ = interpreted
+    cases, results, *_ = interpreted
     case, result = cases[index], results[index]
     leaves = [None if case[name] is None else case[name].double().requires_grad_()
               for name in ("q", "k", "v", "log_decay")]
@@ -376,6 +457,19 @@ def test_flas_kernels_interpreted_equal_the_naive_form(interpreted, index):
     wanted = torch.autograd.grad((judge * case["weight"].double()).sum(), [t for t in leaves if t is not None])
     for name, got, want in zip("q k v log_decay".split(), result["grads"], wanted):
         assert_close(got, want, case["rtol"], f"grad {name}")
+
+
+@pytest.mark.requires("fla", "triton")
+@pytest.mark.parametrize("index", [0, 2], ids=[interpreter_cases()[i]["name"] for i in (0, 2)])
+def test_the_fla_form_inside_torch_compile(interpreted, index):
+    """Inside torch.compile the fla form runs fla's kernels (between graphs: their entry points
+    are torch.compiler.disable'd), forward and backward, with the eager results."""
+    cases, results, _, compiled = interpreted
+    result = compiled[index]
+    assert len(result["calls"]) >= 1 and set(result["calls"]) <= {"chunk_gla", "chunk_simple_gla"}
+    torch.testing.assert_close(result["out"], results[index]["out"], rtol=1e-6, atol=1e-6)
+    for got, want in zip(result["grads"], results[index]["grads"]):
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
 
 
 @pytest.mark.requires("fla", "triton")

@@ -125,3 +125,106 @@ def test_the_layers_kernel_option_picks_the_local_form(monkeypatch):
     for kernel in ("auto", "torch"):  # (a layer without a causal order takes 'torch' too)
         Attention(32, heads=4, n_local_attn_heads=2, local_attn_window_size=W, kernel=kernel)(x)
     assert asked == [("auto", 8), ("blocked", 8)]
+
+
+# ------------------------------------------------------------------ the block mask and the compiled kernel
+
+
+def dense_blocks(num, indices, c):
+    """The (c, c) bool matrix of the blocks that (num, indices) name (None: none)."""
+    blocks = torch.zeros(c, c, dtype=torch.bool)
+    if num is None:
+        return blocks
+    for row in range(c):
+        blocks[row, indices[0, 0, row, :num[0, 0, row]].long()] = True
+    return blocks
+
+
+@pytest.mark.parametrize("n", [1, 128, 300, 513])
+@pytest.mark.parametrize("size", [8, 100, 256])
+@pytest.mark.parametrize("options", WINDOWS, ids=str)
+def test_the_block_mask_is_create_block_masks_without_the_grid(monkeypatch, n, size, options):
+    """The window's block structure, built from block ends (``window_blocks``), is the one
+    ``create_block_mask`` finds by evaluating the rule at every (query, key) pair: the same
+    masked blocks and the same full ones; and building it evaluates the rule at no pair."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    window = Window(size, *options)
+    reference = create_block_mask(lambda b, h, i, j: window.visible(i, j), None, None, n, n, device="cpu")
+    c = reference.kv_num_blocks.shape[-1]
+    monkeypatch.setattr(Window, "visible", lambda *args: pytest.fail("the rule evaluated pair by pair"))
+    blocks = windowed_flex.window_blocks(n, window, torch.device("cpu"))
+    assert torch.equal(dense_blocks(*blocks[:2], c), dense_blocks(reference.kv_num_blocks, reference.kv_indices, c))
+    assert torch.equal(dense_blocks(*blocks[2:], c),
+                       dense_blocks(reference.full_kv_num_blocks, reference.full_kv_indices, c))
+
+
+def needed_blocks(window, segments):
+    """(c, c): the blocks holding a pair the rule makes visible with ``segments`` (1, n)."""
+    n = segments.shape[1]
+    runs = segment_runs(segments)
+    positions = positions_in_segment(runs)[0]
+    visible = window.visible(positions[:, None], positions[None, :]) & (runs[0][:, None] == runs[0][None, :])
+    c = -(-n // 128)
+    return torch.nn.functional.pad(visible, (0, c * 128 - n, 0, c * 128 - n)).reshape(c, 128, c, 128).any(3).any(1)
+
+
+SEGMENTS = torch.tensor([[0] * 30 + [1] * 333 + [2] * 200 + [3] * 137])
+
+
+@pytest.mark.parametrize("size", [100, 128])
+@pytest.mark.parametrize("options", WINDOWS, ids=str)
+def test_segments_keep_every_visible_pair_in_a_masked_block(size, options):
+    """With segments (windows counted from each segment's start) the visited blocks hold every
+    pair the rule makes visible, and none is full: ``mask_mod`` masks every visited block."""
+    window, c = Window(size, *options), 6
+    blocks = windowed_flex.window_blocks(700, window, torch.device("cpu"), widen=True, full=False)
+    visited = dense_blocks(*blocks[:2], c)
+    assert torch.equal(visited | needed_blocks(window, SEGMENTS), visited) and blocks[2] is None
+
+
+def test_segments_need_the_wider_window():
+    """(Not vacuous: the plain window's blocks, full ones included, miss some segment's pairs.)"""
+    window = Window(128, 1, 1, False)
+    plain = windowed_flex.window_blocks(700, window, torch.device("cpu"))
+    plain = dense_blocks(*plain[:2], 6) | dense_blocks(*plain[2:], 6)
+    assert not torch.equal(plain | needed_blocks(window, SEGMENTS), plain)
+
+
+@torch.no_grad()
+def test_one_block_structure_serves_every_call_and_layer():
+    windowed_flex._cached_blocks.cache_clear()
+    layers = [Attention(32, heads=4, causal=True, n_local_attn_heads=2, local_attn_window_size=W).to(D).eval()
+              for _ in range(2)]
+    x = torch.randn(2, 37, 32, dtype=D)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(attention_module, "local_form", lambda *args: "flex")
+        for _ in range(2):
+            for layer in layers:
+                layer(x)
+    info = windowed_flex._cached_blocks.cache_info()
+    assert (info.misses, info.hits) == (1, 3)
+
+
+@torch.no_grad()
+def test_the_compiled_kernel_traces_once_per_configuration_not_per_call(monkeypatch):
+    """Where the kernel is compiled here (CUDA, eagerly; forced here, traces counted): calls of
+    the same shape reuse one trace, each window has its own compiled function (so layers of
+    different windows never recompile each other), and a new length retraces once, to dynamic
+    shapes."""
+    from torch._dynamo.testing import CompileCounter
+
+    counter = CompileCounter()
+    monkeypatch.setattr(windowed_flex, "BACKEND", counter)
+    monkeypatch.setattr(windowed_flex, "_compile_here", lambda device: True)
+    windowed_flex._compiled_flex.cache_clear()
+    q, k, v, key_mask, _ = inputs(37, seed=3)
+    counts = []
+    for window, n, masked in [(W, 37, False), (W, 37, False), (16, 37, False), (W, 37, False), (W, 37, True),
+                              (W, 37, True), (W, 50, False), (W, 60, False)]:
+        out = flex_windowed_attention(*(t[:, :, :n] if n <= 37 else torch.cat((t, t), dim=2)[:, :, :n]
+                                        for t in (q, k, v)), Window(window), key_mask if masked else None)
+        counts.append(counter.frame_count)
+        assert torch.isfinite(out).all()
+    assert counts == [1, 1, 2, 2, 3, 3, 4, 4]
+    windowed_flex._compiled_flex.cache_clear()

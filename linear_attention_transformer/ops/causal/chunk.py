@@ -312,8 +312,10 @@ def causal_linear_attention(q, k, v, log_decay=None, mask=None, blindspot_size=1
         # contiguous once: strided heads of a fused projection would be copied by every matmul
         q, k, v = q.to(dtype).contiguous(), k.to(dtype).contiguous(), v.to(dtype)
         log_decay = None if log_decay is None else log_decay.to(dtype)
+        gated_backward = (not exp_features and log_decay is not None and log_decay.ndim == 3 and torch.is_grad_enabled()
+                          and any(t.requires_grad for t in (q, k, v, log_decay)))
         plan = pick_form(q.device, torch.compiler.is_compiling(), form, exp_features, blindspot_size,
-                         log_decay is not None and log_decay.ndim == 4, chunk_size, dtype)
+                         log_decay is not None and log_decay.ndim == 4, chunk_size, dtype, gated_backward)
         blocked, exact_chunks, C = plan.scan == "blocked", plan.exact_chunks, plan.chunk
         real = None if mask is None else rearrange(mask, "b n -> b 1 n")
         (q, k, v, log_decay), bad = quarantine((q, k, v, log_decay), reads_back(plan), real)

@@ -42,7 +42,11 @@ written in fla's terms:
   query token, with the last block's keys pending (``scan.summarize``), joined when that
   block is complete (``scan.combine``).
 
-Not mapped: torch.compile (not tested) and float64 (the kernels are float32). Non-finite
+Under torch.compile the kernels run between graphs: fla's entry points are
+``torch.compiler.disable``d, so a compiled model breaks its graph at each call (with
+``fullgraph=True``, name ``kernel='torch'``). Not mapped: float64 (the kernels are float32).
+Where fla cannot serve 'auto' on CUDA (not installed, does not import, ``known_bad_pair``),
+the torch form runs and says why once (``warn_unavailable``). Non-finite
 inputs are quarantined by the caller as for every form (``non_finite.py``): read as 0 here,
 then the queries that see one are NaN.
 
@@ -54,7 +58,10 @@ here: the normaliser sums up to n terms).
 from __future__ import annotations
 
 import functools
+import importlib.util
 import os
+import re
+import warnings
 
 import torch
 import torch.nn.functional as F
@@ -65,7 +72,7 @@ from ..segments import segment_runs
 from .recurrent import CausalState
 from .scan import Summary, combine, references, summarize
 
-__all__ = ["fla_causal_linear_attention", "fla_missing"]
+__all__ = ["fla_causal_linear_attention", "fla_missing", "fla_unavailable", "known_bad_pair", "warn_unavailable"]
 
 KERNEL_DTYPES = (torch.float32,)  # the compute dtypes fla's kernels are built and tested for
 
@@ -79,14 +86,21 @@ def _kernels():
     return chunk_simple_gla, chunk_gla
 
 
+FIX = "pip install -e '.[cuda]' in a clone of this library, or pip install 'fla-core>=0.5.1,<0.7'"
+
+
 @functools.lru_cache(maxsize=None)
 def _import_error():
     """Why fla's kernels do not import (a phrase), or None; tried once per process."""
     try:
         _kernels()
+    except ModuleNotFoundError as error:
+        if error.name is not None and error.name.split(".")[0] == "fla":
+            return f"fla-core is not installed; {FIX}"
+        return f"fla-core does not import ({type(error).__name__}: {error}); {FIX}"
     except Exception as error:  # (an fla that does not match its Triton fails on import, not always ImportError)
-        return (f"fla-core does not import ({type(error).__name__}: {error}); "
-                "pip install 'linear-attention-transformer[cuda]'")
+        return (f"fla-core does not import ({type(error).__name__}: {error}); {FIX}, an fla-core that supports "
+                "this Triton (docs/kernels.md lists the tested ones)")
     return None
 
 
@@ -101,11 +115,61 @@ def _interpreted():
     return bool(knobs.runtime.interpret) if knobs is not None else os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
-def fla_missing(device, compiling=False, dtype=torch.float32):
+def _release(text):
+    """(major, minor, patch) of a version string, ignoring local and pre-release parts."""
+    numbers = [int(part) for part in re.findall(r"\d+", text.split("+")[0])[:3]]
+    return tuple(numbers + [0] * (3 - len(numbers)))
+
+
+def known_bad_pair(triton_version, capability_major, has_tilelang):
+    """Why fla's gated backward of ``chunk_simple_gla`` cannot run here (a phrase), or None.
+
+    Every fla-core line (0.5, 0.6) refuses it on Hopper (compute capability 9) with Triton
+    3.4.0 to 3.7.0, where Triton computed it wrongly, unless tilelang is installed (fla then
+    computes it with tilelang). The affected configuration: given features with a per-head
+    decay, needing gradients (``fla_missing``'s ``gated_backward``)."""
+    if capability_major == 9 and (3, 4, 0) <= _release(triton_version) < (3, 7, 1) and not has_tilelang:
+        return (f"fla-core refuses the gated backward of chunk_simple_gla on Hopper with Triton {triton_version} "
+                "(3.4.0 to 3.7.0 computed it wrongly); pip install tilelang, or a Triton >= 3.7.1")
+    return None
+
+
+@functools.lru_cache(maxsize=None)
+def _environment(device_index):
+    """(Triton's version, the CUDA device's compute capability major, tilelang importable)."""
+    import triton
+
+    capability = torch.cuda.get_device_capability(device_index)[0]
+    return triton.__version__, capability, importlib.util.find_spec("tilelang") is not None
+
+
+@torch.compiler.assume_constant_result  # (an answer about the process: read once, constant in a trace)
+def fla_unavailable(device_type: str, device_index: int, gated_backward: bool):
+    """Why fla cannot serve a call on this machine (not installed, does not import, a known-bad
+    pair for the call), or None. ``device_index``: the CUDA device's (-1 elsewhere)."""
+    why = _import_error()
+    if why is None and gated_backward and device_type == "cuda":
+        why = known_bad_pair(*_environment(device_index))
+    return why
+
+
+_WARNED = set()
+
+
+def warn_unavailable(reason):
+    """One RuntimeWarning per process and reason: 'auto' runs the torch form where it would
+    have run fla's kernels."""
+    if reason not in _WARNED:
+        _WARNED.add(reason)
+        warnings.warn(f"kernel 'auto' runs the torch form on CUDA instead of fla's kernels: {reason} "
+                      "(kernel='torch' chooses it without this warning)", RuntimeWarning, stacklevel=4)
+
+
+def fla_missing(device, dtype=torch.float32, gated_backward=False):
     """Why the fla form cannot run such a call on ``device`` in compute dtype ``dtype`` (a
-    phrase), or None when it can. Imports fla only once the cheaper reasons are ruled out."""
-    if compiling:
-        return "fla's kernels are not tested under torch.compile"
+    phrase), or None when it can. ``gated_backward``: given features with a per-head decay,
+    needing gradients (``known_bad_pair``). Imports fla only once the cheaper reasons are
+    ruled out."""
     if dtype not in KERNEL_DTYPES:
         return f"fla's kernels compute in float32 (half inputs included), not in {dtype}"
     if device.type == "cpu" and not _interpreted():
@@ -113,7 +177,9 @@ def fla_missing(device, compiling=False, dtype=torch.float32):
                 "triton's import)")
     if device.type not in ("cpu", "cuda"):
         return f"fla's Triton kernels run on CUDA, not on {device.type}"
-    return _import_error()
+    index = -1 if device.type != "cuda" else device.index if device.index is not None else \
+        torch.cuda.current_device() if torch.cuda.is_available() else 0
+    return fla_unavailable(device.type, index, gated_backward)
 
 
 def _exp_feature_factors(q, k, log_decay, start, starts):

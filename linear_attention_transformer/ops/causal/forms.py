@@ -29,9 +29,12 @@ any          torch.compile       blocked    as above      the loop would unroll 
                                                           shapes); the log-depth scan branches on
                                                           the chunk count
 torch        anywhere            as auto, never fla           a layer's ``kernel='torch'``: today's forms
-auto, fla    CUDA, eager, fla    fla        (exact)       flash-linear-attention's fused Triton
-             imports, float32                             kernels (``fla.py``); 'auto' never on the
-             compute                                      CPU; forced on the CPU only in Triton's
+auto, fla    CUDA, fla imports,  fla        (exact)       flash-linear-attention's fused Triton
+             float32 compute,                             kernels (``fla.py``; compiled: between
+             no known-bad pair                            graphs); 'auto' never on the CPU, and
+                                                          where fla cannot serve it, the torch
+                                                          form with one warning per reason;
+                                                          forced on the CPU only in Triton's
                                                           interpreter (tests); refused with the
                                                           reason elsewhere (``fla.fla_missing``)
 ===========  ==================  =========  ============  =========================================
@@ -57,7 +60,7 @@ from typing import NamedTuple
 
 import torch
 
-from .fla import fla_missing
+from .fla import KERNEL_DTYPES, fla_missing, warn_unavailable
 
 __all__ = ["Form", "FORMS", "FORM_NAMES", "check_form", "device_form", "pick_form", "reads_back", "scoped_form",
            "use_form"]
@@ -117,17 +120,22 @@ def device_form(device) -> str:
 
 
 def pick_form(device, compiling=False, form="auto", exp_features=False, blindspot_size=1,
-              per_feature_decay=False, chunk_size=CHUNK_SIZE, dtype=torch.float32) -> Form:
+              per_feature_decay=False, chunk_size=CHUNK_SIZE, dtype=torch.float32, gated_backward=False) -> Form:
     """The ``Form`` that runs (the module docstring's table) for a call on ``device``, inside
     torch.compile's trace or not (``compiling``), that requests ``form`` (one of ``FORM_NAMES``),
-    with these options and compute ``dtype`` (the fla form's kernels are float32)."""
+    with these options and compute ``dtype`` (the fla form's kernels are float32).
+    ``gated_backward``: given features with a per-head decay, needing gradients (a known-bad
+    pair of fla and Triton affects it: ``fla.known_bad_pair``). Where 'auto' on CUDA cannot use
+    fla for a reason of the machine (``fla.fla_unavailable``) it warns once per reason."""
     form = check_form(form)
     if form == "fla" or (form == "auto" and device.type == "cuda" and torch.cuda.is_available()):
-        why_not = fla_missing(device, compiling, dtype)
+        why_not = fla_missing(device, dtype, gated_backward)
         if why_not is None:
             return FORMS["fla"]
         if form == "fla":
             raise ValueError(f"form='fla' cannot run this call: {why_not}")
+        if dtype in KERNEL_DTYPES:  # (float64 is the caller's choice, not the machine's: no warning)
+            warn_unavailable(why_not)
     if form in ("auto", "torch"):
         form = device_form(device)
     chosen = FORMS[form]
