@@ -10,20 +10,17 @@ backward, batch 1) and reports:
 * its peak memory over the baseline taken after building the model and its tokens
   (``common.PeakMemory``: VmHWM over VmRSS, each process its own). The target for a rank is
   about 1/P of the one process's peak, plus a constant (the parameters' gradients, the halos).
-  glibc's malloc raises its mmap threshold as large buffers are freed (up to 32 MiB), after
-  which freed buffers stay in the heap and the peak depends on the order of allocations
-  (measured: the one process's peak grew 1.9x from n = 16384 to 32768, then 1.3x to 65536).
-  So the workers run with ``MALLOC_MMAP_THRESHOLD_`` fixed (``--mmap-threshold``, 128 KiB):
-  every larger buffer is its own mapping, unmapped when freed, and VmHWM follows the live
-  tensors. Without glibc (tcmalloc preloaded) the variable does nothing;
+  glibc's malloc raises its mmap threshold as large buffers are freed, after which freed
+  buffers stay in the heap and the peak depends on the order of allocations; so the workers
+  run with ``MALLOC_MMAP_THRESHOLD_`` fixed (``--mmap-threshold``, 128 KiB) and VmHWM follows
+  the live tensors;
 * the bytes it hands to the collectives in one step, counted by wrapping
   ``torch.distributed``'s all_reduce / all_gather (what the autograd-aware collectives call
   too), forward and backward: split into the layers' float tensors (per layer: divided by the
   depth; they do not depend on n) and the per-step integer bookkeeping (the slices' shape
   check and the wrapper's count of targets);
-* its matmul FLOPs in one step (every mm / bmm, forward and backward, counted under a dispatch
-  mode in an untimed step) and the square matmul rate measured in the same process before and
-  after the timed steps: floor = FLOPs / rate, the time the step's matmuls need at that rate.
+* its matmul FLOPs in one step (``common.MatmulFlops``, an untimed step) and the square matmul
+  rate measured in the same process before and after the timed steps: floor = FLOPs / rate.
 
 The step time of the P ranks is the slowest rank's median (they wait for each other at every
 collective). With more processes than cores (P = 4 on 2 cores) the ranks share cores: the time
@@ -32,7 +29,6 @@ bytes do not depend on it.
 
 Usage:  python benchmarks/bench_context_parallel.py [--world-sizes 2 4] [--lengths 16384 32768 65536]
         python benchmarks/bench_context_parallel.py --world-sizes 2 --lengths 4096 --steps 1   # quick
-See benchmarks/README.md for the figures measured.
 """
 
 from __future__ import annotations
@@ -54,11 +50,11 @@ from common import (  # noqa: E402  (the folder of this script, see common.py)
     RESULT_TAG,
     GiB,
     PeakMemory,
-    _matmul_flops,
-    _MatmulRecorder,
+    MatmulFlops,
     emit_result,
     kwargs_text,
     print_header,
+    record,
     run_in_subprocess,
     set_threads,
     square_matmul_rate,
@@ -156,9 +152,9 @@ def worker(args):
 
     rate_before = square_matmul_rate("cpu", args.matmul_size)
     memory = PeakMemory("cpu")  # baseline: the model and its tokens built, nothing run yet
-    with _MatmulRecorder() as recorder, CollectiveBytes() as sent:
+    with MatmulFlops() as counted, CollectiveBytes() as sent:
         loss = step()  # the untimed first step: FLOPs and bytes counted
-    flops = sum(_matmul_flops(name, operands) for name, operands in recorder.calls)
+    flops = counted.flops
     times = []
     for _ in range(args.steps):
         if group is not None:
@@ -229,6 +225,7 @@ def main(argv=None):
     p.add_argument("--matmul-size", type=int, default=1024, help="side of the square reference matmul")
     p.add_argument("--mmap-threshold", type=int, default=131072,
                    help="MALLOC_MMAP_THRESHOLD_ of the workers in bytes (0: glibc's dynamic default)")
+    p.add_argument("--record", metavar="NAME", default=None, help="write the figures to results/NAME.json")
     p.add_argument("--worker-n", type=int, default=None, help=argparse.SUPPRESS)
     p.add_argument("--world", type=int, default=1, help=argparse.SUPPRESS)
     p.add_argument("--rank", type=int, default=0, help=argparse.SUPPRESS)
@@ -264,12 +261,14 @@ def main(argv=None):
         print(error, "\n")
 
     print("training step (forward + backward of the wrapper's loss), per process:")
-    lines = []
+    lines, figures = [], {}
     for n, world, ranks, single in rows:
         step = max(statistics.median(r["times"]) for r in ranks)
         floor = max(r["flops"] / r["rate"] for r in ranks)
         peak = max(r["peak"] for r in ranks)
         per_layer = max(r["float_bytes"] for r in ranks) / MODEL["depth"]
+        figures[f"n={n} P={world}"] = dict(peak_vs_one=peak / single["peak"], kib_per_layer=per_layer / 1024,
+                                           floor_share=floor / step)
         lines.append([
             n, world, n // world, f"{step:.2f}", f"{statistics.median(single['times']) / step:.2f}",
             f"{floor:.2f}", f"{100 * floor / step:.0f} %",
@@ -290,6 +289,8 @@ def main(argv=None):
           f"over the depth {MODEL['depth']}; int B/step: the shape check and the wrapper's counts; "
           f"{args.threads} thread(s) per process, {os.cpu_count()} cores; MALLOC_MMAP_THRESHOLD_="
           f"{args.mmap_threshold or 'unset'}; {time.perf_counter() - started:.0f} s)")
+    if args.record:
+        print("recorded in", record(args.record, "cpu", figures))
     return 1 if errors else 0
 
 

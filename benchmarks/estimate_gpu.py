@@ -44,7 +44,7 @@ What is counted
 The hardware (``H100``; every figure a command-line option):
     - launch_s = 6 us: an assumption, the host cost of one eager PyTorch op (Python, the
       dispatcher, the CUDA launch), which paces a stream of small kernels when the CPU runs
-      ahead; 4-10 us is typical of eager PyTorch on a fast host, issue 21 uses ~6 us;
+      ahead; 4-10 us is typical of eager PyTorch on a fast host;
     - peak_bf16 = 989.4e12 FLOP/s: H100 SXM5 datasheet, BF16/FP16 tensor core, dense (the
       datasheet's 1979 is with 2:4 sparsity);
     - peak_tf32 = 494.7e12: TF32 tensor core, dense; used for float32 matmuls only with
@@ -57,14 +57,14 @@ A peak is a bound no kernel reaches (cuBLAS gets ~60-80 % of it on large bf16 ma
 both the estimate and the floor are optimistic in the same way; the ratio is the figure.
 
 The default case is the README LM of upstream ``linear-attention-transformer``
-(``bench_seed_lm.SEED_LM``: reversible, 4 local + 4 global heads of 128, blindspot 64, GLU
+(``bench_lm.MODELS["upstream-readme"]``: reversible, 4 local + 4 global heads of 128, blindspot 64, GLU
 feed-forward, token shift, dropouts 0.1) at dim 1024 with the gate (use_gate=True), batch 1, training mode, under
 bf16 autocast (the CPU's autocast op lists stand in for CUDA's; the kernel computes in float32
 inside, so its matmuls are float32: at the FP32 peak unless ``--tf32``), loss from
 ``AutoregressiveWrapper`` (chunked ``linear_cross_entropy``), at n = 4096, 16384, 65536. The
 causal kernel is traced in the form it takes on a GPU (``use_form``: the device-chosen form,
-see ops/causal/forms.py), whatever device the trace runs on. Issue 21's target: the
-estimate <= 1.5 x the floor.
+see ops/causal/forms.py), whatever device the trace runs on. The target: the estimate
+<= 1.5 x the floor.
 
 Usage:  python benchmarks/estimate_gpu.py [--lengths 4096 16384 65536] [--dim 1024]
         python benchmarks/estimate_gpu.py --precision fp32 --tf32 --loss plain
@@ -93,11 +93,12 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import bound_args, contraction_flops  # noqa: E402  (this folder, see common.py)
 
 LABEL = "MODEL, not a timing"
 LOSSES = {"wrapper": "AutoregressiveWrapper(model)(x): chunked linear_cross_entropy",
           "plain": "F.cross_entropy(model(x).float())"}
-TARGET = 1.5  # issue 21: the gated seed-like LM estimated <= 1.5 x its floor
+TARGET = 1.5  # the estimate of the gated LM over its floor: above it, the step is not its matmuls
 
 
 # ---------------------------------------------------------------------------- hardware
@@ -164,61 +165,10 @@ SCATTERS_INPLACE = {"index_put_", "_index_put_impl_", "index_add_", "index_copy_
                     "scatter_add_", "scatter_reduce_"}
 # gathers: the source is read where the output is written, no more (argument name of the source)
 GATHERS = {"index": "self", "embedding": "weight", "index_select": "self", "gather": "self", "take": "self"}
-SDPA_FORWARD = {"_scaled_dot_product_flash_attention", "_scaled_dot_product_flash_attention_for_cpu",
-                "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention"}
-SDPA_BACKWARD = {name + "_backward" for name in SDPA_FORWARD}
 
 
 def _base(func):
     return func.overloadpacket.__name__
-
-
-def _bound_args(func, args, kwargs):
-    """The op's arguments by their schema names."""
-    names = [a.name for a in func._schema.arguments]
-    bound = dict(zip(names, args))
-    bound.update(kwargs)
-    return bound
-
-
-def contraction_flops(func, args, kwargs, out):
-    """Matmul-class FLOPs of one op (a multiply-add counts 2), or None if it is not one."""
-    name = _base(func)
-    a = _bound_args(func, args, kwargs)
-    if name in ("mm", "bmm"):
-        x, y = a["self"], a["mat2"]
-    elif name == "addmm":
-        x, y = a["mat1"], a["mat2"]
-    elif name in ("baddbmm", "addbmm"):
-        x, y = a["batch1"], a["batch2"]
-    elif name == "mv":
-        return 2 * a["self"].numel()
-    elif name == "addmv":
-        return 2 * a["mat"].numel()
-    elif name in ("dot", "vdot"):
-        return 2 * a["self"].numel()
-    elif name == "convolution":
-        w = a["weight"]
-        per_output = w.shape[1] * math.prod(w.shape[2:])
-        produced = a["input"] if a["transposed"] else out  # transposed: every input element meets the kernel
-        return 2 * produced.numel() * per_output
-    elif name == "convolution_backward":
-        w, mask = a["weight"], a["output_mask"]
-        per_output = w.shape[1] * math.prod(w.shape[2:])
-        produced = a["input"] if a["transposed"] else a["grad_output"]
-        return 2 * produced.numel() * per_output * (int(mask[0]) + int(mask[1]))
-    elif name in SDPA_FORWARD or name in SDPA_BACKWARD:
-        q, k, v = a["query"], a["key"], a["value"]
-        *batch, length, e = q.shape
-        s, ev = k.shape[-2], v.shape[-1]
-        flops = 2 * math.prod(batch) * length * s * (e + ev)
-        if a.get("is_causal"):
-            flops //= 2
-        return flops * 5 // 2 if name in SDPA_BACKWARD else flops
-    else:
-        return None
-    (*batch, m, k), n = x.shape, y.shape[-1]
-    return 2 * math.prod(batch) * m * k * n
 
 
 def tensor_bytes(t):
@@ -276,7 +226,7 @@ def op_cost(func, args, kwargs, out, hw=H100):
     if is_free(func):
         return None
     name = _base(func)
-    a = _bound_args(func, args, kwargs) if (name in GATHERS or name in WRITE_ONLY_FIRST) else {}
+    a = bound_args(func, args, kwargs) if (name in GATHERS or name in WRITE_ONLY_FIRST) else {}
     inputs = []
     first = True
     for key, value in list(zip(range(len(args)), args)) + list(kwargs.items()):
@@ -433,9 +383,9 @@ def loss_chunks(form):
 
 
 def seed_lm_kwargs(dim, n, overrides):
-    from bench_seed_lm import SEED_LM
+    from bench_lm import MODELS
 
-    return {**SEED_LM, "dim": dim, "use_gate": True, "max_seq_len": n, **overrides}
+    return {**MODELS["upstream-readme"], "dim": dim, "use_gate": True, "max_seq_len": n, **overrides}
 
 
 def trace_lm_step(kwargs, n, batch=1, precision="bf16-autocast", loss="wrapper", real=False, hw=H100, seed=0):
