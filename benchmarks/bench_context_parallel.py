@@ -3,29 +3,20 @@
 one process on the whole sequence.
 
 For each n, one fresh process runs the whole sequence, then P fresh processes (meeting through
-a file store) each run their slice (``context_parallel=group``), every process with the same
-thread count. Each process times training steps (``AutoregressiveWrapper``'s loss, forward +
-backward, batch 1) and reports:
+a file store) each run their slice (``context_parallel=group``), all with the same thread count,
+each timing training steps of ``AutoregressiveWrapper``'s loss (batch 1). Per process:
 
-* its peak memory over the baseline taken after building the model and its tokens
-  (``common.PeakMemory``: VmHWM over VmRSS, each process its own). The target for a rank is
-  about 1/P of the one process's peak, plus a constant (the parameters' gradients, the halos).
-  glibc's malloc raises its mmap threshold as large buffers are freed, after which freed
-  buffers stay in the heap and the peak depends on the order of allocations; so the workers
-  run with ``MALLOC_MMAP_THRESHOLD_`` fixed (``--mmap-threshold``, 128 KiB) and VmHWM follows
-  the live tensors;
-* the bytes it hands to the collectives in one step, counted by wrapping
-  ``torch.distributed``'s all_reduce / all_gather (what the autograd-aware collectives call
-  too), forward and backward: split into the layers' float tensors (per layer: divided by the
-  depth; they do not depend on n) and the per-step integer bookkeeping (the slices' shape
-  check and the wrapper's count of targets);
-* its matmul FLOPs in one step (``common.MatmulFlops``, an untimed step) and the square matmul
-  rate measured in the same process before and after the timed steps: floor = FLOPs / rate.
+* peak memory over the baseline taken after building the model (``common.PeakMemory``); a
+  rank's target is about 1/P of the one process's peak plus a constant (gradients, halos). The
+  workers run with glibc's ``MALLOC_MMAP_THRESHOLD_`` fixed (``--mmap-threshold``), so that freed
+  buffers leave the heap and the peak follows the live tensors, not the order of allocations;
+* the bytes handed to the collectives in one step, forward and backward: the layers' floats
+  (per layer, independent of n) and the integer bookkeeping (shape check, target counts);
+* the step's matmul FLOPs (``common.MatmulFlops``) at the square matmul rate of the same
+  process: the floor.
 
-The step time of the P ranks is the slowest rank's median (they wait for each other at every
-collective). With more processes than cores (P = 4 on 2 cores) the ranks share cores: the time
-then measures the oversubscribed machine, not what P devices would take; the memory and the
-bytes do not depend on it.
+The P ranks' step time is the slowest rank's median. With more processes than cores the ranks
+share cores: the time then measures the oversubscribed machine; memory and bytes do not.
 
 Usage:  python benchmarks/bench_context_parallel.py [--world-sizes 2 4] [--lengths 16384 32768 65536]
         python benchmarks/bench_context_parallel.py --world-sizes 2 --lengths 4096 --steps 1   # quick
@@ -37,7 +28,6 @@ import argparse
 import gc
 import json
 import os
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -49,15 +39,13 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import (  # noqa: E402  (the folder of this script, see common.py)
     RESULT_TAG,
     GiB,
-    PeakMemory,
-    MatmulFlops,
     emit_result,
     kwargs_text,
+    measure_step,
     print_header,
     record,
     run_in_subprocess,
     set_threads,
-    square_matmul_rate,
     table,
 )
 
@@ -144,38 +132,30 @@ def worker(args):
     x = tokens_of(n)[:, rank * n_local : (rank + 1) * n_local + 1].clone()
     kwargs = {} if group is None else dict(context_parallel=group)
 
+    last = {}
+
     def step():
+        if group is not None:
+            dist.barrier()  # every rank starts the step together: the slowest rank sets the time
         model.zero_grad(set_to_none=True)
         loss = model(x, **kwargs)
         loss.backward()
-        return loss
+        last["loss"] = loss.detach()
 
-    rate_before = square_matmul_rate("cpu", args.matmul_size)
-    memory = PeakMemory("cpu")  # baseline: the model and its tokens built, nothing run yet
-    with MatmulFlops() as counted, CollectiveBytes() as sent:
-        loss = step()  # the untimed first step: FLOPs and bytes counted
-    flops = counted.flops
-    times = []
-    for _ in range(args.steps):
-        if group is not None:
-            dist.barrier()  # every rank starts the step together: the slowest rank sets the time
-        start = time.perf_counter()
-        loss = step()
-        times.append(time.perf_counter() - start)
-    peak = memory.increase()
-    rate_after = square_matmul_rate("cpu", args.matmul_size)
+    with CollectiveBytes() as sent:
+        step()  # untimed: the bytes of one step
+    result = dict(measure_step(step, "cpu", args.steps, 0, args.matmul_size), rank=rank, world=world, n=n,
+                  float_bytes=sent.floats, integer_bytes=sent.integers, collectives=sent.calls)
+    loss = last["loss"].clone()
     if group is not None:  # the whole loss, for the check against one process
-        loss = loss.detach().clone()
         dist.all_reduce(loss, group=group)
-    result = dict(rank=rank, world=world, n=n, times=times, peak=peak, mem_method=memory.method, flops=flops,
-                  float_bytes=sent.floats, integer_bytes=sent.integers, collectives=sent.calls,
-                  rate=max(rate_before, rate_after), loss=float(loss), threads=torch.get_num_threads())
-    del model, loss
+    result["loss"] = float(loss)
+    emit_result(result)
+    del model, loss, last
     if group is not None:
         dist.barrier()  # no rank shuts its connections while another still reads (tests/test_distributed.py)
         gc.collect()
         dist.destroy_process_group()
-    emit_result(result)
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)  # never finalize the interpreter with gloo's threads alive (tests/test_distributed.py)
@@ -263,14 +243,14 @@ def main(argv=None):
     print("training step (forward + backward of the wrapper's loss), per process:")
     lines, figures = [], {}
     for n, world, ranks, single in rows:
-        step = max(statistics.median(r["times"]) for r in ranks)
+        step = max(r["median"] for r in ranks)
         floor = max(r["flops"] / r["rate"] for r in ranks)
         peak = max(r["peak"] for r in ranks)
         per_layer = max(r["float_bytes"] for r in ranks) / MODEL["depth"]
         figures[f"n={n} P={world}"] = dict(peak_vs_one=peak / single["peak"], kib_per_layer=per_layer / 1024,
                                            floor_share=floor / step)
         lines.append([
-            n, world, n // world, f"{step:.2f}", f"{statistics.median(single['times']) / step:.2f}",
+            n, world, n // world, f"{step:.2f}", f"{single['median'] / step:.2f}",
             f"{floor:.2f}", f"{100 * floor / step:.0f} %",
             " / ".join(f"{r['rate'] / 1e9:.0f}" for r in ranks),
             f"{peak / GiB:.3f}", f"{peak / single['peak']:.3f}",
@@ -280,15 +260,11 @@ def main(argv=None):
         ])
     print(table(["n", "P", "n/P", "s/step", "speedup", "floor s", "floor/time", "matmul GFLOP/s",
                  "peak +GiB", "peak / 1 proc", "KiB/layer", "int B/step", "|loss - 1 proc|"], lines))
-    method = rows[0][3]["mem_method"] if rows else "-"
-    print(f"(s/step: the slowest rank's median of --steps {args.steps} steps; speedup: the one process's "
-          f"s/step over it; floor: the rank's matmul FLOPs "
-          f"(forward + backward, counted) at the square matmul rate ({args.matmul_size}^2, best of the rates "
-          f"measured in that process before and after its steps, one per rank listed); peak: the largest rank's "
-          f"{method}; KiB/layer: the float bytes a rank hands to the collectives in one step (forward + backward) "
-          f"over the depth {MODEL['depth']}; int B/step: the shape check and the wrapper's counts; "
-          f"{args.threads} thread(s) per process, {os.cpu_count()} cores; MALLOC_MMAP_THRESHOLD_="
-          f"{args.mmap_threshold or 'unset'}; {time.perf_counter() - started:.0f} s)")
+    method = rows[0][3]["memory_method"] if rows else "-"
+    print(f"(s/step: the slowest rank's median; floor: its matmul FLOPs at its square matmul rate; peak: the "
+          f"largest rank's {rows[0][3]['memory_method'] if rows else '-'}; KiB/layer: floats sent per step over the depth; "
+          f"int B/step: the integer bookkeeping; {args.threads} thread(s) per process, {os.cpu_count()} cores; "
+          f"{time.perf_counter() - started:.0f} s)")
     if args.record:
         print("recorded in", record(args.record, "cpu", figures))
     return 1 if errors else 0

@@ -1,70 +1,35 @@
 #!/usr/bin/env python
 """A MODEL, not a timing: what one training step would cost on an H100, from the CPU.
 
-No GPU runs here. One training step (forward, loss, backward) is traced on the CPU under a
-``TorchDispatchMode`` that sees every aten op the step dispatches, by default on fake tensors
-(``FakeTensorMode``: shapes, strides and dtypes without data, so n = 65536 at dim 1024 traces in
-seconds). Each op is given the roofline cost
+One training step (forward, loss, backward) is traced on the CPU under a ``TorchDispatchMode``
+that sees every aten op, by default on fake tensors (shapes, strides and dtypes without data, so
+n = 65536 at dim 1024 traces in seconds). Each op costs
 
     time(op) = max(launch_s, FLOPs / peak, bytes / bandwidth)
 
-and the step's estimate is the sum over its ops: ops run one after the other, each at the
-limit that binds it, with nothing overlapping. Its reference is the floor,
+and the estimate is the sum over the ops (one after the other, nothing overlapping). Its
+reference is the floor, the step's matmul FLOPs at the tensor-core peak of their dtype; the
+figures to read are estimate / floor (target <= 1.5) and the launch share, the fraction of the
+estimate spent in ops too small to fill the GPU (fewer, fused ops are the cure).
 
-    floor = the step's matmul FLOPs / the tensor-core peak of their dtype
+What is counted: views and metadata cost nothing; contractions, convolutions and fused
+attention count their matmul FLOPs (``common.contraction_flops``) at the peak of their dtype;
+every other op one FLOP per element at the CUDA-core fp32 peak. Bytes are the tensors read and
+written (a broadcast dimension once; write-only ops do not read their target; gathers and
+in-place scatters touch only the elements they move). Host syncs (.item(), nonzero, boolean
+masks) are counted, not costed: fake tensors cannot run one, so a form that syncs needs
+``--real``. The ops are those the CPU dispatches (dropout is three ops here, one kernel on CUDA;
+CPU autocast's op lists stand in for CUDA's).
 
-(the step as if it were its matmuls at peak and nothing else), and the figures to read are
-estimate / floor and the launch share: the fraction of the estimate spent in ops whose cost is
-their launch (ops too small to fill the GPU; fewer, fused ops are the cure).
+The hardware (every figure an option): launch_s 6 us, the host cost of one eager op (an
+assumption: 4-10 us is typical); H100 SXM5 datasheet peaks, dense: bf16/fp16 989.4e12, TF32
+494.7e12 (float32 matmuls with ``--tf32`` only), FP32 66.9e12, FP64 66.9e12 FLOP/s; HBM3
+3.35e12 B/s. No kernel reaches a peak, so estimate and floor are optimistic alike.
 
-What is counted
-    - views and metadata ops (``func.is_view``, empty/empty_strided/_unsafe_view/..., prim::)
-      cost nothing and are not counted as ops;
-    - contractions (mm, addmm, bmm, baddbmm, addbmm, mv, addmv, dot; einsum, matmul and linear
-      reach the dispatcher as these) count 2 m n k FLOPs (times the batch), at the tensor-core
-      peak of their dtype. Convolutions count 2 x output elements x (input channels / groups)
-      x kernel size per pass, fused attention (``_scaled_dot_product_*``) 4 B H L S E forward
-      (half that when causal) and 2.5 x that backward; these are "matmul" FLOPs too;
-    - every other op counts one FLOP per element (the larger of its input and output element
-      counts) at the CUDA-core fp32 peak: in practice it is bound by bytes or by its launch;
-    - bytes are the tensor inputs read plus the tensor outputs written, each at its element
-      size; a broadcast (stride 0) dimension is read once; ops that only write their first
-      argument (copy_, fill_, zero_, the random fills) do not read it; gathers (index,
-      embedding, index_select, gather) read no more of their source than they write; in-place
-      scatters (index_put_, index_add_, scatter_, ...) do not read their target and write as
-      many of its elements as their largest other input has;
-    - host syncs (.item(), nonzero, boolean-mask indexing, ...: an op that reads a value back)
-      are counted, not costed. On a GPU each one stops the CPU from running ahead, which the
-      sum above does not show; fake tensors cannot run one, so a form that syncs must be
-      traced with ``--real`` (real CPU tensors: slow at large n);
-    - the ops are those the CPU dispatches. Where CUDA dispatches otherwise, the count differs:
-      dropout is one fused ``native_dropout`` kernel on CUDA and ``bernoulli_``, ``div_``,
-      ``mul`` here (a few ops more per dropout), and CPU autocast's op lists stand in for CUDA's.
-
-The hardware (``H100``; every figure a command-line option):
-    - launch_s = 6 us: an assumption, the host cost of one eager PyTorch op (Python, the
-      dispatcher, the CUDA launch), which paces a stream of small kernels when the CPU runs
-      ahead; 4-10 us is typical of eager PyTorch on a fast host;
-    - peak_bf16 = 989.4e12 FLOP/s: H100 SXM5 datasheet, BF16/FP16 tensor core, dense (the
-      datasheet's 1979 is with 2:4 sparsity);
-    - peak_tf32 = 494.7e12: TF32 tensor core, dense; used for float32 matmuls only with
-      ``--tf32`` (torch.backends.cuda.matmul.allow_tf32 / set_float32_matmul_precision('high'));
-    - peak_fp32 = 66.9e12: FP32 on the CUDA cores; float32 matmuls without TF32 (PyTorch's
-      default) and every non-matmul FLOP;
-    - peak_fp64 = 66.9e12: FP64 tensor core, float64 matmuls;
-    - bandwidth = 3.35e12 B/s: HBM3 of the H100 SXM5 (80 GB).
-A peak is a bound no kernel reaches (cuBLAS gets ~60-80 % of it on large bf16 matmuls), so
-both the estimate and the floor are optimistic in the same way; the ratio is the figure.
-
-The default case is the README LM of upstream ``linear-attention-transformer``
-(``bench_lm.MODELS["upstream-readme"]``: reversible, 4 local + 4 global heads of 128, blindspot 64, GLU
-feed-forward, token shift, dropouts 0.1) at dim 1024 with the gate (use_gate=True), batch 1, training mode, under
-bf16 autocast (the CPU's autocast op lists stand in for CUDA's; the kernel computes in float32
-inside, so its matmuls are float32: at the FP32 peak unless ``--tf32``), loss from
-``AutoregressiveWrapper`` (chunked ``linear_cross_entropy``), at n = 4096, 16384, 65536. The
-causal kernel is traced in the form it takes on a GPU (``use_form``: the device-chosen form,
-see ops/causal/forms.py), whatever device the trace runs on. The target: the estimate
-<= 1.5 x the floor.
+The default case: upstream's README LM (``bench_lm.MODELS["upstream-readme"]``) at dim 1024 with
+``use_gate=True``, batch 1, training mode, bf16 autocast (the kernel computes in float32 inside),
+the loss of ``AutoregressiveWrapper``, at n = 4096, 16384, 65536, the causal kernel traced in the
+form it takes on a GPU.
 
 Usage:  python benchmarks/estimate_gpu.py [--lengths 4096 16384 65536] [--dim 1024]
         python benchmarks/estimate_gpu.py --precision fp32 --tf32 --loss plain
@@ -75,7 +40,6 @@ Usage:  python benchmarks/estimate_gpu.py [--lengths 4096 16384 65536] [--dim 10
 from __future__ import annotations
 
 import argparse
-import ast
 import collections
 import contextlib
 import dataclasses
@@ -93,7 +57,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import bound_args, contraction_flops  # noqa: E402  (this folder, see common.py)
+from common import bound_args, contraction_flops, parse_settings  # noqa: E402  (this folder, see common.py)
 
 LABEL = "MODEL, not a timing"
 LOSSES = {"wrapper": "AutoregressiveWrapper(model)(x): chunked linear_cross_entropy",
@@ -499,14 +463,11 @@ def _positive_int(text):
 
 
 def _key_value(text):
-    key, sep, value = text.partition("=")
-    if not sep or not key.isidentifier():
-        raise argparse.ArgumentTypeError(f"expected KEY=VALUE with KEY an argument name, got {text!r}")
     try:
-        return key, ast.literal_eval(value)
-    except (ValueError, SyntaxError):
-        raise argparse.ArgumentTypeError(
-            f"the value of {key} must be a Python literal (1, 0.5, True, 'elu', (1, 0)), got {value!r}") from None
+        (pair,) = parse_settings(text).items()
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+    return pair
 
 
 def parser():
