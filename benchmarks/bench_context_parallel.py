@@ -25,10 +25,9 @@ Usage:  python benchmarks/bench_context_parallel.py [--world-sizes 2 4] [--lengt
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import gc
-import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -37,7 +36,6 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import (  # noqa: E402  (the folder of this script, see common.py)
-    RESULT_TAG,
     GiB,
     emit_result,
     kwargs_text,
@@ -178,22 +176,13 @@ def worker_argv(args, n, world, rank=0, store=""):
 
 
 def run_ranks(args, n, world):
-    """P processes at once; their results in rank order, or (None, error text)."""
-    with tempfile.TemporaryDirectory() as folder:
-        store = os.path.join(folder, "store")
-        procs = [subprocess.Popen([sys.executable, os.path.abspath(__file__)]
-                                  + [str(a) for a in worker_argv(args, n, world, rank, store)],
-                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=worker_env(args))
-                 for rank in range(world)]
-        outputs = [p.communicate()[0] for p in procs]
-    results = []
-    for rank, (p, out) in enumerate(zip(procs, outputs)):
-        found = [line for line in out.splitlines() if line.startswith(RESULT_TAG)]
-        if not found:
-            tail = "\n".join(out.strip().splitlines()[-15:])
-            return None, f"rank {rank} of {world} at n={n} failed (exit {p.returncode}):\n{tail}"
-        results.append(json.loads(found[0][len(RESULT_TAG):]))
-    return results, None
+    """P processes at once; their results in rank order, or (None, the first error text)."""
+    with tempfile.TemporaryDirectory() as folder, concurrent.futures.ThreadPoolExecutor(world) as pool:
+        runs = [pool.submit(run_in_subprocess, __file__, worker_argv(args, n, world, rank, f"{folder}/store"),
+                            f"rank {rank} of {world} at n={n}", env=worker_env(args)) for rank in range(world)]
+        outcomes = [run.result() for run in runs]
+    errors = [error for _, error in outcomes if error]
+    return ([result for result, _ in outcomes], None) if not errors else (None, errors[0])
 
 
 def main(argv=None):

@@ -1,29 +1,24 @@
 #!/usr/bin/env python
-"""The chunked causal kernel alone, forward and backward, against its matmul floor and,
-optionally, another version of the kernel.
+"""The chunked causal kernel alone, forward and backward, against its matmul floor, in each of
+its forms.
 
     causal_linear_attention(q, k, v, chunk_size=64, exp_features=..., form=...)
 
 fp32, for each ``--shapes`` b,h,n,d: exponential features from logits (the default 'softmax'
 map; logits ~ N(0, 0.25)) or elu features (``--map elu``). The floor is the step's matmul FLOPs,
 counted as they run, at the mean of the square matmul rates measured before and after.
-``--forms`` times several forms of the kernel (ops/causal/forms.py), each against the first.
-
-``--against FILE`` loads another ``ops/causal/chunk.py`` (``git show REV:linear_attention_transformer/
-ops/causal/chunk.py > /tmp/kernel_rev.py``; its relative imports resolve in the installed package)
-and times both in the same process, in alternating rounds (each round in the other order, so
-that a drifting machine hits both alike); the median of the rounds' own ratios is the figure.
+``--forms`` times several forms of the kernel (ops/causal/forms.py), each against the first, in
+alternating rounds (each round in the other order, so that a drifting machine hits all alike):
+the median of the rounds' own ratios is the figure.
 
 Usage:  python benchmarks/bench_kernel.py --threads 1 [--shapes 4,4,256,64 1,8,4096,64] [--map elu]
         python benchmarks/bench_kernel.py --threads 1 --forms auto parallel blocked
-        python benchmarks/bench_kernel.py --threads 1 --against /tmp/kernel_rev.py --rounds 9
 """
 
 from __future__ import annotations
 
 import argparse
 import functools
-import importlib.util
 import os
 import statistics
 import sys
@@ -35,17 +30,6 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common  # noqa: E402  (the folder of this script, see common.py)
 
 CHUNK = 64
-
-
-def load_kernel(path):
-    """causal_linear_attention of the file at ``path``, imported inside the package so that its
-    relative imports resolve there."""
-    spec = importlib.util.spec_from_file_location("linear_attention_transformer.ops.causal._kernel_against", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    if not callable(getattr(module, "causal_linear_attention", None)):
-        raise SystemExit(f"--against {path}: no causal_linear_attention in it")
-    return module.causal_linear_attention
 
 
 def kernel_step(kernel, shape, elu, device):
@@ -86,7 +70,6 @@ def main(argv=None):
     p.add_argument("--map", choices=["softmax", "elu"], default="softmax")
     p.add_argument("--forms", nargs="+", choices=["auto", "sequential", "parallel", "blocked"], default=["auto"],
                    help="forms of this kernel, each timed against the first")
-    p.add_argument("--against", default=None, help="another ops/causal/chunk.py to time beside this one")
     p.add_argument("--rounds", type=int, default=3, help="alternating rounds (default: %(default)s)")
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--matmul-size", type=int, default=None)
@@ -96,10 +79,8 @@ def main(argv=None):
     from linear_attention_transformer.ops.causal.chunk import causal_linear_attention
 
     kernels = {f"form={form}": functools.partial(causal_linear_attention, form=form) for form in args.forms}
-    if args.against:
-        kernels["against"] = load_kernel(args.against)
     common.print_header(args.device, args.threads, f"causal_linear_attention(chunk_size={CHUNK}, map={args.map}), "
-                        f"forward + backward, fp32" + f"; against {args.against}" * bool(args.against))
+                        "forward + backward, fp32")
     rate = common.square_matmul_rate(args.device, args.matmul_size)
     rows, figures = [], {}
     for shape in args.shapes:

@@ -43,11 +43,9 @@ import argparse
 import collections
 import contextlib
 import dataclasses
-import datetime
 import importlib
 import math
 import os
-import platform
 import sys
 import time
 
@@ -57,7 +55,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import bound_args, contraction_flops, parse_settings  # noqa: E402  (this folder, see common.py)
+from common import (  # noqa: E402  (this folder, see common.py)
+    bound_args, contraction_flops, kwargs_text, parse_settings, print_header, table)
 
 LABEL = "MODEL, not a timing"
 LOSSES = {"wrapper": "AutoregressiveWrapper(model)(x): chunked linear_cross_entropy",
@@ -390,23 +389,16 @@ def _pct(x):
     return f"{100 * x:.0f}%"
 
 
-def print_report(args, hw, kwargs_text, results, form_note):
+def print_report(args, hw, model_text, results, form_note):
     """The header, one row per (loss, n), and a verdict line per row; ``results`` is a list of
     (loss, n, Summary, trace seconds)."""
-    from common import table
-
     print(f"*** {LABEL}: a roofline estimate of a {hw.name} from a CPU trace; no GPU ran ***")
-    print(f"date:    {datetime.datetime.now().astimezone().isoformat(timespec='seconds')}")
-    print(f"torch:   {torch.__version__}   python {platform.python_version()}")
-    print(f"traced:  on the CPU, {'real tensors' if args.real else 'fake tensors (FakeTensorMode)'}; "
-          f"kernel {form_note}")
-    print(f"model:   LinearAttentionTransformerLM({kwargs_text})")
-    print(f"         training mode, batch {args.batch}, {args.precision}, forward + loss + backward; loss:")
-    for loss in args.loss:
-        print(f"           {loss}: {LOSSES[loss]}")
-    print("cost:    per op max(launch, FLOPs / peak, bytes / bandwidth), summed; views and metadata free")
-    print(f"         {hw.describe()}")
-    print()
+    print_header("cpu", None, [f"LinearAttentionTransformerLM({model_text})",
+                               f"training mode, batch {args.batch}, {args.precision}, forward + loss + backward",
+                               *(f"loss {loss}: {LOSSES[loss]}" for loss in args.loss),
+                               f"traced on {'real' if args.real else 'fake'} tensors; kernel {form_note}",
+                               "cost: per op max(launch, FLOPs / peak, bytes / bandwidth), summed; views free",
+                               hw.describe()])
     rows = []
     for loss, n, s, seconds in results:
         rows.append([loss, n, s.ops, s.syncs, f"{s.matmul_flops / 1e12:.2f}", f"{s.bytes / 1e9:.1f}",
@@ -428,8 +420,6 @@ def print_report(args, hw, kwargs_text, results, form_note):
 
 
 def print_top(what, ops, rows):
-    from common import table
-
     total = sum(op.seconds for op in ops)
     lines = []
     for name, (count, seconds, bounds) in list(by_op(ops).items())[:rows]:
@@ -442,24 +432,17 @@ def print_top(what, ops, rows):
 # -------------------------------------------------------------------------------- CLI
 
 
-def _positive_float(text):
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if not (math.isfinite(value) and value > 0):
-        raise argparse.ArgumentTypeError(f"expected a positive finite number, got {text!r}")
-    return value
-
-
-def _positive_int(text):
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
-    return value
+def _positive(kind):
+    """An argparse type: a positive (finite) number of ``kind``."""
+    def parse(text):
+        try:
+            value = kind(text)
+        except ValueError:
+            value = None
+        if value is None or not (math.isfinite(value) and value > 0):
+            raise argparse.ArgumentTypeError(f"expected a positive finite number ({kind.__name__}), got {text!r}")
+        return value
+    return parse
 
 
 def _key_value(text):
@@ -472,9 +455,9 @@ def _key_value(text):
 
 def parser():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--lengths", type=_positive_int, nargs="+", default=[4096, 16384, 65536])
-    p.add_argument("--dim", type=_positive_int, default=1024, help="model dim (default: %(default)s)")
-    p.add_argument("--batch", type=_positive_int, default=1)
+    p.add_argument("--lengths", type=_positive(int), nargs="+", default=[4096, 16384, 65536])
+    p.add_argument("--dim", type=_positive(int), default=1024, help="model dim (default: %(default)s)")
+    p.add_argument("--batch", type=_positive(int), default=1)
     p.add_argument("--set", type=_key_value, action="append", default=[], metavar="KEY=VALUE",
                    help="override an argument of the LM (repeatable), e.g. use_local_conv=True")
     p.add_argument("--precision", choices=["bf16-autocast", "bf16", "fp32"], default="bf16-autocast",
@@ -487,12 +470,10 @@ def parser():
     p.add_argument("--real", action="store_true", help="trace real CPU tensors (slow; needed by a form that syncs)")
     p.add_argument("--top", type=int, default=12, help="ops listed for the longest n (0: none)")
     hwp = p.add_argument_group(f"hardware figures (default: {H100.name}, see the docstring)")
-    hwp.add_argument("--launch-us", type=_positive_float, default=H100.launch_s * 1e6)
-    hwp.add_argument("--peak-bf16", type=_positive_float, default=H100.peak_bf16, help="FLOP/s")
-    hwp.add_argument("--peak-tf32", type=_positive_float, default=H100.peak_tf32, help="FLOP/s")
-    hwp.add_argument("--peak-fp32", type=_positive_float, default=H100.peak_fp32, help="FLOP/s")
-    hwp.add_argument("--peak-fp64", type=_positive_float, default=H100.peak_fp64, help="FLOP/s")
-    hwp.add_argument("--bandwidth", type=_positive_float, default=H100.bandwidth, help="bytes/s")
+    hwp.add_argument("--launch-us", type=_positive(float), default=H100.launch_s * 1e6)
+    for field in ("peak_bf16", "peak_tf32", "peak_fp32", "peak_fp64", "bandwidth"):
+        hwp.add_argument("--" + field.replace("_", "-"), type=_positive(float), default=getattr(H100, field),
+                         help="bytes/s" if field == "bandwidth" else "FLOP/s")
     hwp.add_argument("--tf32", action="store_true", help="float32 matmuls at the TF32 peak")
     hwp.add_argument("--hardware-name", default=None, help="name printed for changed figures")
     return p
@@ -519,7 +500,6 @@ def main(argv=None):
     except (TypeError, ValueError, AssertionError) as e:
         given = ", ".join(f"{k}={v!r}" for k, v in overrides.items()) or "defaults"
         p.error(f"the LM rejects these arguments ({given}): {e}")
-    from common import kwargs_text
 
     results, traces = [], {}
     with kernel_form(args.chunk_form) as form_note, loss_chunks(args.chunk_form) as loss_note:
