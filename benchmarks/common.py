@@ -389,6 +389,7 @@ def step_arguments(doc, lengths):
     p.add_argument("--variants", type=parse_settings, nargs="+", default=[{}], help="'base' or key=value,...")
     p.add_argument("--steps", type=int, default=3, help="timed steps per run (default: %(default)s)")
     p.add_argument("--warmup", type=int, default=1, help="untimed steps first (default: %(default)s)")
+    p.add_argument("--rounds", type=int, default=1, help="runs of every case, the fastest kept (default: 1)")
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: leave as is)")
     p.add_argument("--matmul-size", type=int, default=None, help="square matmul side (default 2048 cpu, 8192 cuda)")
     p.add_argument("--record", metavar="NAME", default=None, help="write the figures to results/NAME.json")
@@ -409,18 +410,21 @@ def case_name(case):
 
 
 def run_step_cases(script, args, cases, env_for=lambda case: None):
-    """Each case in a fresh subprocess of ``script``, one after the other. Returns the results
-    (None for a case whose worker failed, its error printed)."""
+    """Each case in a fresh subprocess of ``script``, one after the other, ``args.rounds`` times
+    round-robin so that the load of other work drifts over all cases alike. Returns each case's
+    result of least median time (None for a case whose worker failed, its error printed)."""
     options = ["--device", args.device, "--steps", args.steps, "--warmup", args.warmup]
     options += [] if args.threads is None else ["--threads", args.threads]
     options += [] if args.matmul_size is None else ["--matmul-size", args.matmul_size]
-    results = []
-    for case in cases:
-        result, error = run_in_subprocess(script, ["--worker", json.dumps(case)] + options, case_name(case),
-                                          env=env_for(case))
-        print(f"  {case_name(case)}: " + (error if error else f"{result['median']:.3f} s/step"), flush=True)
-        results.append(result)
-    return results
+    best = [None] * len(cases)
+    for _ in range(args.rounds):
+        for i, case in enumerate(cases):
+            result, error = run_in_subprocess(script, ["--worker", json.dumps(case)] + options, case_name(case),
+                                              env=env_for(case))
+            print(f"  {case_name(case)}: " + (error if error else f"{result['median']:.3f} s/step"), flush=True)
+            if result and (best[i] is None or result["median"] < best[i]["median"]):
+                best[i] = result
+    return best
 
 
 def step_ratios(cases, results):
@@ -457,8 +461,9 @@ def report_step_cases(args, cases, results):
              f"{r['peak'] / GiB:.3f}"] for c, r in done]
     print("\n" + table(["impl", "variant", "n", "s/step", "tok/s", "GFLOP/step", "matmul GFLOP/s", "of floor",
                         "peak +GiB"], rows))
-    print(f"(s/step: median of {args.steps} after {args.warmup} untimed; of floor: FLOPs at the better of the square "
-          f"matmul rates just before and after, over s/step; peak memory: {done[0][1]['memory_method']})\n")
+    print(f"(s/step: median of {args.steps} after {args.warmup} untimed, the fastest of {args.rounds} round(s); "
+          f"of floor: FLOPs at the better of the square matmul rates just before and after, over s/step; "
+          f"peak memory: {done[0][1]['memory_method']})\n")
     figures = step_ratios(cases, results)
     for name, value in figures.items():
         print(f"{name}: {value:.2f}x")

@@ -66,6 +66,22 @@ def test_step_ratios_compare_with_upstream_the_first_variant_and_the_shortest_le
                       "peak n=128 / n=64, base": 3.0}
 
 
+def test_run_step_cases_keeps_each_cases_fastest_round(monkeypatch, capsys):
+    import argparse
+
+    medians = iter([3.0, 5.0, 2.0, 6.0, 4.0, None])  # rounds of two cases; the last run fails
+
+    def run_in_subprocess(script, argv, label, env=None):
+        median = next(medians)
+        return (None, f"{label} failed") if median is None else (dict(median=median), None)
+
+    monkeypatch.setattr(common, "run_in_subprocess", run_in_subprocess)
+    args = argparse.Namespace(device="cpu", steps=1, warmup=0, threads=None, matmul_size=None, rounds=3)
+    cases = [dict(impl="ours", settings={}, n=8), dict(impl="ours", settings={"depth": 1}, n=8)]
+    assert common.run_step_cases("x.py", args, cases) == [dict(median=2.0), dict(median=5.0)]
+    assert "depth=1 n=8 failed" in capsys.readouterr().out
+
+
 def test_bench_lm_runs_its_variants_and_records_them(tmp_path, monkeypatch, capsys):
     """Every variant in its own subprocess, the table, the ratios against the first variant, and
     the record that check_figures reads."""
