@@ -51,47 +51,35 @@ from common import (  # noqa: E402  (the folder of this script, see common.py)
 # heads with a per-head gate beside one local softmax head, a convolution, token shift)
 MODEL = dict(num_tokens=256, dim=256, heads=4, dim_head=64, depth=2, causal=True, n_local_attn_heads=1,
              local_attn_window_size=128, use_gate=True, use_local_conv=True, shift_tokens=True)
-COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter_tensor", "broadcast")
 
 
 class CollectiveBytes:
-    """Counts the bytes this process hands to ``torch.distributed``'s collectives while it is
-    entered, split into floating-point tensors (the layers' summaries and halos) and integer
-    ones (shape checks, counts)."""
+    """Counts the bytes this process hands to ``torch.distributed``'s all_reduce and all_gather
+    (the collectives the library calls; the autograd-aware ones call them too) while it is
+    entered: floating-point tensors (the layers' summaries and halos) and integer ones (shape
+    checks, counts) apart."""
+
+    SENT_ARGUMENT = {"all_reduce": 0, "all_gather": 1}  # all_reduce(tensor), all_gather(list, tensor)
 
     def __init__(self):
         import torch.distributed as dist
 
         self.dist, self.floats, self.integers, self.calls, self.saved = dist, 0, 0, 0, {}
 
-    def _count(self, tensor):
-        size = tensor.numel() * tensor.element_size()
-        if tensor.is_floating_point():
-            self.floats += size
-        else:
-            self.integers += size
-        self.calls += 1
+    def _counted(self, original, position):
+        def collective(*args, **kwargs):
+            tensor = args[position] if len(args) > position else kwargs["tensor"]
+            size = tensor.numel() * tensor.element_size()
+            self.floats += size if tensor.is_floating_point() else 0
+            self.integers += 0 if tensor.is_floating_point() else size
+            self.calls += 1
+            return original(*args, **kwargs)
+        return collective
 
     def __enter__(self):
-        for name in COLLECTIVES:
-            original = getattr(self.dist, name, None)
-            if original is None:
-                continue
-            self.saved[name] = original
-
-            def counted(*args, _original=original, _name=name, **kwargs):
-                # the tensor this rank sends: all_gather(list, tensor), all_reduce(tensor), ...
-                if _name == "all_gather":
-                    tensor = args[1] if len(args) > 1 else kwargs["tensor"]
-                elif _name in ("all_gather_into_tensor", "reduce_scatter_tensor"):
-                    tensor = args[1] if len(args) > 1 else kwargs["input_tensor" if "input_tensor" in kwargs
-                                                                  else "input"]
-                else:
-                    tensor = args[0] if args else kwargs["tensor"]
-                self._count(tensor)
-                return _original(*args, **kwargs)
-
-            setattr(self.dist, name, counted)
+        for name, position in self.SENT_ARGUMENT.items():
+            self.saved[name] = getattr(self.dist, name)
+            setattr(self.dist, name, self._counted(self.saved[name], position))
         return self
 
     def __exit__(self, *exc):

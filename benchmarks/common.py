@@ -1,11 +1,7 @@
-"""What the benchmark scripts of this folder share.
-
-The device and its description, the header every script prints, peak memory, the best time of
-a short call, the square matmul rate (the reference every figure is read against: the machine
-may be shared, so only ratios within one run mean anything), counting a step's matmul FLOPs as
-they run, the softmax reference layer, running one measurement in a fresh subprocess (so that
-its peak memory is its own), tables, and the recorded results that benchmarks/check_figures.py
-compares with the figures the documentation quotes.
+"""What the benchmark scripts of this folder share: the device and its description, the
+header, peak memory, timing, the square matmul rate and the step's matmul FLOPs (the floor every
+figure is read against), the softmax reference layer, the training-step harness (each case in a
+fresh subprocess, so that its peak memory is its own), tables and recorded results.
 
 The scripts import this file as ``common`` from their own folder: run them as
 ``python benchmarks/<script>.py``.
@@ -128,25 +124,6 @@ class PeakMemory:
 # ------------------------------------------------------------------- time and the floor
 
 
-def best_seconds(fn, device, reps, min_time=0.05):
-    """Best-of-``reps`` seconds per call of fn; each sample loops fn for about ``min_time`` so
-    that timer resolution and launch overhead do not count."""
-    fn()
-    synchronize(device)
-    t0 = time.perf_counter()
-    fn()
-    synchronize(device)
-    inner = max(1, int(min_time / max(time.perf_counter() - t0, 1e-7)))
-    best = math.inf
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        for _ in range(inner):
-            fn()
-        synchronize(device)
-        best = min(best, (time.perf_counter() - t0) / inner)
-    return best
-
-
 def timed(fn, device):
     """(fn's result, its seconds), the device synchronised on both sides."""
     synchronize(device)
@@ -154,6 +131,14 @@ def timed(fn, device):
     out = fn()
     synchronize(device)
     return out, time.perf_counter() - t0
+
+
+def best_seconds(fn, device, reps, min_time=0.05):
+    """Best-of-``reps`` seconds per call of fn; each sample loops fn for about ``min_time`` so
+    that timer resolution and launch overhead do not count."""
+    fn()
+    inner = max(1, int(min_time / max(timed(fn, device)[1], 1e-7)))
+    return min(timed(lambda: [fn() for _ in range(inner)], device)[1] for _ in range(reps)) / inner
 
 
 def default_matmul_size(device):
