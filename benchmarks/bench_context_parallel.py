@@ -99,8 +99,7 @@ def build(n, device="cpu"):
 
 def tokens_of(n):
     """The whole sequence: n inputs and the target after the last (n + 1 tokens), batch 1."""
-    g = torch.Generator().manual_seed(1)
-    return torch.randint(0, MODEL["num_tokens"], (1, n + 1), generator=g)
+    return torch.randint(0, MODEL["num_tokens"], (1, n + 1), generator=torch.Generator().manual_seed(1))
 
 
 def worker(args):

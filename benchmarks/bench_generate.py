@@ -7,15 +7,11 @@
 
 in eval mode, fp32, greedy (temperature 0), generates ``--new-tokens`` (1024) after a 16-token
 prompt with ``AutoregressiveWrapper(model).generate(prompt, n, temperature=0, use_cache=...)``.
-Printed, all from the same run:
-
-- check: the cached and the recomputing paths give the same tokens over ``--check-tokens``;
-- speed-up: recompute seconds / cached seconds over the same tokens (the recompute path costs
-  O(n²) in all, the cached one O(n), so the figure grows with the number of tokens);
-- flat cost: the cached per-token time over the last three quarters of the tokens against the
-  first quarter (the cache has a fixed size, so a step must not slow down as the text grows);
-- batch: the cached generate() of ``--batch`` prompts at once against one prompt;
-- the square matmul rate before and after, the drift reference.
+Printed, from one run: whether the cached and the recomputing paths give the same tokens; the
+speed-up, recompute seconds over cached seconds (O(n²) against O(n) in all: it grows with the
+number of tokens); flat cost, the cached per-token time over the last three quarters of the
+tokens against the first quarter (a fixed-size cache: near 1); a batch of ``--batch`` prompts
+against one; the square matmul rate before and after, the drift reference.
 
 Usage:  python benchmarks/bench_generate.py --threads 1 [--new-tokens 1024] [--record generate]
 """

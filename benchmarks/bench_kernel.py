@@ -4,12 +4,11 @@ its forms.
 
     causal_linear_attention(q, k, v, chunk_size=64, exp_features=..., form=...)
 
-fp32, for each ``--shapes`` b,h,n,d: exponential features from logits (the default 'softmax'
-map; logits ~ N(0, 0.25)) or elu features (``--map elu``). The floor is the step's matmul FLOPs,
-counted as they run, at the mean of the square matmul rates measured before and after.
-``--forms`` times several forms of the kernel (ops/causal/forms.py), each against the first, in
-alternating rounds (each round in the other order, so that a drifting machine hits all alike):
-the median of the rounds' own ratios is the figure.
+fp32, for each ``--shapes`` b,h,n,d, with exponential features (the default 'softmax' map;
+logits ~ N(0, 0.25)) or elu features (``--map elu``): the step's matmul FLOPs, counted as they
+run, at the mean of the square matmul rates before and after are its floor. Each of ``--forms``
+(ops/causal/forms.py) is timed against the first in alternating rounds (each in the other
+order, so that a drifting machine hits all alike); the median of the rounds' ratios is the figure.
 
 Usage:  python benchmarks/bench_kernel.py --threads 1 [--shapes 4,4,256,64 1,8,4096,64] [--map elu]
         python benchmarks/bench_kernel.py --threads 1 --forms auto parallel blocked

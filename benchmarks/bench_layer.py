@@ -4,13 +4,10 @@
     LinearSelfAttention(dim=512, heads=8, dim_head=64, causal=True, **variant)
 
 batch 1, fp32. Each ``--variants`` entry is ``base`` or ``key=value,...`` of the layer's
-arguments (``feature_map=elu``, ``use_gate=True``, ``use_gate=True,use_local_conv=True``,
-``use_gate=True,gate_granularity=head``, ...), or ``layer=softmax``: the softmax reference of
-the same shapes (``common.SoftmaxSelfAttention``, through ``F.scaled_dot_product_attention``).
-Every (variant, length) runs in a fresh subprocess, so that its peak memory is its own; the
-floor is the step's matmul FLOPs, counted as they run, at the square matmul rate measured in
-the same subprocess, and "of floor" is floor / time. Each variant is also timed against the
-first at the same length.
+arguments (``feature_map=elu``, ``use_gate=True,use_local_conv=True``, ...), or ``layer=softmax``:
+the softmax reference of the same shapes (``common.SoftmaxSelfAttention``). Every (variant,
+length) runs in a fresh subprocess (``common.run_step_cases``): time against the matmul floor and
+against the first variant, peak memory.
 
 Usage:  python benchmarks/bench_layer.py --threads 1 --lengths 4096 16384
         python benchmarks/bench_layer.py --variants base use_gate=True use_gate=True,use_local_conv=True

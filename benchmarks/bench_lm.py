@@ -2,23 +2,14 @@
 """One training step (forward, loss, backward) of LinearAttentionTransformerLM against its
 matmul floor, with its peak memory; variants of the model and of the step are flags.
 
-A model (``--model``): ``bench`` (every head global, exact causal linear attention) or
-``upstream-readme``, the language model of upstream ``linear-attention-transformer``'s README
-(reversible, 4 local heads, blindspot 64, GLU feed-forward in 2 chunks, token shift, dropouts
-0.1). Each ``--variants`` entry is ``base`` or ``key=value,...``: a model argument
-(``checkpoint=True``, ``use_gate=True``, ...) or one of the step's own settings:
-
-    loss=plain|wrapper   F.cross_entropy over the model's logits (default), or the loss of
-                         AutoregressiveWrapper (chunked, the logits never whole)
-    segments=K           K packed documents told apart by ``segment_ids``
-    compile=True         the step's model through ``torch.compile``
-
-Every (variant, length) runs in a fresh subprocess, so that its peak memory is its own. The
-floor is the step's matmul FLOPs, counted as they run, at the square matmul rate measured in
-the same subprocess; "of floor" is floor / time. ``--upstream-path DIR`` (a folder holding
-``linear-attention-transformer==0.19.1``, e.g. from ``pip install --target DIR``) runs every
-variant on upstream's model too, built with the same arguments, and prints upstream / ours.
-``--busy`` keeps one more process spinning on a core during the runs.
+``--model``: ``bench`` (every head global, exact causal linear attention) or ``upstream-readme``,
+the language model of upstream ``linear-attention-transformer``'s README. Each ``--variants``
+entry is ``base`` or ``key=value,...``: a model argument (``checkpoint=True``, ...) or a setting
+of the step: ``loss=wrapper`` (AutoregressiveWrapper's chunked loss; default ``plain``, cross-
+entropy over the logits), ``segments=K`` (K packed documents), ``compile=True``. Every (variant,
+length) runs in a fresh subprocess (``common.run_step_cases``). ``--upstream-path DIR`` (a folder
+holding ``linear-attention-transformer==0.19.1``) runs each case on upstream's model too, built
+with the same arguments; ``--busy`` keeps one more process spinning on a core meanwhile.
 
 Usage:  python benchmarks/bench_lm.py --threads 1 --lengths 4096 16384
         python benchmarks/bench_lm.py --variants base checkpoint=True reversible=True

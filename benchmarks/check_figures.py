@@ -1,12 +1,9 @@
 #!/usr/bin/env python
 """Checks that each figure README.md and docs/ quote from a benchmark is the one its latest run
-recorded.
-
-A benchmark run with ``--record NAME`` writes its figures, command, date and machine to
-``benchmarks/results/NAME.json``. Each entry of ``QUOTES`` names a document, a recorded result,
-the figure's key in it, and the text the document quotes it in (the figure a format field). The
-check formats the recorded figure into that text and looks for it in the document, and looks for
-the run's date there too. After a new run, update the quoting documents; this script says which.
+recorded (with ``--record NAME``, in ``benchmarks/results/NAME.json``), and that the run's date
+stands in the document too. Each entry of ``QUOTES`` names a document, a recorded result, the
+figure's key in it, and the quoted text with the figure as a format field. After a new run,
+update the quoting documents: this script says which.
 
 Usage:  python benchmarks/check_figures.py
 """

@@ -475,7 +475,6 @@ def parser():
         hwp.add_argument("--" + field.replace("_", "-"), type=_positive(float), default=getattr(H100, field),
                          help="bytes/s" if field == "bandwidth" else "FLOP/s")
     hwp.add_argument("--tf32", action="store_true", help="float32 matmuls at the TF32 peak")
-    hwp.add_argument("--hardware-name", default=None, help="name printed for changed figures")
     return p
 
 
@@ -485,7 +484,7 @@ def main(argv=None):
     figures = dict(launch_s=args.launch_us * 1e-6, peak_bf16=args.peak_bf16, peak_tf32=args.peak_tf32,
                    peak_fp32=args.peak_fp32, peak_fp64=args.peak_fp64, bandwidth=args.bandwidth, tf32=args.tf32)
     changed = {k: v for k, v in figures.items() if v != getattr(H100, k)}
-    name = args.hardware_name or (H100.name + (" with " + ", ".join(changed) + " changed" if changed else ""))
+    name = H100.name + (" with " + ", ".join(changed) + " changed" if changed else "")
     hw = Hardware(name=name, **figures)
     if args.top < 0:
         p.error("--top must be >= 0")
