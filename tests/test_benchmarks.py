@@ -130,15 +130,16 @@ def test_check_figures_finds_a_stale_quote_and_a_missing_date(tmp_path):
     (tmp_path / "results" / "x.json").write_text(json.dumps(entry))
     quote = [("doc.md", "x", ["a", "b"], "**{:.0f}x faster**")]
 
-    def check(text):
+    def check(text, quotes=quote):
         (tmp_path / "doc.md").write_text(text)
-        return check_figures.problems(quote, root=str(tmp_path), results=str(tmp_path / "results"))
+        return check_figures.problems(quotes, root=str(tmp_path), results=str(tmp_path / "results"))
 
     assert check("generation is **49x faster** (2026-01-02)") == []
     assert "should quote '**49x faster**'" in check("generation is **87x faster** (2026-01-02)")[0]
     assert "without its run's date" in check("generation is **49x faster**")[0]
-    assert "no recorded figure" in check_figures.problems([("doc.md", "y", ["a"], "{}")], root=str(tmp_path),
-                                                          results=str(tmp_path / "results"))[0]
+    quotient = [("doc.md", "x", (["a", "b"], ["a", "b"]), "takes {:.2f}x")]
+    assert check("it takes 1.00x (2026-01-02)", quotient) == []
+    assert "no recorded figure" in check("", [("doc.md", "y", ["a"], "{}")])[0]
 
 
 def test_bench_context_parallel_counts_the_bytes_a_layer_sends(tmp_path):
