@@ -190,30 +190,16 @@ def op_cost(func, args, kwargs, out, hw=H100):
         return None
     name = _base(func)
     a = bound_args(func, args, kwargs) if (name in GATHERS or name in WRITE_ONLY_FIRST) else {}
-    inputs = []
-    first = True
-    for key, value in list(zip(range(len(args)), args)) + list(kwargs.items()):
-        if key == "out":
-            continue
-        for t in tree_flatten(value)[0]:
-            if not torch.is_tensor(t):
-                continue
-            if first and (name in WRITE_ONLY_FIRST or name in SCATTERS_INPLACE):
-                first = False
-                target = t
-                continue
-            first = False
-            inputs.append(t)
+    tensors = [t for key, value in [*enumerate(args), *kwargs.items()] if key != "out"
+               for t in tree_flatten(value)[0] if torch.is_tensor(t)]
+    overwrites_first = tensors and (name in WRITE_ONLY_FIRST or name in SCATTERS_INPLACE)
+    target, inputs = (tensors[0], tensors[1:]) if overwrites_first else (None, tensors)
     outputs = [t for t in tree_flatten(out)[0] if torch.is_tensor(t)]
     out_bytes = sum(tensor_bytes(t) for t in outputs)
     if name in SCATTERS_INPLACE:
         out_bytes = max([t.numel() for t in inputs] or [0]) * target.element_size()
-    read = 0
-    for t in inputs:
-        b = tensor_bytes(t)
-        if name in GATHERS and t is a.get(GATHERS[name]):
-            b = min(b, out_bytes)
-        read += b
+    gathered = a.get(GATHERS.get(name))  # a gather reads no more of its source than it writes
+    read = sum(min(tensor_bytes(t), out_bytes) if t is gathered else tensor_bytes(t) for t in inputs)
     moved = read + out_bytes
 
     flops = contraction_flops(func, args, kwargs, out)
