@@ -64,7 +64,8 @@ def build_step(case, device):
     net = torch.compile(model) if settings["compile"] else model
     x = torch.randint(0, MODELS[case["model"]]["num_tokens"], (1, case["n"] + 1),
                       generator=torch.Generator().manual_seed(1)).to(device)
-    extra = {} if settings["segments"] == 1 else {"segment_ids": segment_ids_for(case["n"] + 1, settings["segments"])}
+    documents = settings["segments"]
+    extra = {} if documents == 1 else {"segment_ids": segment_ids_for(case["n"] + 1, documents).to(device)}
     wrapper = wrapper_class(net)
 
     def step():
