@@ -238,7 +238,8 @@ def main(argv=None):
                  "peak +GiB", "peak / 1 proc", "KiB/layer", "int B/step", "|loss - 1 proc|"], lines))
     method = rows[0][3]["memory_method"] if rows else "-"
     print(f"(s/step: the slowest rank's median; floor: its matmul FLOPs at its square matmul rate; peak: the "
-          f"largest rank's {rows[0][3]['memory_method'] if rows else '-'}; KiB/layer: floats sent per step over the depth; "
+          f"largest rank's {rows[0][3]['memory_method'] if rows else '-'}; KiB/layer: floats sent per step "
+          f"over the depth; "
           f"int B/step: the integer bookkeeping; {args.threads} thread(s) per process, {os.cpu_count()} cores; "
           f"{time.perf_counter() - started:.0f} s)")
     if args.record:

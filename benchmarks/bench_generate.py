@@ -50,8 +50,12 @@ def measure(args):
     g = torch.Generator().manual_seed(1)
     prompts = torch.randint(0, MODEL["num_tokens"], (args.batch, args.prompt_len), generator=g).to(args.device)
     one = prompts[:1]
-    run = lambda prompts, tokens, use_cache: generation_seconds(wrapper, prompts, tokens, use_cache, args.device)  # noqa: E731
-    run(one, 8, True), run(one, 8, False)  # warm both paths
+
+    def run(prompts, tokens, use_cache):
+        return generation_seconds(wrapper, prompts, tokens, use_cache, args.device)
+
+    for use_cache in (True, False):  # warm both paths
+        run(one, 8, use_cache)
     same = torch.equal(run(one, args.check_tokens, True)[0], run(one, args.check_tokens, False)[0])
     cached_tokens, cached = run(one, args.new_tokens, True)
     _, first_quarter = run(one, args.new_tokens // 4, True)
@@ -59,7 +63,8 @@ def measure(args):
     recomputed_tokens, recompute = run(one, args.new_tokens, False)
     quarter = args.new_tokens // 4
     return dict(
-        same_tokens=same and torch.equal(cached_tokens, recomputed_tokens) and torch.equal(batch_tokens[:1], cached_tokens),
+        same_tokens=same and torch.equal(cached_tokens, recomputed_tokens)
+        and torch.equal(batch_tokens[:1], cached_tokens),
         cached_s=cached, recompute_s=recompute, speedup=recompute / cached,
         flat=((cached - first_quarter) / (args.new_tokens - quarter)) / (first_quarter / quarter),
         batch_ratio=batched / cached, ms_per_token=1e3 * cached / args.new_tokens)

@@ -87,13 +87,13 @@ def main(argv=None):
         best, ratio = time_kernels(steps, args.device, args.rounds)
         rows += [(shape, name, common.step_flops(steps[name]), best[name], ratio[name]) for name in steps]
     rate = (rate + common.square_matmul_rate(args.device, args.matmul_size)) / 2
+    table = []
     for shape, name, flops, best, ratio in rows:
-        figures[f"{name} {','.join(map(str, shape))}"] = dict(ms=1e3 * best, floor_share=flops / rate / best,
-                                                             vs_first=ratio)
+        shape_text, floor_share = ",".join(map(str, shape)), flops / rate / best
+        figures[f"{name} {shape_text}"] = dict(ms=1e3 * best, floor_share=floor_share, vs_first=ratio)
+        table.append([shape_text, name, f"{flops / 1e9:.2f}", f"{1e3 * best:.2f}", f"{floor_share:.0%}", f"{ratio:.3f}"])
     print(f"best of {args.rounds} alternating rounds; floor: FLOPs at {rate / 1e9:.1f} GFLOP/s (square matmul, fp32)")
-    print(common.table(["b,h,n,d", "kernel", "GFLOP", "ms", "of floor", "vs first (median round)"],
-                       [[",".join(map(str, shape)), name, f"{flops / 1e9:.2f}", f"{1e3 * best:.2f}",
-                         f"{100 * flops / rate / best:.0f}%", f"{ratio:.3f}"] for shape, name, flops, best, ratio in rows]))
+    print(common.table(["b,h,n,d", "kernel", "GFLOP", "ms", "of floor", "vs first (median round)"], table))
     if args.record:
         print("recorded in", common.record(args.record, args.device, figures))
     print(f"({common.load_average()} at the end)")
