@@ -142,6 +142,12 @@ def test_check_figures_finds_a_stale_quote_and_a_missing_date(tmp_path):
     assert "no recorded figure" in check("", [("doc.md", "y", ["a"], "{}")])[0]
 
 
+def test_the_documents_quote_the_latest_recorded_figures():
+    import check_figures
+
+    assert check_figures.problems() == []
+
+
 def test_bench_context_parallel_counts_the_bytes_a_layer_sends(tmp_path):
     """bench_context_parallel's counter, around one causal layer on a group of one: the float
     bytes forward + backward are summary_bytes' (the formula tests/test_context_parallel.py
