@@ -3,46 +3,31 @@
 one process on the whole sequence.
 
 For each n, one fresh process runs the whole sequence, then P fresh processes (meeting through
-a file store) each run their slice (``context_parallel=group``), every process with the same
-thread count. Each process times training steps (``AutoregressiveWrapper``'s loss, forward +
-backward, batch 1) and reports:
+a file store) each run their slice (``context_parallel=group``), all with the same thread count,
+each timing training steps of ``AutoregressiveWrapper``'s loss (batch 1). Per process:
 
-* its peak memory over the baseline taken after building the model and its tokens
-  (``common.PeakMemory``: VmHWM over VmRSS, each process its own). The target for a rank is
-  about 1/P of the one process's peak, plus a constant (the parameters' gradients, the halos).
-  glibc's malloc raises its mmap threshold as large buffers are freed (up to 32 MiB), after
-  which freed buffers stay in the heap and the peak depends on the order of allocations
-  (measured: the one process's peak grew 1.9x from n = 16384 to 32768, then 1.3x to 65536).
-  So the workers run with ``MALLOC_MMAP_THRESHOLD_`` fixed (``--mmap-threshold``, 128 KiB):
-  every larger buffer is its own mapping, unmapped when freed, and VmHWM follows the live
-  tensors. Without glibc (tcmalloc preloaded) the variable does nothing;
-* the bytes it hands to the collectives in one step, counted by wrapping
-  ``torch.distributed``'s all_reduce / all_gather (what the autograd-aware collectives call
-  too), forward and backward: split into the layers' float tensors (per layer: divided by the
-  depth; they do not depend on n) and the per-step integer bookkeeping (the slices' shape
-  check and the wrapper's count of targets);
-* its matmul FLOPs in one step (every mm / bmm, forward and backward, counted under a dispatch
-  mode in an untimed step) and the square matmul rate measured in the same process before and
-  after the timed steps: floor = FLOPs / rate, the time the step's matmuls need at that rate.
+* peak memory over the baseline taken after building the model (``common.PeakMemory``); a
+  rank's target is about 1/P of the one process's peak plus a constant (gradients, halos). The
+  workers run with glibc's ``MALLOC_MMAP_THRESHOLD_`` fixed (``--mmap-threshold``), so that freed
+  buffers leave the heap and the peak follows the live tensors, not the order of allocations;
+* the bytes handed to the collectives in one step, forward and backward: the layers' floats
+  (per layer, independent of n) and the integer bookkeeping (shape check, target counts);
+* the step's matmul FLOPs (``common.MatmulFlops``) at the square matmul rate of the same
+  process: the floor.
 
-The step time of the P ranks is the slowest rank's median (they wait for each other at every
-collective). With more processes than cores (P = 4 on 2 cores) the ranks share cores: the time
-then measures the oversubscribed machine, not what P devices would take; the memory and the
-bytes do not depend on it.
+The P ranks' step time is the slowest rank's median. With more processes than cores the ranks
+share cores: the time then measures the oversubscribed machine; memory and bytes do not.
 
 Usage:  python benchmarks/bench_context_parallel.py [--world-sizes 2 4] [--lengths 16384 32768 65536]
         python benchmarks/bench_context_parallel.py --world-sizes 2 --lengths 4096 --steps 1   # quick
-See benchmarks/README.md for the figures measured.
 """
 
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import gc
-import json
 import os
-import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -51,17 +36,14 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import (  # noqa: E402  (the folder of this script, see common.py)
-    RESULT_TAG,
     GiB,
-    PeakMemory,
-    _matmul_flops,
-    _MatmulRecorder,
     emit_result,
     kwargs_text,
+    measure_step,
     print_header,
+    record,
     run_in_subprocess,
     set_threads,
-    square_matmul_rate,
     table,
 )
 
@@ -69,47 +51,35 @@ from common import (  # noqa: E402  (the folder of this script, see common.py)
 # heads with a per-head gate beside one local softmax head, a convolution, token shift)
 MODEL = dict(num_tokens=256, dim=256, heads=4, dim_head=64, depth=2, causal=True, n_local_attn_heads=1,
              local_attn_window_size=128, use_gate=True, use_local_conv=True, shift_tokens=True)
-COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter_tensor", "broadcast")
 
 
 class CollectiveBytes:
-    """Counts the bytes this process hands to ``torch.distributed``'s collectives while it is
-    entered, split into floating-point tensors (the layers' summaries and halos) and integer
-    ones (shape checks, counts)."""
+    """Counts the bytes this process hands to ``torch.distributed``'s all_reduce and all_gather
+    (the collectives the library calls; the autograd-aware ones call them too) while it is
+    entered: floating-point tensors (the layers' summaries and halos) and integer ones (shape
+    checks, counts) apart."""
+
+    SENT_ARGUMENT = {"all_reduce": 0, "all_gather": 1}  # all_reduce(tensor), all_gather(list, tensor)
 
     def __init__(self):
         import torch.distributed as dist
 
         self.dist, self.floats, self.integers, self.calls, self.saved = dist, 0, 0, 0, {}
 
-    def _count(self, tensor):
-        size = tensor.numel() * tensor.element_size()
-        if tensor.is_floating_point():
-            self.floats += size
-        else:
-            self.integers += size
-        self.calls += 1
+    def _counted(self, original, position):
+        def collective(*args, **kwargs):
+            tensor = args[position] if len(args) > position else kwargs["tensor"]
+            size = tensor.numel() * tensor.element_size()
+            self.floats += size if tensor.is_floating_point() else 0
+            self.integers += 0 if tensor.is_floating_point() else size
+            self.calls += 1
+            return original(*args, **kwargs)
+        return collective
 
     def __enter__(self):
-        for name in COLLECTIVES:
-            original = getattr(self.dist, name, None)
-            if original is None:
-                continue
-            self.saved[name] = original
-
-            def counted(*args, _original=original, _name=name, **kwargs):
-                # the tensor this rank sends: all_gather(list, tensor), all_reduce(tensor), ...
-                if _name == "all_gather":
-                    tensor = args[1] if len(args) > 1 else kwargs["tensor"]
-                elif _name in ("all_gather_into_tensor", "reduce_scatter_tensor"):
-                    tensor = args[1] if len(args) > 1 else kwargs["input_tensor" if "input_tensor" in kwargs
-                                                                  else "input"]
-                else:
-                    tensor = args[0] if args else kwargs["tensor"]
-                self._count(tensor)
-                return _original(*args, **kwargs)
-
-            setattr(self.dist, name, counted)
+        for name, position in self.SENT_ARGUMENT.items():
+            self.saved[name] = getattr(self.dist, name)
+            setattr(self.dist, name, self._counted(self.saved[name], position))
         return self
 
     def __exit__(self, *exc):
@@ -129,8 +99,7 @@ def build(n, device="cpu"):
 
 def tokens_of(n):
     """The whole sequence: n inputs and the target after the last (n + 1 tokens), batch 1."""
-    g = torch.Generator().manual_seed(1)
-    return torch.randint(0, MODEL["num_tokens"], (1, n + 1), generator=g)
+    return torch.randint(0, MODEL["num_tokens"], (1, n + 1), generator=torch.Generator().manual_seed(1))
 
 
 def worker(args):
@@ -148,38 +117,30 @@ def worker(args):
     x = tokens_of(n)[:, rank * n_local : (rank + 1) * n_local + 1].clone()
     kwargs = {} if group is None else dict(context_parallel=group)
 
+    last = {}
+
     def step():
+        if group is not None:
+            dist.barrier()  # every rank starts the step together: the slowest rank sets the time
         model.zero_grad(set_to_none=True)
         loss = model(x, **kwargs)
         loss.backward()
-        return loss
+        last["loss"] = loss.detach()
 
-    rate_before = square_matmul_rate("cpu", args.matmul_size)
-    memory = PeakMemory("cpu")  # baseline: the model and its tokens built, nothing run yet
-    with _MatmulRecorder() as recorder, CollectiveBytes() as sent:
-        loss = step()  # the untimed first step: FLOPs and bytes counted
-    flops = sum(_matmul_flops(name, operands) for name, operands in recorder.calls)
-    times = []
-    for _ in range(args.steps):
-        if group is not None:
-            dist.barrier()  # every rank starts the step together: the slowest rank sets the time
-        start = time.perf_counter()
-        loss = step()
-        times.append(time.perf_counter() - start)
-    peak = memory.increase()
-    rate_after = square_matmul_rate("cpu", args.matmul_size)
+    with CollectiveBytes() as sent:
+        step()  # untimed: the bytes of one step
+    result = dict(measure_step(step, "cpu", args.steps, 0, args.matmul_size), rank=rank, world=world, n=n,
+                  float_bytes=sent.floats, integer_bytes=sent.integers, collectives=sent.calls)
+    loss = last["loss"].clone()
     if group is not None:  # the whole loss, for the check against one process
-        loss = loss.detach().clone()
         dist.all_reduce(loss, group=group)
-    result = dict(rank=rank, world=world, n=n, times=times, peak=peak, mem_method=memory.method, flops=flops,
-                  float_bytes=sent.floats, integer_bytes=sent.integers, collectives=sent.calls,
-                  rate=max(rate_before, rate_after), loss=float(loss), threads=torch.get_num_threads())
-    del model, loss
+    result["loss"] = float(loss)
+    emit_result(result)
+    del model, loss, last
     if group is not None:
         dist.barrier()  # no rank shuts its connections while another still reads (tests/test_distributed.py)
         gc.collect()
         dist.destroy_process_group()
-    emit_result(result)
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)  # never finalize the interpreter with gloo's threads alive (tests/test_distributed.py)
@@ -202,22 +163,13 @@ def worker_argv(args, n, world, rank=0, store=""):
 
 
 def run_ranks(args, n, world):
-    """P processes at once; their results in rank order, or (None, error text)."""
-    with tempfile.TemporaryDirectory() as folder:
-        store = os.path.join(folder, "store")
-        procs = [subprocess.Popen([sys.executable, os.path.abspath(__file__)]
-                                  + [str(a) for a in worker_argv(args, n, world, rank, store)],
-                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=worker_env(args))
-                 for rank in range(world)]
-        outputs = [p.communicate()[0] for p in procs]
-    results = []
-    for rank, (p, out) in enumerate(zip(procs, outputs)):
-        found = [line for line in out.splitlines() if line.startswith(RESULT_TAG)]
-        if not found:
-            tail = "\n".join(out.strip().splitlines()[-15:])
-            return None, f"rank {rank} of {world} at n={n} failed (exit {p.returncode}):\n{tail}"
-        results.append(json.loads(found[0][len(RESULT_TAG):]))
-    return results, None
+    """P processes at once; their results in rank order, or (None, the first error text)."""
+    with tempfile.TemporaryDirectory() as folder, concurrent.futures.ThreadPoolExecutor(world) as pool:
+        runs = [pool.submit(run_in_subprocess, __file__, worker_argv(args, n, world, rank, f"{folder}/store"),
+                            f"rank {rank} of {world} at n={n}", env=worker_env(args)) for rank in range(world)]
+        outcomes = [run.result() for run in runs]
+    errors = [error for _, error in outcomes if error]
+    return ([result for result, _ in outcomes], None) if not errors else (None, errors[0])
 
 
 def main(argv=None):
@@ -229,6 +181,7 @@ def main(argv=None):
     p.add_argument("--matmul-size", type=int, default=1024, help="side of the square reference matmul")
     p.add_argument("--mmap-threshold", type=int, default=131072,
                    help="MALLOC_MMAP_THRESHOLD_ of the workers in bytes (0: glibc's dynamic default)")
+    p.add_argument("--record", metavar="NAME", default=None, help="write the figures to results/NAME.json")
     p.add_argument("--worker-n", type=int, default=None, help=argparse.SUPPRESS)
     p.add_argument("--world", type=int, default=1, help=argparse.SUPPRESS)
     p.add_argument("--rank", type=int, default=0, help=argparse.SUPPRESS)
@@ -264,14 +217,16 @@ def main(argv=None):
         print(error, "\n")
 
     print("training step (forward + backward of the wrapper's loss), per process:")
-    lines = []
+    lines, figures = [], {}
     for n, world, ranks, single in rows:
-        step = max(statistics.median(r["times"]) for r in ranks)
+        step = max(r["median"] for r in ranks)
         floor = max(r["flops"] / r["rate"] for r in ranks)
         peak = max(r["peak"] for r in ranks)
         per_layer = max(r["float_bytes"] for r in ranks) / MODEL["depth"]
+        figures[f"n={n} P={world}"] = dict(peak_vs_one=peak / single["peak"], kib_per_layer=per_layer / 1024,
+                                           floor_share=floor / step)
         lines.append([
-            n, world, n // world, f"{step:.2f}", f"{statistics.median(single['times']) / step:.2f}",
+            n, world, n // world, f"{step:.2f}", f"{single['median'] / step:.2f}",
             f"{floor:.2f}", f"{100 * floor / step:.0f} %",
             " / ".join(f"{r['rate'] / 1e9:.0f}" for r in ranks),
             f"{peak / GiB:.3f}", f"{peak / single['peak']:.3f}",
@@ -281,15 +236,14 @@ def main(argv=None):
         ])
     print(table(["n", "P", "n/P", "s/step", "speedup", "floor s", "floor/time", "matmul GFLOP/s",
                  "peak +GiB", "peak / 1 proc", "KiB/layer", "int B/step", "|loss - 1 proc|"], lines))
-    method = rows[0][3]["mem_method"] if rows else "-"
-    print(f"(s/step: the slowest rank's median of --steps {args.steps} steps; speedup: the one process's "
-          f"s/step over it; floor: the rank's matmul FLOPs "
-          f"(forward + backward, counted) at the square matmul rate ({args.matmul_size}^2, best of the rates "
-          f"measured in that process before and after its steps, one per rank listed); peak: the largest rank's "
-          f"{method}; KiB/layer: the float bytes a rank hands to the collectives in one step (forward + backward) "
-          f"over the depth {MODEL['depth']}; int B/step: the shape check and the wrapper's counts; "
-          f"{args.threads} thread(s) per process, {os.cpu_count()} cores; MALLOC_MMAP_THRESHOLD_="
-          f"{args.mmap_threshold or 'unset'}; {time.perf_counter() - started:.0f} s)")
+    method = rows[0][3]["memory_method"] if rows else "-"
+    print(f"(s/step: the slowest rank's median; floor: its matmul FLOPs at its square matmul rate; peak: the "
+          f"largest rank's {rows[0][3]['memory_method'] if rows else '-'}; KiB/layer: floats sent per step "
+          f"over the depth; "
+          f"int B/step: the integer bookkeeping; {args.threads} thread(s) per process, {os.cpu_count()} cores; "
+          f"{time.perf_counter() - started:.0f} s)")
+    if args.record:
+        print("recorded in", record(args.record, "cpu", figures))
     return 1 if errors else 0
 
 

@@ -1,9 +1,7 @@
-"""Helpers shared by the benchmark scripts of this folder (bench_lm, bench_gate, bench_generate).
-
-Devices and threads, a description of the machine, peak memory over a baseline, the best
-time of a short call, the square matmul rate that every script prints as its drift reference,
-the header every script starts with, plain-text tables, and running one measurement in a
-fresh Python subprocess (so that its peak memory is its own) and reading back its result.
+"""What the benchmark scripts of this folder share: the device and its description, the
+header, peak memory, timing, the square matmul rate and the step's matmul FLOPs (the floor every
+figure is read against), the softmax reference layer, the training-step harness (each case in a
+fresh subprocess, so that its peak memory is its own), tables and recorded results.
 
 The scripts import this file as ``common`` from their own folder: run them as
 ``python benchmarks/<script>.py``.
@@ -11,21 +9,26 @@ The scripts import this file as ``common`` from their own folder: run them as
 
 from __future__ import annotations
 
-import collections
+import argparse
+import ast
 import datetime
 import json
 import math
 import os
 import platform
+import statistics
 import subprocess
 import sys
 import time
 
 import torch
+import torch.nn.functional as F
+from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 GiB = 2 ** 30
 RESULT_TAG = "BENCH_RESULT "
+RESULTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 
 
 # ------------------------------------------------------------------------------ devices
@@ -45,20 +48,8 @@ def set_threads(threads):
         torch.set_num_threads(threads)
 
 
-def cpu_name():
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown cpu"
-
-
 def load_average():
-    """1/5/15-minute load averages: above the thread count, other processes compete for the
-    cores and the timings (most of all those of many small ops) suffer."""
+    """Above the thread count, other processes compete for the cores and the timings suffer."""
     try:
         return "1/5/15 min load average " + " ".join(f"{v:.2f}" for v in os.getloadavg())
     except OSError:
@@ -68,26 +59,29 @@ def load_average():
 def device_name(device):
     if torch.device(device).type == "cuda":
         return torch.cuda.get_device_name(device)
-    return f"cpu: {cpu_name()} ({os.cpu_count()} logical cores visible)"
+    cpu = platform.processor() or "unknown cpu"
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    return f"cpu: {cpu} ({os.cpu_count()} logical cores visible)"
 
 
-# ------------------------------------------------------------------ host memory (Linux)
+# --------------------------------------------------------------------------- peak memory
 
 
-def _proc_status_kib(field):
-    """A 'VmXXX:  1234 kB' field of /proc/self/status in KiB, or None off Linux."""
+def _proc_status_bytes(field):
+    """A 'VmXXX:  1234 kB' field of /proc/self/status in bytes, or None off Linux."""
     try:
         with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith(field + ":"):
-                    return int(line.split()[1])
-    except OSError:
-        pass
-    return None
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith(field + ":"))
+    except (OSError, StopIteration):
+        return None
 
 
 def _reset_peak_rss():
-    """Reset the process's peak RSS (VmHWM) to its current RSS (Linux >= 4.0). True if done."""
+    """Reset the peak RSS (VmHWM) to the current RSS (Linux >= 4.0). True if done."""
     try:
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")
@@ -96,143 +90,55 @@ def _reset_peak_rss():
         return False
 
 
-def _maxrss_bytes():
-    import resource
-
-    r = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return r if sys.platform == "darwin" else r * 1024  # KiB on Linux, bytes on macOS
-
-
 class PeakMemory:
-    """Peak memory above a baseline taken at construction.
-
-    CUDA: torch.cuda.max_memory_allocated over memory_allocated at the baseline.
-    CPU: the peak resident set size (VmHWM, reset to the current RSS at the baseline through
-    /proc/self/clear_refs) over the RSS at the baseline. Without clear_refs, ru_maxrss is
-    the peak since the process started, so the increase is only a lower bound (flagged).
-    """
+    """Peak memory above a baseline taken at construction: CUDA's max_memory_allocated, or on
+    the CPU the peak resident set (VmHWM, reset at the baseline). Where the peak cannot be reset
+    (not Linux), the process's lifetime peak is used and the increase is a lower bound."""
 
     def __init__(self, device):
-        self.cuda = torch.device(device).type == "cuda"
-        self.device = device
-        self.exact = True
+        self.device, self.cuda = device, torch.device(device).type == "cuda"
         if self.cuda:
             synchronize(device)
             torch.cuda.reset_peak_memory_stats(device)
-            self.base = torch.cuda.memory_allocated(device)
-            self.method = "torch.cuda.max_memory_allocated"
+            self.base, self.method = torch.cuda.memory_allocated(device), "torch.cuda.max_memory_allocated"
             return
-        rss = _proc_status_kib("VmRSS")
-        if rss is not None and _reset_peak_rss():
-            self.base = rss * 1024
-            self.method = "VmHWM - VmRSS at baseline"
-        else:
-            self.base = _maxrss_bytes()
-            self.exact = False
-            self.method = "ru_maxrss increase (lower bound)"
+        rss = _proc_status_bytes("VmRSS")
+        self.exact = rss is not None and _reset_peak_rss()
+        self.base = rss if self.exact else self._lifetime_peak()
+        self.method = "VmHWM over VmRSS at baseline" if self.exact else "ru_maxrss increase (lower bound)"
+
+    @staticmethod
+    def _lifetime_peak():
+        import resource
+
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        return peak if sys.platform == "darwin" else peak * 1024  # KiB on Linux
 
     def increase(self):
         if self.cuda:
             synchronize(self.device)
             return torch.cuda.max_memory_allocated(self.device) - self.base
-        if self.exact:
-            hwm = _proc_status_kib("VmHWM")
-            if hwm is not None:
-                return hwm * 1024 - self.base
-        return _maxrss_bytes() - self.base
+        return (_proc_status_bytes("VmHWM") if self.exact else self._lifetime_peak()) - self.base
 
 
-# --------------------------------------------------------------------- matmul reference
+# ------------------------------------------------------------------- time and the floor
+
+
+def timed(fn, device):
+    """(fn's result, its seconds), the device synchronised on both sides."""
+    synchronize(device)
+    t0 = time.perf_counter()
+    out = fn()
+    synchronize(device)
+    return out, time.perf_counter() - t0
 
 
 def best_seconds(fn, device, reps, min_time=0.05):
-    """Best-of-``reps`` seconds per call of fn; each sample loops fn enough times to last
-    about ``min_time`` so that timer resolution and launch overhead do not count."""
+    """Best-of-``reps`` seconds per call of fn; each sample loops fn for about ``min_time`` so
+    that timer resolution and launch overhead do not count."""
     fn()
-    synchronize(device)
-    t0 = time.perf_counter()
-    fn()
-    synchronize(device)
-    once = max(time.perf_counter() - t0, 1e-7)
-    inner = max(1, int(min_time / once))
-    best = math.inf
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        for _ in range(inner):
-            fn()
-        synchronize(device)
-        best = min(best, (time.perf_counter() - t0) / inner)
-    return best
-
-
-def causal_kernel_flops(heads, n, d, e, chunk):
-    """Matmul FLOPs of one forward of the chunked causal kernel on n tokens (one sequence; a
-    multiply-add counts 2). Per head, with C = chunk and v carrying the normaliser's column
-    of ones (hence e + 1): intra-chunk q kᵀ 2 n C d and weights @ v 2 n C (e + 1) (the full
-    C x C block, upper half masked: work the kernel does), q @ state 2 n d (e + 1), chunk
-    states kᵀ v 2 n d (e + 1). n is padded to a multiple of C."""
-    n_pad = -(-n // chunk) * chunk
-    return heads * (2 * n_pad * chunk * d + 2 * n_pad * chunk * (e + 1) + 4 * n_pad * d * (e + 1))
-
-
-class _MatmulRecorder(TorchDispatchMode):
-    """Notes every matmul that runs under it (forward and backward): the op, and each tensor
-    operand's shape, strides and dtype. Keyword arguments (beta, alpha, out=) are not noted: the
-    replay runs the plain op, which does the same multiply-adds. Ops outside ``_REPLAY_OPS``
-    (addbmm, mv, addmv, dot, fused attention) are not seen; this package runs none of them."""
-
-    def __init__(self):
-        super().__init__()
-        self.calls = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        name = func.overloadpacket.__name__.rstrip("_")  # addmm_ is timed as addmm
-        if name in _REPLAY_OPS:
-            operands = tuple((tuple(a.shape), tuple(a.stride()), a.dtype) if isinstance(a, torch.Tensor) else a
-                             for a in args)
-            self.calls.append((name, operands))
-        return func(*args, **kwargs)
-
-
-_REPLAY_OPS = {"mm": torch.mm, "addmm": torch.addmm, "bmm": torch.bmm, "baddbmm": torch.baddbmm}
-
-
-def _matmul_flops(name, operands):
-    """2 m n k for mm/addmm (times the batch for bmm/baddbmm), from the operand shapes."""
-    a, b = (operands[0], operands[1]) if name in ("mm", "bmm") else (operands[1], operands[2])
-    (*batch, m, k), n = a[0], b[0][-1]
-    return 2 * math.prod(batch) * m * n * k
-
-
-def _random_like(spec, device):
-    """A random tensor of a noted (shape, strides, dtype); anything else is returned as is."""
-    if not isinstance(spec, tuple):
-        return spec
-    shape, stride, dtype = spec
-    size = 1 + sum((d - 1) * st for d, st in zip(shape, stride)) if all(shape) else 0
-    return torch.randn(size, dtype=dtype, device=device).as_strided(shape, stride)
-
-
-def matmul_replay(fn, device, reps=3):
-    """The matmuls that one call of ``fn`` runs, each replayed alone at its own shapes.
-
-    ``fn`` runs once under a dispatch mode that notes every mm / addmm / bmm / baddbmm, with
-    the operands' shapes, strides (a transposed weight stays transposed) and dtypes. Each
-    distinct call is then timed on fresh random operands of the same layout (best of
-    ``reps``, see ``best_seconds``) and counted as often as it ran. The sum is what the
-    step's matmuls cost at their own shapes, thin and batched ones included, with nothing
-    between them: a ceiling that the square-matmul floor can be read against.
-    Returns (seconds, FLOPs, number of matmul calls)."""
-    with _MatmulRecorder() as recorder:
-        fn()
-    counts = collections.Counter(recorder.calls)
-    seconds = flops = 0.0
-    for (name, operands), count in counts.items():
-        args = [_random_like(spec, device) for spec in operands]
-        seconds += count * best_seconds(lambda: _REPLAY_OPS[name](*args), device, reps)
-        flops += count * _matmul_flops(name, operands)
-    return seconds, flops, len(recorder.calls)
+    inner = max(1, int(min_time / max(timed(fn, device)[1], 1e-7)))
+    return min(timed(lambda: [fn() for _ in range(inner)], device)[1] for _ in range(reps)) / inner
 
 
 def default_matmul_size(device):
@@ -240,30 +146,165 @@ def default_matmul_size(device):
     return 8192 if torch.device(device).type == "cuda" else 2048
 
 
-def random_matrices(device, *shapes, seed=0):
-    """fp32 standard normal tensors of the given shapes, drawn on the CPU from ``seed``."""
-    g = torch.Generator(device="cpu").manual_seed(seed)
-    return [torch.randn(*shape, generator=g).to(device) for shape in shapes]
-
-
-def square_matmul_rate(device, size=None, reps=5):
-    """fp32 FLOP/s of (size x size) @ (size x size), best of ``reps`` (2 size^3 FLOPs)."""
-    size = size or default_matmul_size(device)
-    a, b = random_matrices(device, (size, size), (size, size))
-    t = best_seconds(lambda: a @ b, device, reps)
-    return 2 * size ** 3 / t
-
-
 def square_matmul_desc(size):
     return f"square matmul ({size} x {size}) @ ({size} x {size})"
 
 
-# -------------------------------------------------------------------------------- output
+def square_matmul_rate(device, size=None, reps=5):
+    """fp32 FLOP/s of a (size x size) @ (size x size) matmul, best of ``reps``."""
+    size = size or default_matmul_size(device)
+    g = torch.Generator(device="cpu").manual_seed(0)
+    a, b = (torch.randn(size, size, generator=g).to(device) for _ in range(2))
+    return 2 * size ** 3 / best_seconds(lambda: a @ b, device, reps)
+
+
+# ------------------------------------------------------------------------ FLOP counting
+
+
+def bound_args(func, args, kwargs):
+    """The op's arguments by their schema names."""
+    bound = dict(zip((a.name for a in func._schema.arguments), args))
+    bound.update(kwargs)
+    return bound
+
+
+SDPA_FORWARD = {"_scaled_dot_product_flash_attention", "_scaled_dot_product_flash_attention_for_cpu",
+                "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention"}
+SDPA_BACKWARD = {name + "_backward" for name in SDPA_FORWARD}
+
+
+def _conv_flops(a, produced, passes=1):
+    """2 x produced elements x (input channels / groups) x kernel size, per pass."""
+    w = a["weight"]
+    return 2 * produced.numel() * w.shape[1] * math.prod(w.shape[2:]) * passes
+
+
+def _sdpa_flops(name, a):
+    """q kᵀ and p v of fused attention (half under a causal mask), backward 2.5 x forward."""
+    q, k, v = a["query"], a["key"], a["value"]
+    *batch, length, e = q.shape
+    flops = 2 * math.prod(batch) * length * k.shape[-2] * (e + v.shape[-1])
+    if a.get("is_causal"):
+        flops //= 2
+    return flops * 5 // 2 if name in SDPA_BACKWARD else flops
+
+
+def contraction_flops(func, args, kwargs, out):
+    """Matmul-class FLOPs of one aten op (a multiply-add counts 2), or None if it is not one.
+    The single FLOP count of these benchmarks: the matmul floor, the GPU cost model and the
+    tests all read it."""
+    name = func.overloadpacket.__name__
+    a = bound_args(func, args, kwargs)
+    if name in ("mv", "dot", "vdot"):
+        return 2 * a["self"].numel()
+    if name == "addmv":
+        return 2 * a["mat"].numel()
+    if name == "convolution":  # transposed: every input element meets the kernel
+        return _conv_flops(a, a["input"] if a["transposed"] else out)
+    if name == "convolution_backward":
+        mask = a["output_mask"]
+        return _conv_flops(a, a["input"] if a["transposed"] else a["grad_output"], int(mask[0]) + int(mask[1]))
+    if name in SDPA_FORWARD or name in SDPA_BACKWARD:
+        return _sdpa_flops(name, a)
+    factors = {"mm": ("self", "mat2"), "bmm": ("self", "mat2"), "addmm": ("mat1", "mat2"),
+               "baddbmm": ("batch1", "batch2"), "addbmm": ("batch1", "batch2")}.get(name)
+    if factors is None:
+        return None
+    x, y = a[factors[0]], a[factors[1]]
+    (*batch, m, k), n = x.shape, y.shape[-1]
+    return 2 * math.prod(batch) * m * k * n
+
+
+class MatmulFlops(TorchDispatchMode):
+    """Counts the matmul-class FLOPs (``contraction_flops``) of everything that runs under it,
+    forward and backward: the work a step really does, whatever its code."""
+
+    def __init__(self):
+        super().__init__()
+        self.flops = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        self.flops += contraction_flops(func, args, kwargs, out) or 0
+        return out
+
+
+def step_flops(step):
+    """Matmul FLOPs of one call of ``step``."""
+    with MatmulFlops() as counter:
+        step()
+    return counter.flops
+
+
+def measure_step(step, device, steps, warmup, matmul_size=None):
+    """Seconds of ``step`` (``warmup`` untimed calls first), its peak memory over a baseline
+    taken before the first call, its matmul FLOPs, and the square matmul rate just before and
+    after the timed calls (the better of the two): the floor, FLOPs / rate, is what the step
+    would take if it were its matmuls at that rate, and ``floor_share`` floor / median time."""
+    rate_before = square_matmul_rate(device, matmul_size)
+    memory = PeakMemory(device)
+    times = [timed(step, device)[1] for _ in range(warmup + steps)][warmup:]
+    peak = memory.increase()
+    rate = max(rate_before, square_matmul_rate(device, matmul_size))
+    flops, median = step_flops(step), statistics.median(times)
+    return dict(times=times, median=median, peak=peak, rate=rate, flops=flops, floor_share=flops / rate / median,
+                memory_method=memory.method, threads=torch.get_num_threads())
+
+
+# ---------------------------------------------------------------------- softmax reference
+
+
+class SoftmaxSelfAttention(nn.Module):
+    """The softmax reference: multi-head self-attention through ``F.scaled_dot_product_attention``
+    with the shapes of ``LinearSelfAttention`` (q, k, v and out projections)."""
+
+    def __init__(self, dim, heads=8, dim_head=64, causal=True):
+        super().__init__()
+        self.heads, self.causal = heads, causal
+        self.to_qkv = nn.Linear(dim, 3 * heads * dim_head, bias=False)
+        self.to_out = nn.Linear(heads * dim_head, dim)
+
+    def forward(self, x):
+        b, n, _ = x.shape
+        q, k, v = self.to_qkv(x).view(b, n, 3, self.heads, -1).permute(2, 0, 3, 1, 4)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=self.causal)
+        return self.to_out(out.transpose(1, 2).reshape(b, n, -1))
+
+
+# ------------------------------------------------------------------------- command line
+
+
+def parse_settings(text):
+    """'key=value,key=value' (values Python literals; a bare word stays a string) to a dict.
+    'base' or '' is the empty dict."""
+    settings = {}
+    for item in filter(None, text.split(",")):
+        if item == "base":
+            continue
+        key, sep, value = item.partition("=")
+        if not sep or not key.isidentifier():
+            raise ValueError(f"expected KEY=VALUE, got {item!r}")
+        try:
+            settings[key] = ast.literal_eval(value)
+        except (ValueError, SyntaxError):
+            settings[key] = value
+    return settings
+
+
+def settings_text(settings):
+    return ",".join(f"{k}={v}" for k, v in settings.items()) or "base"
+
+
+def kwargs_text(kwargs):
+    return ", ".join(f"{k}={v}" for k, v in kwargs.items())
+
+
+# --------------------------------------------------------------------------------- output
 
 
 def print_header(device, threads_arg, model_lines=()):
-    """Date, versions, device, threads (and whether --threads set them), load average, and
-    one 'model:' line per entry of ``model_lines`` (continuation lines indented)."""
+    """Date, versions, device, threads, load average, and one 'model:' line per model line."""
     print(f"date:    {datetime.datetime.now().astimezone().isoformat(timespec='seconds')}")
     print(f"torch:   {torch.__version__}   python {platform.python_version()}")
     print(f"device:  {device} ({device_name(device)})")
@@ -279,15 +320,25 @@ def table(headers, rows):
     """Right-aligned plain-text table with a dashed rule under the headers."""
     widths = [max(len(str(c)) for c in col) for col in zip(headers, *rows)]
     fmt = lambda cells: "  ".join(str(c).rjust(w) for c, w in zip(cells, widths))  # noqa: E731
-    lines = [fmt(headers), fmt(["-" * w for w in widths])] + [fmt(r) for r in rows]
-    return "\n".join(lines)
+    return "\n".join([fmt(headers), fmt(["-" * w for w in widths])] + [fmt(r) for r in rows])
 
 
-def kwargs_text(kwargs):
-    return ", ".join(f"{k}={v}" for k, v in kwargs.items())
+def record(script, device, figures):
+    """Write ``figures`` to results/<script>.json with the command, date and machine: what
+    benchmarks/README.md and check_figures.py read. Returns the path."""
+    os.makedirs(RESULTS_DIR, exist_ok=True)
+    path = os.path.join(RESULTS_DIR, f"{script}.json")
+    entry = dict(command="python " + " ".join(["benchmarks/" + os.path.basename(sys.argv[0])] + sys.argv[1:]),
+                 date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+                 machine=device_name(device), threads=torch.get_num_threads(), load=load_average(),
+                 figures=figures)
+    with open(path, "w") as f:
+        json.dump(entry, f, indent=1)
+        f.write("\n")
+    return path
 
 
-# ----------------------------------------------------------------------- subprocess runs
+# ------------------------------------------------------------------------ subprocess runs
 
 
 def emit_result(result):
@@ -298,9 +349,8 @@ def emit_result(result):
 def run_in_subprocess(script, argv, label, python=None, env=None):
     """Run ``python script *argv`` in a fresh process and read the result it emitted.
 
-    ``python``: the interpreter (default: this one); ``env``: its environment (default: this
-    process's). Returns (result dict, None), or (None, an error text naming ``label`` with the
-    tail of the worker's output) when the worker printed no result."""
+    Returns (result dict, None), or (None, an error text naming ``label`` with the tail of the
+    worker's output) when the worker printed no result."""
     cmd = [python or sys.executable, os.path.abspath(script)] + [str(a) for a in argv]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
     for line in proc.stdout.splitlines():
@@ -308,3 +358,102 @@ def run_in_subprocess(script, argv, label, python=None, env=None):
             return json.loads(line[len(RESULT_TAG):]), None
     tail = "\n".join((proc.stdout + proc.stderr).strip().splitlines()[-15:])
     return None, f"worker for {label} failed (exit {proc.returncode}):\n{tail}"
+
+
+# ------------------------------------------------------------- the training-step harness
+#
+# bench_lm and bench_layer: every case (implementation, variant, length) is one step function
+# measured by ``measure_step`` in a fresh subprocess, then tabled against the same floor.
+
+
+def step_arguments(doc, lengths):
+    """The options every step benchmark takes; the script adds its own."""
+    p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--device", default=default_device())
+    p.add_argument("--lengths", type=int, nargs="+", default=lengths)
+    p.add_argument("--variants", type=parse_settings, nargs="+", default=[{}], help="'base' or key=value,...")
+    p.add_argument("--steps", type=int, default=3, help="timed steps per run (default: %(default)s)")
+    p.add_argument("--warmup", type=int, default=1, help="untimed steps first (default: %(default)s)")
+    p.add_argument("--rounds", type=int, default=1, help="runs of every case, the fastest kept (default: 1)")
+    p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: leave as is)")
+    p.add_argument("--matmul-size", type=int, default=None, help="square matmul side (default 2048 cpu, 8192 cuda)")
+    p.add_argument("--record", metavar="NAME", default=None, help="write the figures to results/NAME.json")
+    p.add_argument("--worker", type=json.loads, default=None, help=argparse.SUPPRESS)
+    return p
+
+
+def step_worker(args, build_step):
+    """Worker side: measure the step that ``build_step(case, device)`` returns (with its model)."""
+    set_threads(args.threads)
+    model, step = build_step(args.worker, args.device)
+    result = measure_step(step, args.device, args.steps, args.warmup, args.matmul_size)
+    emit_result(dict(result, parameters=sum(p.numel() for p in model.parameters())))
+
+
+def case_name(case):
+    return f"{case['impl']} {settings_text(case['settings'])} n={case['n']}"
+
+
+def run_step_cases(script, args, cases, env_for=lambda case: None):
+    """Each case in a fresh subprocess of ``script``, one after the other, ``args.rounds`` times
+    round-robin so that the load of other work drifts over all cases alike. Returns each case's
+    result of least median time (None for a case whose worker failed, its error printed)."""
+    options = ["--device", args.device, "--steps", args.steps, "--warmup", args.warmup]
+    options += [] if args.threads is None else ["--threads", args.threads]
+    options += [] if args.matmul_size is None else ["--matmul-size", args.matmul_size]
+    best = [None] * len(cases)
+    for _ in range(args.rounds):
+        for i, case in enumerate(cases):
+            result, error = run_in_subprocess(script, ["--worker", json.dumps(case)] + options, case_name(case),
+                                              env=env_for(case))
+            print(f"  {case_name(case)}: " + (error if error else f"{result['median']:.3f} s/step"), flush=True)
+            if result and (best[i] is None or result["median"] < best[i]["median"]):
+                best[i] = result
+    return best
+
+
+def step_ratios(cases, results):
+    """upstream / ours (speed) and ours / upstream (peak memory) per variant and length; each
+    variant against the first at the same length; peak memory, longest length over shortest."""
+    got = {case_name(c): r for c, r in zip(cases, results) if r}
+    lengths = sorted({c["n"] for c in cases})
+    out = {}
+    for c in cases:
+        ours, name = got.get(case_name(c)), f"{settings_text(c['settings'])} n={c['n']}"
+        if c["impl"] != "ours" or ours is None:
+            continue
+        upstream = got.get(case_name({**c, "impl": "upstream"}))
+        if upstream:
+            out[f"speed vs upstream, {name}"] = upstream["median"] / ours["median"]
+            out[f"peak vs upstream, {name}"] = ours["peak"] / upstream["peak"]
+        first = got.get(case_name({**c, "settings": cases[0]["settings"]}))
+        if first and first is not ours:
+            out[f"time vs first variant, {name}"] = ours["median"] / first["median"]
+            out[f"peak vs first variant, {name}"] = ours["peak"] / first["peak"]
+        shortest = got.get(case_name({**c, "n": lengths[0]}))
+        if c["n"] == lengths[-1] and len(lengths) > 1 and shortest:
+            out[f"peak n={c['n']} / n={lengths[0]}, {settings_text(c['settings'])}"] = ours["peak"] / shortest["peak"]
+    return out
+
+
+def report_step_cases(args, cases, results):
+    """The table, the ratios, and with --record the figures written. Returns the exit code."""
+    done = [(c, r) for c, r in zip(cases, results) if r]
+    if not done:
+        return 1
+    rows = [[c["impl"], settings_text(c["settings"]), c["n"], f"{r['median']:.3f}", f"{c['n'] / r['median']:.0f}",
+             f"{r['flops'] / 1e9:.1f}", f"{r['rate'] / 1e9:.1f}", f"{100 * r['floor_share']:.0f}%",
+             f"{r['peak'] / GiB:.3f}"] for c, r in done]
+    print("\n" + table(["impl", "variant", "n", "s/step", "tok/s", "GFLOP/step", "matmul GFLOP/s", "of floor",
+                        "peak +GiB"], rows))
+    print(f"(s/step: median of {args.steps} after {args.warmup} untimed, the fastest of {args.rounds} round(s); "
+          f"of floor: FLOPs at the better of the square matmul rates just before and after, over s/step; "
+          f"peak memory: {done[0][1]['memory_method']})\n")
+    figures = step_ratios(cases, results)
+    for name, value in figures.items():
+        print(f"{name}: {value:.2f}x")
+    figures.update({case_name(c): {k: r[k] for k in ("median", "peak", "floor_share")} for c, r in done})
+    if args.record:
+        print("recorded in", record(args.record, args.device, figures))
+    print(f"({load_average()} at the end)")
+    return 0 if len(done) == len(cases) else 1

@@ -1,70 +1,35 @@
 #!/usr/bin/env python
 """A MODEL, not a timing: what one training step would cost on an H100, from the CPU.
 
-No GPU runs here. One training step (forward, loss, backward) is traced on the CPU under a
-``TorchDispatchMode`` that sees every aten op the step dispatches, by default on fake tensors
-(``FakeTensorMode``: shapes, strides and dtypes without data, so n = 65536 at dim 1024 traces in
-seconds). Each op is given the roofline cost
+One training step (forward, loss, backward) is traced on the CPU under a ``TorchDispatchMode``
+that sees every aten op, by default on fake tensors (shapes, strides and dtypes without data, so
+n = 65536 at dim 1024 traces in seconds). Each op costs
 
     time(op) = max(launch_s, FLOPs / peak, bytes / bandwidth)
 
-and the step's estimate is the sum over its ops: ops run one after the other, each at the
-limit that binds it, with nothing overlapping. Its reference is the floor,
+and the estimate is the sum over the ops (one after the other, nothing overlapping). Its
+reference is the floor, the step's matmul FLOPs at the tensor-core peak of their dtype; the
+figures to read are estimate / floor (target <= 1.5) and the launch share, the fraction of the
+estimate spent in ops too small to fill the GPU (fewer, fused ops are the cure).
 
-    floor = the step's matmul FLOPs / the tensor-core peak of their dtype
+What is counted: views and metadata cost nothing; contractions, convolutions and fused
+attention count their matmul FLOPs (``common.contraction_flops``) at the peak of their dtype;
+every other op one FLOP per element at the CUDA-core fp32 peak. Bytes are the tensors read and
+written (a broadcast dimension once; write-only ops do not read their target; gathers and
+in-place scatters touch only the elements they move). Host syncs (.item(), nonzero, boolean
+masks) are counted, not costed: fake tensors cannot run one, so a form that syncs needs
+``--real``. The ops are those the CPU dispatches (dropout is three ops here, one kernel on CUDA;
+CPU autocast's op lists stand in for CUDA's).
 
-(the step as if it were its matmuls at peak and nothing else), and the figures to read are
-estimate / floor and the launch share: the fraction of the estimate spent in ops whose cost is
-their launch (ops too small to fill the GPU; fewer, fused ops are the cure).
+The hardware (every figure an option): launch_s 6 us, the host cost of one eager op (an
+assumption: 4-10 us is typical); H100 SXM5 datasheet peaks, dense: bf16/fp16 989.4e12, TF32
+494.7e12 (float32 matmuls with ``--tf32`` only), FP32 66.9e12, FP64 66.9e12 FLOP/s; HBM3
+3.35e12 B/s. No kernel reaches a peak, so estimate and floor are optimistic alike.
 
-What is counted
-    - views and metadata ops (``func.is_view``, empty/empty_strided/_unsafe_view/..., prim::)
-      cost nothing and are not counted as ops;
-    - contractions (mm, addmm, bmm, baddbmm, addbmm, mv, addmv, dot; einsum, matmul and linear
-      reach the dispatcher as these) count 2 m n k FLOPs (times the batch), at the tensor-core
-      peak of their dtype. Convolutions count 2 x output elements x (input channels / groups)
-      x kernel size per pass, fused attention (``_scaled_dot_product_*``) 4 B H L S E forward
-      (half that when causal) and 2.5 x that backward; these are "matmul" FLOPs too;
-    - every other op counts one FLOP per element (the larger of its input and output element
-      counts) at the CUDA-core fp32 peak: in practice it is bound by bytes or by its launch;
-    - bytes are the tensor inputs read plus the tensor outputs written, each at its element
-      size; a broadcast (stride 0) dimension is read once; ops that only write their first
-      argument (copy_, fill_, zero_, the random fills) do not read it; gathers (index,
-      embedding, index_select, gather) read no more of their source than they write; in-place
-      scatters (index_put_, index_add_, scatter_, ...) do not read their target and write as
-      many of its elements as their largest other input has;
-    - host syncs (.item(), nonzero, boolean-mask indexing, ...: an op that reads a value back)
-      are counted, not costed. On a GPU each one stops the CPU from running ahead, which the
-      sum above does not show; fake tensors cannot run one, so a form that syncs must be
-      traced with ``--real`` (real CPU tensors: slow at large n);
-    - the ops are those the CPU dispatches. Where CUDA dispatches otherwise, the count differs:
-      dropout is one fused ``native_dropout`` kernel on CUDA and ``bernoulli_``, ``div_``,
-      ``mul`` here (a few ops more per dropout), and CPU autocast's op lists stand in for CUDA's.
-
-The hardware (``H100``; every figure a command-line option):
-    - launch_s = 6 us: an assumption, the host cost of one eager PyTorch op (Python, the
-      dispatcher, the CUDA launch), which paces a stream of small kernels when the CPU runs
-      ahead; 4-10 us is typical of eager PyTorch on a fast host, issue 21 uses ~6 us;
-    - peak_bf16 = 989.4e12 FLOP/s: H100 SXM5 datasheet, BF16/FP16 tensor core, dense (the
-      datasheet's 1979 is with 2:4 sparsity);
-    - peak_tf32 = 494.7e12: TF32 tensor core, dense; used for float32 matmuls only with
-      ``--tf32`` (torch.backends.cuda.matmul.allow_tf32 / set_float32_matmul_precision('high'));
-    - peak_fp32 = 66.9e12: FP32 on the CUDA cores; float32 matmuls without TF32 (PyTorch's
-      default) and every non-matmul FLOP;
-    - peak_fp64 = 66.9e12: FP64 tensor core, float64 matmuls;
-    - bandwidth = 3.35e12 B/s: HBM3 of the H100 SXM5 (80 GB).
-A peak is a bound no kernel reaches (cuBLAS gets ~60-80 % of it on large bf16 matmuls), so
-both the estimate and the floor are optimistic in the same way; the ratio is the figure.
-
-The default case is the README LM of upstream ``linear-attention-transformer``
-(``bench_seed_lm.SEED_LM``: reversible, 4 local + 4 global heads of 128, blindspot 64, GLU
-feed-forward, token shift, dropouts 0.1) at dim 1024 with the gate (use_gate=True), batch 1, training mode, under
-bf16 autocast (the CPU's autocast op lists stand in for CUDA's; the kernel computes in float32
-inside, so its matmuls are float32: at the FP32 peak unless ``--tf32``), loss from
-``AutoregressiveWrapper`` (chunked ``linear_cross_entropy``), at n = 4096, 16384, 65536. The
-causal kernel is traced in the form it takes on a GPU (``use_form``: the device-chosen form,
-see ops/causal/forms.py), whatever device the trace runs on. Issue 21's target: the
-estimate <= 1.5 x the floor.
+The default case: upstream's README LM (``bench_lm.MODELS["upstream-readme"]``) at dim 1024 with
+``use_gate=True``, batch 1, training mode, bf16 autocast (the kernel computes in float32 inside),
+the loss of ``AutoregressiveWrapper``, at n = 4096, 16384, 65536, the causal kernel traced in the
+form it takes on a GPU.
 
 Usage:  python benchmarks/estimate_gpu.py [--lengths 4096 16384 65536] [--dim 1024]
         python benchmarks/estimate_gpu.py --precision fp32 --tf32 --loss plain
@@ -75,15 +40,12 @@ Usage:  python benchmarks/estimate_gpu.py [--lengths 4096 16384 65536] [--dim 10
 from __future__ import annotations
 
 import argparse
-import ast
 import collections
 import contextlib
 import dataclasses
-import datetime
 import importlib
 import math
 import os
-import platform
 import sys
 import time
 
@@ -93,11 +55,13 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import (  # noqa: E402  (this folder, see common.py)
+    bound_args, contraction_flops, kwargs_text, parse_settings, print_header, table)
 
 LABEL = "MODEL, not a timing"
 LOSSES = {"wrapper": "AutoregressiveWrapper(model)(x): chunked linear_cross_entropy",
           "plain": "F.cross_entropy(model(x).float())"}
-TARGET = 1.5  # issue 21: the gated seed-like LM estimated <= 1.5 x its floor
+TARGET = 1.5  # the estimate of the gated LM over its floor: above it, the step is not its matmuls
 
 
 # ---------------------------------------------------------------------------- hardware
@@ -164,61 +128,10 @@ SCATTERS_INPLACE = {"index_put_", "_index_put_impl_", "index_add_", "index_copy_
                     "scatter_add_", "scatter_reduce_"}
 # gathers: the source is read where the output is written, no more (argument name of the source)
 GATHERS = {"index": "self", "embedding": "weight", "index_select": "self", "gather": "self", "take": "self"}
-SDPA_FORWARD = {"_scaled_dot_product_flash_attention", "_scaled_dot_product_flash_attention_for_cpu",
-                "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention"}
-SDPA_BACKWARD = {name + "_backward" for name in SDPA_FORWARD}
 
 
 def _base(func):
     return func.overloadpacket.__name__
-
-
-def _bound_args(func, args, kwargs):
-    """The op's arguments by their schema names."""
-    names = [a.name for a in func._schema.arguments]
-    bound = dict(zip(names, args))
-    bound.update(kwargs)
-    return bound
-
-
-def contraction_flops(func, args, kwargs, out):
-    """Matmul-class FLOPs of one op (a multiply-add counts 2), or None if it is not one."""
-    name = _base(func)
-    a = _bound_args(func, args, kwargs)
-    if name in ("mm", "bmm"):
-        x, y = a["self"], a["mat2"]
-    elif name == "addmm":
-        x, y = a["mat1"], a["mat2"]
-    elif name in ("baddbmm", "addbmm"):
-        x, y = a["batch1"], a["batch2"]
-    elif name == "mv":
-        return 2 * a["self"].numel()
-    elif name == "addmv":
-        return 2 * a["mat"].numel()
-    elif name in ("dot", "vdot"):
-        return 2 * a["self"].numel()
-    elif name == "convolution":
-        w = a["weight"]
-        per_output = w.shape[1] * math.prod(w.shape[2:])
-        produced = a["input"] if a["transposed"] else out  # transposed: every input element meets the kernel
-        return 2 * produced.numel() * per_output
-    elif name == "convolution_backward":
-        w, mask = a["weight"], a["output_mask"]
-        per_output = w.shape[1] * math.prod(w.shape[2:])
-        produced = a["input"] if a["transposed"] else a["grad_output"]
-        return 2 * produced.numel() * per_output * (int(mask[0]) + int(mask[1]))
-    elif name in SDPA_FORWARD or name in SDPA_BACKWARD:
-        q, k, v = a["query"], a["key"], a["value"]
-        *batch, length, e = q.shape
-        s, ev = k.shape[-2], v.shape[-1]
-        flops = 2 * math.prod(batch) * length * s * (e + ev)
-        if a.get("is_causal"):
-            flops //= 2
-        return flops * 5 // 2 if name in SDPA_BACKWARD else flops
-    else:
-        return None
-    (*batch, m, k), n = x.shape, y.shape[-1]
-    return 2 * math.prod(batch) * m * k * n
 
 
 def tensor_bytes(t):
@@ -276,31 +189,17 @@ def op_cost(func, args, kwargs, out, hw=H100):
     if is_free(func):
         return None
     name = _base(func)
-    a = _bound_args(func, args, kwargs) if (name in GATHERS or name in WRITE_ONLY_FIRST) else {}
-    inputs = []
-    first = True
-    for key, value in list(zip(range(len(args)), args)) + list(kwargs.items()):
-        if key == "out":
-            continue
-        for t in tree_flatten(value)[0]:
-            if not torch.is_tensor(t):
-                continue
-            if first and (name in WRITE_ONLY_FIRST or name in SCATTERS_INPLACE):
-                first = False
-                target = t
-                continue
-            first = False
-            inputs.append(t)
+    a = bound_args(func, args, kwargs) if (name in GATHERS or name in WRITE_ONLY_FIRST) else {}
+    tensors = [t for key, value in [*enumerate(args), *kwargs.items()] if key != "out"
+               for t in tree_flatten(value)[0] if torch.is_tensor(t)]
+    overwrites_first = tensors and (name in WRITE_ONLY_FIRST or name in SCATTERS_INPLACE)
+    target, inputs = (tensors[0], tensors[1:]) if overwrites_first else (None, tensors)
     outputs = [t for t in tree_flatten(out)[0] if torch.is_tensor(t)]
     out_bytes = sum(tensor_bytes(t) for t in outputs)
     if name in SCATTERS_INPLACE:
         out_bytes = max([t.numel() for t in inputs] or [0]) * target.element_size()
-    read = 0
-    for t in inputs:
-        b = tensor_bytes(t)
-        if name in GATHERS and t is a.get(GATHERS[name]):
-            b = min(b, out_bytes)
-        read += b
+    gathered = a.get(GATHERS.get(name))  # a gather reads no more of its source than it writes
+    read = sum(min(tensor_bytes(t), out_bytes) if t is gathered else tensor_bytes(t) for t in inputs)
     moved = read + out_bytes
 
     flops = contraction_flops(func, args, kwargs, out)
@@ -433,9 +332,9 @@ def loss_chunks(form):
 
 
 def seed_lm_kwargs(dim, n, overrides):
-    from bench_seed_lm import SEED_LM
+    from bench_lm import MODELS
 
-    return {**SEED_LM, "dim": dim, "use_gate": True, "max_seq_len": n, **overrides}
+    return {**MODELS["upstream-readme"], "dim": dim, "use_gate": True, "max_seq_len": n, **overrides}
 
 
 def trace_lm_step(kwargs, n, batch=1, precision="bf16-autocast", loss="wrapper", real=False, hw=H100, seed=0):
@@ -476,23 +375,16 @@ def _pct(x):
     return f"{100 * x:.0f}%"
 
 
-def print_report(args, hw, kwargs_text, results, form_note):
+def print_report(args, hw, model_text, results, form_note):
     """The header, one row per (loss, n), and a verdict line per row; ``results`` is a list of
     (loss, n, Summary, trace seconds)."""
-    from common import table
-
     print(f"*** {LABEL}: a roofline estimate of a {hw.name} from a CPU trace; no GPU ran ***")
-    print(f"date:    {datetime.datetime.now().astimezone().isoformat(timespec='seconds')}")
-    print(f"torch:   {torch.__version__}   python {platform.python_version()}")
-    print(f"traced:  on the CPU, {'real tensors' if args.real else 'fake tensors (FakeTensorMode)'}; "
-          f"kernel {form_note}")
-    print(f"model:   LinearAttentionTransformerLM({kwargs_text})")
-    print(f"         training mode, batch {args.batch}, {args.precision}, forward + loss + backward; loss:")
-    for loss in args.loss:
-        print(f"           {loss}: {LOSSES[loss]}")
-    print("cost:    per op max(launch, FLOPs / peak, bytes / bandwidth), summed; views and metadata free")
-    print(f"         {hw.describe()}")
-    print()
+    print_header("cpu", None, [f"LinearAttentionTransformerLM({model_text})",
+                               f"training mode, batch {args.batch}, {args.precision}, forward + loss + backward",
+                               *(f"loss {loss}: {LOSSES[loss]}" for loss in args.loss),
+                               f"traced on {'real' if args.real else 'fake'} tensors; kernel {form_note}",
+                               "cost: per op max(launch, FLOPs / peak, bytes / bandwidth), summed; views free",
+                               hw.describe()])
     rows = []
     for loss, n, s, seconds in results:
         rows.append([loss, n, s.ops, s.syncs, f"{s.matmul_flops / 1e12:.2f}", f"{s.bytes / 1e9:.1f}",
@@ -514,8 +406,6 @@ def print_report(args, hw, kwargs_text, results, form_note):
 
 
 def print_top(what, ops, rows):
-    from common import table
-
     total = sum(op.seconds for op in ops)
     lines = []
     for name, (count, seconds, bounds) in list(by_op(ops).items())[:rows]:
@@ -528,42 +418,32 @@ def print_top(what, ops, rows):
 # -------------------------------------------------------------------------------- CLI
 
 
-def _positive_float(text):
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if not (math.isfinite(value) and value > 0):
-        raise argparse.ArgumentTypeError(f"expected a positive finite number, got {text!r}")
-    return value
-
-
-def _positive_int(text):
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
-    return value
+def _positive(kind):
+    """An argparse type: a positive (finite) number of ``kind``."""
+    def parse(text):
+        try:
+            value = kind(text)
+        except ValueError:
+            value = None
+        if value is None or not (math.isfinite(value) and value > 0):
+            raise argparse.ArgumentTypeError(f"expected a positive finite number ({kind.__name__}), got {text!r}")
+        return value
+    return parse
 
 
 def _key_value(text):
-    key, sep, value = text.partition("=")
-    if not sep or not key.isidentifier():
-        raise argparse.ArgumentTypeError(f"expected KEY=VALUE with KEY an argument name, got {text!r}")
     try:
-        return key, ast.literal_eval(value)
-    except (ValueError, SyntaxError):
-        raise argparse.ArgumentTypeError(
-            f"the value of {key} must be a Python literal (1, 0.5, True, 'elu', (1, 0)), got {value!r}") from None
+        (pair,) = parse_settings(text).items()
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+    return pair
 
 
 def parser():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--lengths", type=_positive_int, nargs="+", default=[4096, 16384, 65536])
-    p.add_argument("--dim", type=_positive_int, default=1024, help="model dim (default: %(default)s)")
-    p.add_argument("--batch", type=_positive_int, default=1)
+    p.add_argument("--lengths", type=_positive(int), nargs="+", default=[4096, 16384, 65536])
+    p.add_argument("--dim", type=_positive(int), default=1024, help="model dim (default: %(default)s)")
+    p.add_argument("--batch", type=_positive(int), default=1)
     p.add_argument("--set", type=_key_value, action="append", default=[], metavar="KEY=VALUE",
                    help="override an argument of the LM (repeatable), e.g. use_local_conv=True")
     p.add_argument("--precision", choices=["bf16-autocast", "bf16", "fp32"], default="bf16-autocast",
@@ -576,14 +456,11 @@ def parser():
     p.add_argument("--real", action="store_true", help="trace real CPU tensors (slow; needed by a form that syncs)")
     p.add_argument("--top", type=int, default=12, help="ops listed for the longest n (0: none)")
     hwp = p.add_argument_group(f"hardware figures (default: {H100.name}, see the docstring)")
-    hwp.add_argument("--launch-us", type=_positive_float, default=H100.launch_s * 1e6)
-    hwp.add_argument("--peak-bf16", type=_positive_float, default=H100.peak_bf16, help="FLOP/s")
-    hwp.add_argument("--peak-tf32", type=_positive_float, default=H100.peak_tf32, help="FLOP/s")
-    hwp.add_argument("--peak-fp32", type=_positive_float, default=H100.peak_fp32, help="FLOP/s")
-    hwp.add_argument("--peak-fp64", type=_positive_float, default=H100.peak_fp64, help="FLOP/s")
-    hwp.add_argument("--bandwidth", type=_positive_float, default=H100.bandwidth, help="bytes/s")
+    hwp.add_argument("--launch-us", type=_positive(float), default=H100.launch_s * 1e6)
+    for field in ("peak_bf16", "peak_tf32", "peak_fp32", "peak_fp64", "bandwidth"):
+        hwp.add_argument("--" + field.replace("_", "-"), type=_positive(float), default=getattr(H100, field),
+                         help="bytes/s" if field == "bandwidth" else "FLOP/s")
     hwp.add_argument("--tf32", action="store_true", help="float32 matmuls at the TF32 peak")
-    hwp.add_argument("--hardware-name", default=None, help="name printed for changed figures")
     return p
 
 
@@ -593,7 +470,7 @@ def main(argv=None):
     figures = dict(launch_s=args.launch_us * 1e-6, peak_bf16=args.peak_bf16, peak_tf32=args.peak_tf32,
                    peak_fp32=args.peak_fp32, peak_fp64=args.peak_fp64, bandwidth=args.bandwidth, tf32=args.tf32)
     changed = {k: v for k, v in figures.items() if v != getattr(H100, k)}
-    name = args.hardware_name or (H100.name + (" with " + ", ".join(changed) + " changed" if changed else ""))
+    name = H100.name + (" with " + ", ".join(changed) + " changed" if changed else "")
     hw = Hardware(name=name, **figures)
     if args.top < 0:
         p.error("--top must be >= 0")
@@ -608,7 +485,6 @@ def main(argv=None):
     except (TypeError, ValueError, AssertionError) as e:
         given = ", ".join(f"{k}={v!r}" for k, v in overrides.items()) or "defaults"
         p.error(f"the LM rejects these arguments ({given}): {e}")
-    from common import kwargs_text
 
     results, traces = [], {}
     with kernel_form(args.chunk_form) as form_note, loss_chunks(args.chunk_form) as loss_note:

@@ -71,7 +71,7 @@ from pathlib import Path
 # by default). Where another process keeps a core busy, a spinning thread is charged the CPU
 # time it spins, so the scheduler lets it run only in turn with that process, and each of a
 # step's thousands of small parallel ops waits for its turn; a thread that sleeps between ops
-# is run at once when it wakes (benchmarks/bench_threads.py). The environment's own setting
+# is run at once when it wakes (examples/README.md, "Threads on a busy machine"). The environment's own setting
 # wins. Imported after torch (tests, notebooks) it could not act, so the environment (which
 # subprocesses inherit) is left alone.
 if "torch" not in sys.modules:

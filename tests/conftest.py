@@ -55,7 +55,7 @@ def pytest_report_header(config):
     return None
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def test_device():
     """The run's device: the opt-in one, else cpu."""
     return torch.get_default_device()

@@ -1,43 +1,151 @@
-"""The benchmarks' shared measuring helpers (benchmarks/common.py) count what they claim."""
+"""The benchmarks' harness (benchmarks/common.py) counts what it claims, the scripts run their
+variants at small sizes, and the figure check finds a quote that its recorded run does not hold."""
 
+import json
 import os
 import sys
 
+import pytest
 import torch
 from torch import nn
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
-from common import _MatmulRecorder, _random_like, causal_kernel_flops, matmul_replay  # noqa: E402
+import common  # noqa: E402
 
 
-def test_matmul_replay_counts_every_matmul_of_forward_and_backward():
+def test_step_flops_counts_every_matmul_of_forward_and_backward():
     lin = nn.Linear(32, 48)
     x = torch.randn(16, 32, requires_grad=True)
-    seconds, flops, calls = matmul_replay(lambda: lin(x).sum().backward(), "cpu", reps=1)
     # forward addmm, then the input's and the weight's gradients: 3 matmuls of 2 m n k each
-    assert calls == 3
-    assert flops == 3 * 2 * 16 * 32 * 48
-    assert seconds > 0
+    assert common.step_flops(lambda: lin(x).sum().backward()) == 3 * 2 * 16 * 32 * 48
 
 
-def test_matmul_recorder_keeps_each_operand_layout():
-    a, b = torch.randn(4, 6), torch.randn(5, 6)
-    with _MatmulRecorder() as recorder:
-        torch.mm(a, b.t())
-    (name, (spec_a, spec_b)), = recorder.calls
-    assert name == "mm"
-    replayed = _random_like(spec_b, "cpu")
-    assert replayed.shape == (6, 5) and replayed.stride() == b.t().stride() == (1, 6)
-
-
-def test_matmul_replay_counts_batched_matmuls_as_the_kernel_formula_does():
-    # the recorded FLOPs of the causal kernel (no state, no mask) must match the formula, which
-    # is derived by hand from the kernel's block shapes
+def test_step_flops_of_the_causal_kernel_match_its_block_shapes():
+    """Forward, per head, with C the chunk and e + 1 for the normaliser's column of v: the full
+    C x C block of q kᵀ (2 n C d) and of weights @ v (2 n C (e + 1)), q @ state and the chunk
+    states (2 n d (e + 1) each)."""
     from linear_attention_transformer.ops import causal_linear_attention
 
-    q, k, v = (torch.rand(1, 2, 64, 8) for _ in range(3))
-    _, flops, _ = matmul_replay(lambda: causal_linear_attention(q, k, v, chunk_size=16), "cpu", reps=1)
-    assert flops == causal_kernel_flops(2, 64, 8, 8, 16)
+    heads, n, d, chunk = 2, 64, 8, 16
+    q, k, v = (torch.rand(1, heads, n, d) for _ in range(3))
+    forward = heads * (2 * n * chunk * d + 2 * n * chunk * (d + 1) + 4 * n * d * (d + 1))
+    assert common.step_flops(lambda: causal_linear_attention(q, k, v, chunk_size=chunk)) == forward
+
+
+def test_softmax_reference_is_causal():
+    torch.manual_seed(0)
+    layer = common.SoftmaxSelfAttention(dim=16, heads=2, dim_head=8)
+    x = torch.randn(1, 10, 16)
+    changed = x.clone()
+    changed[:, 6] += 1
+    before, after = layer(x), layer(changed)
+    assert torch.equal(before[:, :6], after[:, :6])
+    assert (before[:, 6:] - after[:, 6:]).abs().amax(dim=-1).min() > 0
+
+
+def test_settings_parse_python_literals_and_refuse_the_rest():
+    assert common.parse_settings("base") == {}
+    assert common.parse_settings("use_gate=True,gate_granularity=head,depth=4") == dict(
+        use_gate=True, gate_granularity="head", depth=4)
+    assert common.settings_text({"segments": 8}) == "segments=8" and common.settings_text({}) == "base"
+    for bad in ("use_gate", "2x=1"):
+        with pytest.raises(ValueError, match="KEY=VALUE"):
+            common.parse_settings(bad)
+
+
+def test_step_ratios_compare_with_upstream_the_first_variant_and_the_shortest_length():
+    def case(impl, settings, n):
+        return dict(impl=impl, settings=settings, n=n)
+
+    cases = [case("ours", {}, 64), case("upstream", {}, 64), case("ours", {"depth": 4}, 64), case("ours", {}, 128)]
+    results = [dict(median=1.0, peak=10), dict(median=3.0, peak=20), dict(median=2.0, peak=5),
+               dict(median=2.5, peak=30)]
+    ratios = common.step_ratios(cases, results)
+    assert ratios == {"speed vs upstream, base n=64": 3.0, "peak vs upstream, base n=64": 0.5,
+                      "time vs first variant, depth=4 n=64": 2.0, "peak vs first variant, depth=4 n=64": 0.5,
+                      "peak n=128 / n=64, base": 3.0}
+
+
+def test_run_step_cases_keeps_each_cases_fastest_round(monkeypatch, capsys):
+    import argparse
+
+    medians = iter([3.0, 5.0, 2.0, 6.0, 4.0, None])  # rounds of two cases; the last run fails
+
+    def run_in_subprocess(script, argv, label, env=None):
+        median = next(medians)
+        return (None, f"{label} failed") if median is None else (dict(median=median), None)
+
+    monkeypatch.setattr(common, "run_in_subprocess", run_in_subprocess)
+    args = argparse.Namespace(device="cpu", steps=1, warmup=0, threads=None, matmul_size=None, rounds=3)
+    cases = [dict(impl="ours", settings={}, n=8), dict(impl="ours", settings={"depth": 1}, n=8)]
+    assert common.run_step_cases("x.py", args, cases) == [dict(median=2.0), dict(median=5.0)]
+    assert "depth=1 n=8 failed" in capsys.readouterr().out
+
+
+def test_bench_lm_runs_its_variants_and_records_them(tmp_path, monkeypatch, capsys):
+    """Every variant in its own subprocess, the table, the ratios against the first variant, and
+    the record that check_figures reads."""
+    import bench_lm
+
+    monkeypatch.setattr(common, "RESULTS_DIR", str(tmp_path))
+    code = bench_lm.main(["--device", "cpu", "--lengths", "32", "--steps", "1", "--warmup", "0", "--threads", "1",
+                          "--matmul-size", "64", "--variants", "base", "segments=2,loss=wrapper,depth=1",
+                          "--record", "tiny"])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    entry = json.loads((tmp_path / "tiny.json").read_text())
+    assert entry["command"].startswith("python benchmarks/") and entry["date"][:4].isdigit()
+    base = entry["figures"]["ours base n=32"]
+    assert base["median"] > 0 and base["peak"] >= 0 and 0 < base["floor_share"]
+    assert "time vs first variant, segments=2,loss=wrapper,depth=1 n=32" in entry["figures"]
+
+
+def test_bench_layer_builds_the_gated_and_the_softmax_layers():
+    import bench_layer
+
+    for settings in ({}, {"use_gate": True, "use_local_conv": True}, {"layer": "softmax"}):
+        layer, step = bench_layer.build_step(dict(impl="ours", settings=settings, n=16), "cpu")
+        step()
+        assert all(p.grad is not None for p in layer.parameters() if p.requires_grad), settings
+    assert isinstance(bench_layer.build_step(dict(impl="ours", settings={"layer": "softmax"}, n=8), "cpu")[0],
+                      common.SoftmaxSelfAttention)
+
+
+def test_bench_generate_cached_and_recomputed_tokens_agree():
+    import argparse
+
+    import bench_generate
+
+    args = argparse.Namespace(device="cpu", batch=2, prompt_len=4, new_tokens=16, check_tokens=8)
+    figures = bench_generate.measure(args)
+    assert figures["same_tokens"]
+    assert figures["speedup"] > 0 and figures["batch_ratio"] > 0 and figures["flat"] > 0
+
+
+def test_check_figures_finds_a_stale_quote_and_a_missing_date(tmp_path):
+    import check_figures
+
+    (tmp_path / "results").mkdir()
+    entry = dict(command="python benchmarks/x.py", date="2026-01-02 03:04 UTC", figures={"a": {"b": 48.7}})
+    (tmp_path / "results" / "x.json").write_text(json.dumps(entry))
+    quote = [("doc.md", "x", ["a", "b"], "**{:.0f}x faster**")]
+
+    def check(text, quotes=quote):
+        (tmp_path / "doc.md").write_text(text)
+        return check_figures.problems(quotes, root=str(tmp_path), results=str(tmp_path / "results"))
+
+    assert check("generation is **49x faster** (2026-01-02)") == []
+    assert "should quote '**49x faster**'" in check("generation is **87x faster** (2026-01-02)")[0]
+    assert "without its run's date" in check("generation is **49x faster**")[0]
+    quotient = [("doc.md", "x", (["a", "b"], ["a", "b"]), "takes {:.2f}x")]
+    assert check("it takes 1.00x (2026-01-02)", quotient) == []
+    assert "no recorded figure" in check("", [("doc.md", "y", ["a"], "{}")])[0]
+
+
+def test_the_documents_quote_the_latest_recorded_figures():
+    import check_figures
+
+    assert check_figures.problems() == []
 
 
 def test_bench_context_parallel_counts_the_bytes_a_layer_sends(tmp_path):
@@ -60,23 +168,6 @@ def test_bench_context_parallel_counts_the_bytes_a_layer_sends(tmp_path):
         assert sent.integers == 2 * 8
     finally:
         dist.destroy_process_group()
-
-
-def test_bench_threads_reads_its_configs():
-    """bench_threads' configs: 'auto' (the default command) or a thread count, either with
-    '+spin' (torch imported before the script sets OpenMP's waiting); anything else refused."""
-    import pytest
-
-    from bench_threads import SPIN_LAUNCHER, parse_config
-
-    assert parse_config("auto") == (None, False)
-    assert parse_config("2+spin") == (2, True)
-    assert parse_config("1") == (1, False)
-    for bad in ("0", "two", "2+sleep", "auto+"):
-        with pytest.raises(SystemExit, match="--configs"):
-            parse_config(bad)
-    # the launcher imports torch before it runs the script, so the script cannot set the policy
-    assert SPIN_LAUNCHER.index("torch") < SPIN_LAUNCHER.index("run_path")
 
 
 def test_bench_recall_mqar_asks_every_key_once_for_its_own_value():

@@ -1,4 +1,4 @@
-"""Every keyword acts or is refused, and errors name the user's argument (issues 27 and 29).
+"""Every keyword acts or is refused, and errors name the user's argument.
 
 Forward arguments that a model or layer would not read (a context without receives_context,
 input_mask or rotary on cross-attention, any keyword to a feed-forward), token ids outside the

@@ -215,8 +215,8 @@ def test_manpage_text_keeps_the_words_and_drops_the_markup():
 
 
 def test_resume_keeps_the_runs_outputs_and_says_where_it_resumes(text, tmp_path, capsys):
-    """--resume without --save / --log / --plot writes the original run's files (issue 29: a
-    resumed run used to save nothing), and says from which step it resumes."""
+    """--resume without --save / --log / --plot writes the original run's files, and says from
+    which step it resumes."""
     import torch
 
     ckpt, log, plot = tmp_path / "ckpt.pt", tmp_path / "run.json", tmp_path / "curve.png"

@@ -197,11 +197,11 @@ def test_command_line_prints_a_labelled_model(capsys):
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--lengths", "0"], "positive integer"),
+    (["--lengths", "0"], "positive finite number (int)"),
     (["--launch-us", "-3"], "positive finite"),
-    (["--bandwidth", "fast"], "expected a number"),
+    (["--bandwidth", "fast"], "positive finite number (float)"),
     (["--set", "dim"], "KEY=VALUE"),
-    (["--set", "heads=four"], "Python literal"),
+    (["--set", "heads=four"], "the LM rejects"),
     (["--set", "no_such_option=1"], "the LM rejects"),
 ])
 def test_command_line_refuses_bad_input(argv, message, capsys):

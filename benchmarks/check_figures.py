@@ -1,0 +1,84 @@
+#!/usr/bin/env python
+"""Checks that each figure README.md and docs/ quote from a benchmark is the one its latest run
+recorded (with ``--record NAME``, in ``benchmarks/results/NAME.json``), and that the run's date
+stands in the document too. Each entry of ``QUOTES`` names a document, a recorded result, the
+figure's key in it, and the quoted text with the figure as a format field. After a new run,
+update the quoting documents: this script says which.
+
+Usage:  python benchmarks/check_figures.py
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+RESULTS = os.path.join(ROOT, "benchmarks", "results")
+
+SAME_WORK = "loss=wrapper,ff_glu=False,ff_dropout=0.0 n=8192"
+LOCAL = "ours n_local_attn_heads=4,local_attn_window_size=128,blindspot_size=64"
+
+# (document, result name, the figure's key path in its figures (or a pair of paths: their
+# quotient), the quoted text with the figure as {})
+QUOTES = [
+    ("README.md", "lm_upstream", [f"speed vs upstream, {SAME_WORK}"], "**{:.1f}x upstream's speed"),
+    ("README.md", "lm_upstream", [f"peak vs upstream, {SAME_WORK}"], "{:.2f}x its peak memory**"),
+    ("README.md", "generate", ["speedup"], "**{:.0f}x faster**"),
+    ("README.md", "lm", ["ours base n=16384", "floor_share"], "{:.0%} of its matmul floor"),
+    ("README.md", "lm", ["peak n=16384 / n=4096, base"], "peak memory grows {:.1f}x"),
+    ("README.md", "lm_checkpoint", ["peak vs first variant, depth=4,checkpoint=True n=4096"],
+     "extra memory to {:.2f}x"),
+    ("docs/packed.md", "lm_packed", ["time vs first variant, segments=8 n=4096"], "global heads {:.2f}x"),
+    ("docs/packed.md", "lm_packed", ([f"{LOCAL},segments=8 n=4096", "median"], [f"{LOCAL} n=4096", "median"]),
+     "blindspot {:.2f}x"),
+    ("docs/kernels.md", "kernel", ["form=parallel 1,8,4096,64", "vs_first"], "exact chunks take {:.1f}x"),
+    ("docs/kernels.md", "kernel", ["form=parallel 1,8,16384,64", "vs_first"], "/ {:.1f}x its time"),
+]
+
+
+def recorded(name, results=RESULTS):
+    with open(os.path.join(results, f"{name}.json")) as f:
+        return json.load(f)
+
+
+def figure(entry, keys):
+    """The figure at a key path, or the quotient of the figures at a pair of key paths."""
+    if isinstance(keys, tuple):
+        return figure(entry, keys[0]) / figure(entry, keys[1])
+    value = entry["figures"]
+    for key in keys:
+        value = value[key]
+    return value
+
+
+def problems(quotes=QUOTES, root=ROOT, results=RESULTS):
+    """One line per quote that its document does not hold as recorded (or without the run's date)."""
+    found = []
+    for document, name, keys, text in quotes:
+        try:
+            entry = recorded(name, results)
+            quoted = text.format(figure(entry, keys))
+        except (OSError, KeyError) as error:
+            found.append(f"{document}: no recorded figure {name}{keys} ({error!r})")
+            continue
+        with open(os.path.join(root, document)) as f:
+            content = f.read()
+        if quoted not in content:
+            found.append(f"{document}: should quote {quoted!r} ({name}, {entry['date']}: {entry['command']})")
+        elif entry["date"][:10] not in content:
+            found.append(f"{document}: quotes {quoted!r} without its run's date {entry['date'][:10]}")
+    return found
+
+
+def main():
+    found = problems()
+    for line in found:
+        print(line)
+    print(f"{len(QUOTES) - len(found)} of {len(QUOTES)} quoted figures match their latest recorded run")
+    return 1 if found else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
