@@ -48,6 +48,14 @@ class FeedForward(nn.Module):
             return self._forward(x)
         return torch.cat([self._forward(part) for part in x.chunk(self.chunks, dim=1)], dim=1)
 
+    def step(self, h, cache=None, made=None, at=None, into=None):
+        """One position h (b, dim) (cached decoding, eval mode); with ``into`` (b, dim), the
+        output is added to it in place."""
+        h = _hidden(h, self.proj_in.weight, self.proj_in.bias, self.glu, self.activation)
+        if into is None:
+            return F.linear(h, self.proj_out.weight, self.proj_out.bias)
+        return into.addmm_(h, self.proj_out.weight.t()).add_(self.proj_out.bias)
+
 
 def _hidden(x, weight, bias, glu, activation):
     h = F.linear(x, weight, bias)
@@ -55,24 +63,3 @@ def _hidden(x, weight, bias, glu, activation):
         h, gate = h.chunk(2, dim=-1)
         return h * activation(gate)
     return activation(h)
-
-
-class FeedForwardStep:
-    """A ``FeedForward`` on one position h (b, dim) (cached decoding, eval mode), its weights
-    read once; called with ``into`` (b, dim), the output is added to it in place."""
-
-    __slots__ = ("in_args", "out_weight", "out_weight_t", "out_bias")
-
-    def __init__(self, ff):
-        self.in_args = (ff.proj_in.weight, ff.proj_in.bias, ff.glu, ff.activation)
-        self.out_weight, self.out_bias = ff.proj_out.weight, ff.proj_out.bias
-        self.out_weight_t = self.out_weight.t()
-
-    def buffers(self):
-        return []
-
-    def __call__(self, h, ctx=None, into=None):
-        h = _hidden(h, *self.in_args)
-        if into is None:
-            return F.linear(h, self.out_weight, self.out_bias)
-        return into.addmm_(h, self.out_weight_t).add_(self.out_bias)

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+from typing import NamedTuple, Optional
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from .attention import HEADS, LOCAL_WINDOW_SIZE
-from .attention_step import StepContext
-from .decoding import start_decoding
+from .decoding import Decoder
 from .ops.common import _check_int
 from .ops.segments import check_integer_ids
 from .place import Place
@@ -124,12 +125,40 @@ class LinearAttentionTransformerLM(nn.Module):
         decoder); ``decoder.step(tokens (b,))`` then feeds one token per row and returns the
         logits after it. The fast form of ``forward(..., cache=...)`` for one token at a time
         (``decoding.py``); it runs without gradients and assumes eval mode."""
-        return start_decoding(self, x, input_mask, context, context_mask)
+        # not in inference mode: the buffers are then ordinary tensors, updatable in place in any mode
+        with torch.no_grad():
+            out, cache = self._body(x, input_mask, context, context_mask, None, True)
+            return self._output(out[:, -1]), Decoder(self, cache, x.shape[0], input_mask)
 
-    def step_of(self, cache, batch, first_real=None):
-        """The one-token step (``LMStep``) on ``cache``'s buffers (a ``DecodingCache`` of
-        ``batch`` rows; ``first_real``: see ``AttentionStep``), which a ``Decoder`` loops."""
-        return LMStep(self, cache, batch, first_real)
+    def prepare_step(self, cache, batch, first_real=None):
+        """What ``step`` reads besides ``cache`` (a ``DecodingCache`` of ``batch`` rows), made
+        once per decoder: the position embeddings of every position as one table (when it
+        has at most ``POSITION_TABLE_ELEMENTS`` entries) and each branch's ``prepare_step``
+        (``first_real``: see ``attention.StepTensors``)."""
+        position = cache.position
+        layers = [(f.prepare_step(fc, batch, position, first_real), g.prepare_step(gc, batch, position, first_real))
+                  for (f, g), (fc, gc) in zip(self.transformer.layers.blocks, cache.layers)]
+        table = rows = None
+        token = self.token_emb.weight
+        if self.pos_emb is not None and self.max_seq_len * token.shape[1] <= POSITION_TABLE_ELEMENTS:
+            with torch.no_grad():
+                table = self.pos_emb(torch.arange(self.max_seq_len, device=token.device)).to(token.dtype)
+            rows = table.unbind(0)  # (eager steps: a row without an indexing op)
+        return StepTensors(table, rows, layers)
+
+    def step(self, tokens, cache, made, at):
+        """tokens (b,) at ``at`` (a step's ``Place``: ``position`` an int on eager steps, else
+        None; ``tensor`` the same as a long tensor) through the model on ``cache``, in place ->
+        logits (b, num_tokens). ``made``: ``prepare_step``'s tensors."""
+        h = F.embedding(tokens, self.token_emb.weight)
+        if made.table is not None:
+            # (a tensor index is an embedding lookup: indexing with it would read it back)
+            h = h + (F.embedding(at.tensor, made.table) if at.position is None else made.rows[at.position])
+        elif self.pos_emb is not None:
+            h = h + self.pos_emb(at.tensor[None]).to(h.dtype)
+        if not isinstance(self.project_in, nn.Identity):
+            h = self.project_in(h)
+        return self._output(self.transformer.step(h, cache, made.layers, at))
 
     def output_features(self, x, input_mask=None, context=None, context_mask=None, segment_ids=None,
                         context_parallel=None):
@@ -196,42 +225,10 @@ def _logits(out, norm_args, project_out, to_logits):
 POSITION_TABLE_ELEMENTS = 2 ** 23
 
 
-class LMStep:
-    """One token per row through the model, on a ``DecodingCache``'s buffers (``Decoder``):
-    token and position embeddings in, the layers' steps (``Branch.step_of``), logits out. The
-    position embeddings are one table made once when it has at most ``POSITION_TABLE_ELEMENTS``
-    entries; past that each step calls the module on its position."""
+class StepTensors(NamedTuple):
+    """What ``LinearAttentionTransformerLM.step`` reads besides its cache, made once per decoder:
+    the position table (or None) and its rows, and per block the branches' ``prepare_step``."""
 
-    def __init__(self, model, cache, batch, first_real=None):
-        transformer = model.transformer
-        self.transformer, self.rotary = transformer, transformer.rotary
-        self.branches = [(f.step_of(fc, batch, first_real), g.step_of(gc, batch, first_real))
-                         for (f, g), (fc, gc) in zip(transformer.layers.blocks, cache.layers)]
-        self.token, self.pos_emb, self.table = model.token_emb.weight, model.pos_emb, None
-        self.project_in = None if isinstance(model.project_in, nn.Identity) else (model.project_in.weight,
-                                                                                  model.project_in.bias)
-        self.output_args = model._output_args()
-        if self.pos_emb is not None and model.max_seq_len * self.token.shape[1] <= POSITION_TABLE_ELEMENTS:
-            self.table = self.pos_emb(torch.arange(model.max_seq_len, device=self.token.device)).to(self.token.dtype)
-            self.table_rows = self.table.unbind(0)  # (eager steps: a row without an indexing op)
-
-    def buffers(self):
-        return [t for pair in self.branches for branch in pair for t in branch.buffers()]
-
-    def rings(self):
-        """The local heads' rings (``_Ring``: their key positions settle when the cache is read)."""
-        return [ring for pair in self.branches for branch in pair if (ring := getattr(branch.step, "ring", None))]
-
-    def __call__(self, tokens, p, host=None):
-        """tokens (b,) at position p (a long tensor of no dimension; ``host``: the same as an
-        int on eager steps, else None) -> logits (b, num_tokens)."""
-        ctx = StepContext(p, host, None if self.rotary is None else self.rotary(p[None]))
-        h = F.embedding(tokens, self.token)
-        if self.table is not None:
-            # (a tensor index is an embedding lookup: indexing with it would read it back)
-            h = h + (F.embedding(p, self.table) if host is None else self.table_rows[host])
-        elif self.pos_emb is not None:
-            h = h + self.pos_emb(p[None]).to(h.dtype)
-        if self.project_in is not None:
-            h = F.linear(h, *self.project_in)
-        return _logits(self.transformer.step(h, self.branches, ctx), *self.output_args)
+    table: Optional[torch.Tensor]
+    rows: Optional[tuple]
+    layers: list

@@ -19,10 +19,9 @@ from product_key_memory import PKM
 from torch import nn
 
 from .attention import HEADS, LOCAL_WINDOW_SIZE, Attention, _pad_to_multiple, resolve_heads
-from .attention_step import AttentionStep
-from .cache import AxialCache, BranchCache, DecodingCache, copy_rows, map_tensors
+from .cache import AxialCache, BranchCache, DecodingCache, Position, copy_rows, map_tensors
 from .context_parallel import exchange_boundaries
-from .feedforward import FeedForward, FeedForwardStep
+from .feedforward import FeedForward
 from .linformer import LinformerContextSettings, LinformerSettings, linformer_layers
 from .ops.common import _check_int, _check_mask
 from .place import PLAIN, Place
@@ -73,60 +72,22 @@ class Branch(nn.Module):
             out = self.fn.attend(h, place, cache=None if cache is None else cache.fn, **routed)
         return (self.dropout(out), cache) if place.cached else self.dropout(out)
 
-    def step_of(self, cache, batch, first_real=None):
-        """This branch's one-token step (``BranchStep``) on its ``BranchCache``, or None when
-        its module has none (attend_axially)."""
-        fn = self.fn
-        if isinstance(fn, Attention) and fn.receives_context:  # the context reduced to kᵀv on the first call
-            step = _ModuleStep(functools.partial(fn.read_context, summary=cache.fn.context))
-        elif isinstance(fn, Attention):
-            step = AttentionStep(fn, cache.fn, batch, first_real, steady=True)
-        elif isinstance(fn, FeedForward):
-            step = FeedForwardStep(fn)
-        elif not self.stateful:  # (product-key memory): the module on the one token
-            step = _ModuleStep(fn)
-        else:
-            return None
-        return BranchStep(self, cache.shift, step)
+    def prepare_step(self, cache, batch, position, first_real=None):
+        """What ``step`` reads besides its ``BranchCache``, made once per decoder (the module's
+        ``prepare_step``, or None)."""
+        prepare = getattr(self.fn, "prepare_step", None)
+        return None if prepare is None else prepare(cache.fn, batch, position, first_real)
 
-
-class BranchStep:
-    """One token through a ``Branch``: LayerNorm, token shift (``shift_step``, on the cache's
-    buffer of the previous token), then the module's step. Called with ``into`` (eager steps
-    of a model that is not reversible), the branch's output is added to ``into`` in place."""
-
-    __slots__ = ("norm_args", "previous", "step")
-
-    def __init__(self, branch, previous, step):
-        norm = branch.norm
-        self.norm_args = (norm.normalized_shape, norm.weight, norm.bias, norm.eps)
-        self.previous = None if branch.shifts is None else previous  # (a causal model's shifts: (1, 0))
-        self.step = step
-
-    def buffers(self):
-        return ([] if self.previous is None else [self.previous]) + self.step.buffers()
-
-    def __call__(self, x, ctx, into=None):
-        h = torch.layer_norm(x, *self.norm_args)
-        if self.previous is not None:
-            h = shift_step(h, self.previous)
-        return self.step(h, ctx, into)
-
-
-class _ModuleStep:
-    """A module without a state of its own (or a cross-attention's read) on one token."""
-
-    __slots__ = ("fn",)
-
-    def __init__(self, fn):
-        self.fn = fn
-
-    def buffers(self):
-        return []
-
-    def __call__(self, h, ctx, into=None):
-        out = self.fn(h[:, None])[:, 0]
-        return out if into is None else into.add_(out)
+    def step(self, x, cache, made, at, into=None):
+        """One token x (b, dim) at ``at`` (a step's ``Place``) through the branch, its
+        ``BranchCache`` updated in place: LayerNorm, token shift (``shift_step``), then the
+        module's ``step``. With ``into`` (eager steps of a stack that is not reversible) the
+        output is added to ``into`` in place."""
+        norm = self.norm
+        h = torch.layer_norm(x, norm.normalized_shape, norm.weight, norm.bias, norm.eps)
+        if cache.shift is not None:  # (a causal model's shifts: (1, 0))
+            h = shift_step(h, cache.shift)
+        return self.fn.step(h, cache.fn, made, at, into)
 
 
 def _shift_tokens_context_parallel(h, shifts, mask, group):
@@ -155,13 +116,18 @@ class FoldAxially(nn.Module):
         return self.attend(x, PLAIN, input_mask)
 
     def empty_cache(self, batch_size, device=None, dtype=torch.float32):
-        return AxialCache(self.attn.empty_cache(batch_size * self.width, device, dtype), 0)
+        return AxialCache(self.attn.empty_cache(batch_size * self.width, device, dtype, 0))
+
+    def step(self, h, cache, made, at, into=None):
+        """One token h (b, dim) on the cached path (eager only: it picks rows by the position)."""
+        out = self._cached(h[:, None], None, cache, int(at.tensor) if at.position is None else at.position)[:, 0]
+        return out if into is None else into.add_(out)
 
     def attend(self, x, place=PLAIN, input_mask=None, cache=None):
         """The output at ``place`` (plain or cached: the model refuses the others);
         ``cache``: an ``AxialCache`` when ``place.cached``, updated in place."""
         if place.cached:
-            return self._cached(x, input_mask, cache)
+            return self._cached(x, input_mask, cache, place.position)
         b, n, _ = x.shape
         if n % self.width and (input_mask is not None or not self.attn.causal):
             input_mask = torch.ones(b, n, dtype=torch.bool, device=x.device) if input_mask is None else input_mask
@@ -173,10 +139,10 @@ class FoldAxially(nn.Module):
         out = self.attn(x, input_mask=input_mask)
         return rearrange(out, "(b w) i d -> b (i w) d", b=b)[:, :n]
 
-    def _cached(self, x, input_mask, cache):
+    def _cached(self, x, input_mask, cache, position):
         b, n, _ = x.shape
         w = self.width
-        inner, position = cache.inner, cache.position
+        inner = cache.inner
 
         def one(t):
             return self._step(x[:, t : t + 1], _cut(input_mask, t, t + 1), inner, position + t)
@@ -193,7 +159,6 @@ class FoldAxially(nn.Module):
             out, _ = self.attn(xs, input_mask=ms, cache=inner, return_cache=True)
             outs.append(rearrange(out, "(b w) i d -> b (i w) d", b=b))
         outs += [one(t) for t in range(head + full, n)]
-        cache.position = position + n
         return torch.cat(outs, dim=1)
 
     def _step(self, x, mask, inner, position):
@@ -222,6 +187,11 @@ class ProductKeyMemory(nn.Module):
 
     def forward(self, x):
         return self.pkm(x)
+
+    def step(self, h, cache=None, made=None, at=None, into=None):
+        """The memory on one position h (b, dim); with ``into``, added to it in place."""
+        out = self.pkm(h[:, None])[:, 0]
+        return out if into is None else into.add_(out)
 
 
 def _parameters(factory):
@@ -497,7 +467,7 @@ class LinearAttentionTransformer(nn.Module):
         """The layers one branch at a time, each continuing from its cache (updated in place;
         made when None), composed by the stack's own rule (``reversible.py``)."""
         if cache is None:
-            cache = DecodingCache(0, [[None, None] for _ in self.layers.blocks])
+            cache = DecodingCache(Position(0), [[None, None] for _ in self.layers.blocks])
 
         def continuing(branch, pair, i):
             def call(h):
@@ -510,15 +480,19 @@ class LinearAttentionTransformer(nn.Module):
         cache.position += x.shape[1]
         return out, cache
 
-    def step(self, x, branches, ctx):
-        """One token x (b, dim) through the layers (``Decoder``): each block's pair of
-        ``BranchStep`` (``Branch.step_of``) composed by the stack's rule; on eager steps of a
-        plain stack each branch adds its output into x (the step's own tensor) in place."""
-        if isinstance(self.layers, ReversibleSequence) or ctx.host_position is None:
-            return self.layers.compose(x, [[functools.partial(step, ctx=ctx) for step in pair] for pair in branches])
-        for f, g in branches:
-            f(x, ctx, x)
-            g(x, ctx, x)
+    def step(self, x, cache, made, at):
+        """One token x (b, dim) at ``at`` (a step's ``Place``) through the layers, each
+        ``Branch.step`` on its cache (``made``: their ``prepare_step`` tensors, per block a
+        pair), composed by the stack's rule; on eager steps of a plain stack each branch adds
+        its output into x (the step's own tensor) in place."""
+        blocks = zip(self.layers.blocks, cache.layers, made)
+        if isinstance(self.layers, ReversibleSequence) or at.position is None:
+            return self.layers.compose(x, [[functools.partial(branch.step, cache=c, made=m, at=at)
+                                            for branch, c, m in zip(pair, caches, mades)]
+                                           for pair, caches, mades in blocks])
+        for (f, g), (fc, gc), (fm, gm) in blocks:
+            f.step(x, fc, fm, at, x)
+            g.step(x, gc, gm, at, x)
         return x
 
     @property

@@ -9,7 +9,7 @@ from torch._dynamo.testing import CompileCounterWithBackend
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from linear_attention_transformer import AutoregressiveWrapper, LinearAttentionTransformerLM
-from linear_attention_transformer.decoding import CacheDecoder, Decoder
+from linear_attention_transformer.decoding import Decoder
 from linear_attention_transformer.ops import CausalState, causal_linear_attention, naive_causal_linear_attention
 from linear_attention_transformer.ops.causal.recurrent import join_flags
 
@@ -62,14 +62,13 @@ def local_caches(cache):
 @pytest.mark.parametrize("name", ["local+blindspot+shift+reversible", "gate+conv+rotary+exact window",
                                   "elu, blindspot 3, no gate"])
 def test_the_cache_read_after_steady_steps_holds_every_key_position(name):
-    """Eager steps past the point where every ring slot holds a real key leave the key
-    positions unwritten (``_Ring.settle``); reading ``decoder.cache`` writes them. The cache
-    then equals the full forward's, and the cached path continues from it."""
+    """Eager steps past the point where every ring slot holds a real key read the local
+    heads' bias from a table made once, and still write each key's position: the decoder's
+    cache equals the full forward's, and the cached path continues from it."""
     cfg = DECODER_CONFIGS[name]
     model = make(cfg)
     x, mask, kw = inputs(cfg, n=30)
     _, decoder = decoded(model, x[:, :27], mask[:, :27], kw, prompt=4)
-    assert not all(ring.settled for ring in decoder._steps.rings())  # steady steps left them out
     cache = decoder.cache
     _, full_cache = model(x[:, :27], input_mask=mask[:, :27], return_cache=True, **kw)
     ours, want = local_caches(cache), local_caches(full_cache)
@@ -130,7 +129,7 @@ def test_axial_model_gets_the_general_form_behind_the_same_interface():
     model = make(cfg)
     x, mask, kw = inputs(cfg)
     out, decoder = decoded(model, x, mask, kw, 6)
-    assert isinstance(decoder, CacheDecoder)
+    assert isinstance(decoder, Decoder) and not decoder.compilable  # axial attention steps on its cached path
     full = model(x, input_mask=mask, **kw)
     assert (out - full[:, 5:])[mask[:, 5:]].abs().max() <= 1e-12 * full[mask].abs().max()
 
@@ -303,12 +302,11 @@ def test_step_makes_no_sync_and_keeps_its_buffers(name):
     with torch.inference_mode():
         for _ in range(30):
             with OpLog() as log:
-                decoder._advance(tokens)
+                decoder._advance(tokens, None)
             assert log.syncs() == []
             per_step.append(log.ops)
     assert all(ops == per_step[0] for ops in per_step)
     assert [(tuple(t.shape), t.data_ptr()) for t in decoder.buffers()] == layout
-    decoder._host_position = None  # (as a compiled step leaves it: read back from the device)
     assert decoder.position == 5 + 60
 
 
@@ -452,7 +450,7 @@ def test_generate_compile_step_refusals():
             wrapper.generate(prompt, 2, compile_step=bad)
     with pytest.raises(ValueError, match="compile_step"):
         wrapper.generate(prompt, 2, use_cache=False, compile_step=True)
-    axial = AutoregressiveWrapper(make(CONFIGS["gate+conv+axial+rotary"], torch.float32))  # its decoder: CacheDecoder
+    axial = AutoregressiveWrapper(make(CONFIGS["gate+conv+axial+rotary"], torch.float32))  # its decoder steps eagerly only
     with pytest.raises(ValueError, match="compile_step"):
         axial.generate(prompt, 2, compile_step={"backend": "eager"})
 
@@ -463,7 +461,7 @@ def test_generate_compile_step_refusals():
 def test_piece_steps_equal_their_full_forms_float64():
     """Token shift, the local convolution, the feed-forward and the local heads' ring readout:
     each one-token step (in place on its buffer) equals its full form on the last position."""
-    from linear_attention_transformer.feedforward import FeedForward, FeedForwardStep
+    from linear_attention_transformer.feedforward import FeedForward
     from linear_attention_transformer.gating import LocalConv, local_conv_step
     from linear_attention_transformer.ops.windowed_attention import (Window, windowed_attention_by_position,
                                                                      windowed_attention_step)
@@ -491,7 +489,7 @@ def test_piece_steps_equal_their_full_forms_float64():
         ff = FeedForward(dim, mult=2, glu=glu).to(D).eval()
         into = x[:, -1].clone()
         with torch.no_grad():
-            FeedForwardStep(ff)(x[:, -1], None, into)
+            ff.step(x[:, -1], into=into)
             torch.testing.assert_close(into, x[:, -1] + ff(x)[:, -1], rtol=1e-12, atol=1e-12)
 
     window = Window(3, look_backward=1)
