@@ -14,13 +14,13 @@ import torch.nn.functional as F
 from einops import rearrange, repeat
 from torch import nn
 
-from .cache import NO_KEY, AttentionCache, GlobalCache, LocalCache
+from .cache import NO_KEY, AttentionCache, GlobalCache, LocalCache, for_call
 from .context_parallel import (context_parallel_causal_linear_attention, context_parallel_linear_attention,
                                exchange_boundaries)
 from .gating import ForgetGate, LocalConv, OutputGate, local_conv_step
 from .ops import FeatureMap, causal_linear_attention, linear_attention, linear_attention_readout, linear_attention_summary
 from .ops.causal.forms import CHUNK_SIZE
-from .ops.common import NEG_INF, _check_int, _check_mask
+from .ops.common import NEG_INF, check_int, check_mask
 from .ops.causal.recurrent import CausalState
 from .ops.segments import aligned_layout, from_layout, to_layout
 from .ops.windowed_attention import Window, windowed_attention, windowed_attention_by_position, windowed_attention_step
@@ -38,12 +38,12 @@ HEADS = 8  # the default number of heads of every attention layer and model
 def resolve_heads(dim, heads, dim_head=None, kv_heads=None, one_kv_head=False):
     """Check the head arithmetic once, with errors that name the argument.
     Returns (dim_head, kv_heads)."""
-    _check_int("heads", heads)
+    check_int("heads", heads)
     if dim_head is None:
         if dim % heads:
             raise ValueError(f"dim ({dim}) must be divisible by heads ({heads}) when dim_head is not given")
         dim_head = dim // heads
-    _check_int("dim_head", dim_head)
+    check_int("dim_head", dim_head)
     if one_kv_head:
         if kv_heads not in (None, 1):
             raise ValueError(f"one_kv_head=True means kv_heads=1, got kv_heads={kv_heads}")
@@ -54,7 +54,7 @@ def resolve_heads(dim, heads, dim_head=None, kv_heads=None, one_kv_head=False):
     return dim_head, kv_heads
 
 
-def _pad_to_multiple(t, multiple, dim, value=0.0):
+def pad_to_multiple(t, multiple, dim, value=0.0):
     pad = -t.shape[dim] % multiple
     if not pad:
         return t
@@ -113,7 +113,7 @@ class Attention(nn.Module):
             raise ValueError("local_attn_window_size is a setting of local heads, and n_local_attn_heads is 0")
         local_attn_window_size = LOCAL_WINDOW_SIZE if local_attn_window_size is None else local_attn_window_size
         if n_local_attn_heads:
-            _check_int("local_attn_window_size", local_attn_window_size)
+            check_int("local_attn_window_size", local_attn_window_size)
         # both shape the causal kernel only: given to a layer without a causal order they would be ignored
         if kernel not in KERNELS:
             raise ValueError(f"kernel must be one of {', '.join(map(repr, KERNELS))}, got {kernel!r}")
@@ -125,7 +125,7 @@ class Attention(nn.Module):
             raise ValueError("kernel='fla' runs the causal global heads, and every head of this layer is local")
         blindspot_size = 1 if blindspot_size is None else blindspot_size
         chunk_size = CHUNK_SIZE if chunk_size is None else chunk_size
-        _check_int("blindspot_size", blindspot_size)
+        check_int("blindspot_size", blindspot_size)
 
         self.dim, self.heads, self.dim_head, self.kv_heads = dim, heads, dim_head, kv_heads
         self.causal = causal and not receives_context
@@ -309,8 +309,7 @@ class Attention(nn.Module):
         self._check_routes(input_mask, context, context_mask, rotary)
         place = Place.of(x, cache, return_cache, segment_ids, context_parallel, check=self.check_place)
         if place.cached:
-            # updated in place and returned; read without return_cache, it is left as it was
-            cache = self.empty_cache(x.shape[0], x.device, x.dtype, 0) if cache is None else cache if return_cache else cache.clone()
+            cache = self.empty_cache(x.shape[0], x.device, x.dtype, 0) if cache is None else for_call(cache, return_cache)
         out = self.attend(x, place.but(rotary=rotary), input_mask, cache, context, context_mask)
         if cache is not None:  # (a layer on its own counts its tokens; in a model the model counts)
             cache.position += x.shape[1]
@@ -319,7 +318,7 @@ class Attention(nn.Module):
     def attend(self, x, place=PLAIN, input_mask=None, cache=None, context=None, context_mask=None):
         """The output for x (b, n, dim) at ``place`` (``place.py``, checked by ``check_place``);
         ``cache``: this layer's ``AttentionCache`` when ``place.cached``, updated in place."""
-        _check_mask(input_mask, *x.shape[:2], "input_mask")
+        check_mask(input_mask, *x.shape[:2], "input_mask")
         if self.receives_context:
             out = self._cross_attention(x, context, context_mask, cache)
         elif place.segments is not None:
@@ -410,7 +409,7 @@ class Attention(nn.Module):
                 raise ValueError("this layer has receives_context=True: pass context=(batch, ctx_len, dim)")
             if context.ndim != 3 or context.shape[-1] != self.dim or context.shape[0] != x.shape[0]:
                 raise ValueError(f"context must have shape ({x.shape[0]}, ctx_len, {self.dim}), got {tuple(context.shape)}")
-            _check_mask(context_mask, *context.shape[:2], "context_mask")
+            check_mask(context_mask, *context.shape[:2], "context_mask")
             _, k, v = self.project(x[:, :0], context)
             k, normalize = self.noncausal_keys(k, context_mask, context)
             summary = linear_attention_summary(k, v, context_mask, normalize)
@@ -454,9 +453,23 @@ class Attention(nn.Module):
         if self.n_local:  # (q_local came out of the projection scaled)
             keys, values, bias = self._enter_ring(kv_local, cache.local, made, at)
             outs.append(windowed_attention_step(q_local, keys, values, bias, made.out_local if eager else None))
-        if self.n_local < self.heads:
+        if self.n_local < self.heads:  # the global heads: their state stepped in place
             log_gate = None if self.forget_gate is None else self.forget_gate.log_gates(proj[:, made.ends[1]: made.ends[2]])
-            outs.append(self._global_step(q, k, v, log_gate, cache.global_, made, at))
+            out = made.out_global if eager else None
+            if made.conv_taps is not None:
+                q, k, v = local_conv_step(torch.stack((q, k, v), dim=1), cache.global_.conv, made.conv_taps).unbind(1)
+            if not self.feature_map.is_softmax:
+                q, k = self.feature_map.pointwise(q), self.feature_map.pointwise(k)
+            out_dtype = q.dtype
+            if out_dtype != made.zero.dtype:  # (the state's dtype: float32 or wider)
+                out, dtype = None, made.zero.dtype
+                q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
+                log_gate = None if log_gate is None else log_gate.to(dtype)
+            state = cache.global_.state
+            seen = eager and made.seen_from is not None and at.position >= made.seen_from
+            where = state.where(at.position if eager else at.tensor, self.blindspot_size, made.zero, made.hidden)
+            out = state.step(q, k, v, log_gate, where, seen, out=out)
+            outs.append(out if out.dtype == out_dtype else out.to(out_dtype))
         gate = None if self.output_gate is None else torch.sigmoid(proj[:, made.ends[-2]:])
         if not eager:
             out = (torch.cat(outs, dim=1) if len(outs) > 1 else outs[0]).flatten(1)
@@ -493,25 +506,6 @@ class Attention(nn.Module):
         if host is None and made.steady is not None:  # (not the int: a compiled step would guard on it)
             bias = torch.where(p >= made.steady, made.table.index_select(0, slot)[0], bias)
         return keys, values, bias
-
-    def _global_step(self, q, k, v, log_gate, cache, made, at):
-        """The global heads' output (b, ng, dh) for one token, their state stepped in place."""
-        eager = at.position is not None
-        out = made.out_global if eager else None
-        if made.conv_taps is not None:
-            q, k, v = local_conv_step(torch.stack((q, k, v), dim=1), cache.conv, made.conv_taps).unbind(1)
-        if not self.feature_map.is_softmax:
-            q, k = self.feature_map._pointwise(q), self.feature_map._pointwise(k)
-        dtype = out_dtype = q.dtype
-        if dtype != made.zero.dtype:
-            dtype, out = made.zero.dtype, None
-            q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
-            log_gate = None if log_gate is None else log_gate.to(dtype)
-        seen = eager and made.seen_from is not None and at.position >= made.seen_from
-        state = cache.state
-        where = state.where(at.tensor if not eager else at.position, self.blindspot_size, made.zero, made.hidden)
-        out = state.step(q, k, v, log_gate, where, seen, out=out)
-        return out if out.dtype == out_dtype else out.to(out_dtype)
 
     def empty_cache(self, batch_size, device=None, dtype=torch.float32, position=None):
         """The cache before any token: zero state, no keys, zero convolution inputs (a

@@ -55,6 +55,12 @@ def map_tensors(obj, fn):
     return obj
 
 
+def for_call(cache, return_cache):
+    """The cache a call continues from and updates in place: ``cache`` itself when the call
+    returns it, else a copy (a call that only reads a cache leaves it as it was)."""
+    return cache if return_cache or cache is None else cache.clone()
+
+
 def tensors_of(obj):
     """Every tensor of a cache, in order."""
     found = []

@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .ops.common import _check_int
+from .ops.common import check_int
 
 _ACTIVATIONS = {"gelu": F.gelu, "relu": F.relu}
 
@@ -29,7 +29,7 @@ class FeedForward(nn.Module):
         super().__init__()
         if int(chunks) != chunks or chunks < 1:
             raise ValueError(f"ff_chunks must be a positive integer, got {chunks!r}")
-        _check_int("ff_mult", mult)
+        check_int("ff_mult", mult)
         if activation not in _ACTIVATIONS:
             raise ValueError(f"ff_activation must be one of {sorted(_ACTIVATIONS)}, got {activation!r}")
         hidden = dim * mult
@@ -48,13 +48,18 @@ class FeedForward(nn.Module):
             return self._forward(x)
         return torch.cat([self._forward(part) for part in x.chunk(self.chunks, dim=1)], dim=1)
 
-    def step(self, h, cache=None, made=None, at=None, into=None):
-        """One position h (b, dim) (cached decoding, eval mode); with ``into`` (b, dim), the
-        output is added to it in place."""
-        h = _hidden(h, self.proj_in.weight, self.proj_in.bias, self.glu, self.activation)
+    def prepare_step(self, cache=None, batch=None, position=None, first_real=None):
+        """What ``step`` reads, made once per decoder: its weights, the output's transposed."""
+        return (self.proj_in.weight, self.proj_in.bias, self.glu, self.activation), self.proj_out.weight.t(), self.proj_out.bias
+
+    def step(self, h, cache, made, at=None, into=None):
+        """One position h (b, dim) (cached decoding, eval mode; ``made``: ``prepare_step``'s);
+        with ``into`` (b, dim), the output is added to it in place."""
+        in_args, out_weight_t, out_bias = made
+        h = _hidden(h, *in_args)
         if into is None:
-            return F.linear(h, self.proj_out.weight, self.proj_out.bias)
-        return into.addmm_(h, self.proj_out.weight.t()).add_(self.proj_out.bias)
+            return torch.addmm(out_bias, h, out_weight_t)
+        return into.addmm_(h, out_weight_t).add_(out_bias)
 
 
 def _hidden(x, weight, bias, glu, activation):

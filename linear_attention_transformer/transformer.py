@@ -9,7 +9,6 @@ its input first and may shift tokens (``token_shift.py``).
 from __future__ import annotations
 
 import difflib
-import functools
 import inspect
 from typing import Optional
 
@@ -18,12 +17,12 @@ from einops import rearrange
 from product_key_memory import PKM
 from torch import nn
 
-from .attention import HEADS, LOCAL_WINDOW_SIZE, Attention, _pad_to_multiple, resolve_heads
-from .cache import AxialCache, BranchCache, DecodingCache, Position, copy_rows, map_tensors
+from .attention import HEADS, LOCAL_WINDOW_SIZE, Attention, pad_to_multiple, resolve_heads
+from .cache import AxialCache, BranchCache, DecodingCache, Position, copy_rows, for_call, map_tensors
 from .context_parallel import exchange_boundaries
 from .feedforward import FeedForward
 from .linformer import LinformerContextSettings, LinformerSettings, linformer_layers
-from .ops.common import _check_int, _check_mask
+from .ops.common import check_int, check_mask
 from .place import PLAIN, Place
 from .positional import RotaryEmbedding
 from .reversible import ReversibleSequence, SequentialSequence
@@ -73,21 +72,22 @@ class Branch(nn.Module):
         return (self.dropout(out), cache) if place.cached else self.dropout(out)
 
     def prepare_step(self, cache, batch, position, first_real=None):
-        """What ``step`` reads besides its ``BranchCache``, made once per decoder (the module's
-        ``prepare_step``, or None)."""
-        prepare = getattr(self.fn, "prepare_step", None)
-        return None if prepare is None else prepare(cache.fn, batch, position, first_real)
+        """What ``step`` reads besides its ``BranchCache``, made once per decoder: the norm's
+        arguments and what the module's ``prepare_step`` makes (None for a module without)."""
+        norm, prepare = self.norm, getattr(self.fn, "prepare_step", None)
+        return ((norm.normalized_shape, norm.weight, norm.bias, norm.eps),
+                None if prepare is None else prepare(cache.fn, batch, position, first_real))
 
     def step(self, x, cache, made, at, into=None):
         """One token x (b, dim) at ``at`` (a step's ``Place``) through the branch, its
         ``BranchCache`` updated in place: LayerNorm, token shift (``shift_step``), then the
         module's ``step``. With ``into`` (eager steps of a stack that is not reversible) the
-        output is added to ``into`` in place."""
-        norm = self.norm
-        h = torch.layer_norm(x, norm.normalized_shape, norm.weight, norm.bias, norm.eps)
+        output is added to ``into`` in place. ``made``: ``prepare_step``'s."""
+        norm_args, fn_made = made
+        h = torch.layer_norm(x, *norm_args)
         if cache.shift is not None:  # (a causal model's shifts: (1, 0))
             h = shift_step(h, cache.shift)
-        return self.fn.step(h, cache.fn, made, at, into)
+        return self.fn.step(h, cache.fn, fn_made, at, into)
 
 
 def _shift_tokens_context_parallel(h, shifts, mask, group):
@@ -109,7 +109,7 @@ class FoldAxially(nn.Module):
 
     def __init__(self, width, attn):
         super().__init__()
-        _check_int("local_attn_window_size (the stride of attend_axially)", width)
+        check_int("local_attn_window_size (the stride of attend_axially)", width)
         self.width, self.attn = width, attn
 
     def forward(self, x, input_mask=None):
@@ -131,8 +131,8 @@ class FoldAxially(nn.Module):
         b, n, _ = x.shape
         if n % self.width and (input_mask is not None or not self.attn.causal):
             input_mask = torch.ones(b, n, dtype=torch.bool, device=x.device) if input_mask is None else input_mask
-            input_mask = _pad_to_multiple(input_mask, self.width, dim=1, value=False)
-        x = _pad_to_multiple(x, self.width, dim=1)
+            input_mask = pad_to_multiple(input_mask, self.width, dim=1, value=False)
+        x = pad_to_multiple(x, self.width, dim=1)
         x = rearrange(x, "b (i w) d -> (b w) i d", w=self.width)
         if input_mask is not None:
             input_mask = rearrange(input_mask, "b (i w) -> (b w) i", w=self.width)
@@ -182,7 +182,7 @@ class ProductKeyMemory(nn.Module):
 
     def __init__(self, dim, num_keys):
         super().__init__()
-        _check_int("pkm_num_keys", num_keys)
+        check_int("pkm_num_keys", num_keys)
         self.pkm = PKM(dim, num_keys=num_keys, topk=min(32, num_keys))
 
     def forward(self, x):
@@ -194,7 +194,7 @@ class ProductKeyMemory(nn.Module):
         return out if into is None else into.add_(out)
 
 
-def _parameters(factory):
+def keyword_names(factory):
     kinds = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
     return {name for name, p in inspect.signature(factory).parameters.items() if p.kind in kinds}
 
@@ -202,7 +202,7 @@ def _parameters(factory):
 # Attention options about a layer's own sequence. The strided axial layers have no local heads
 # or blindspot; a cross-attention layer (its keys come from a context) has none of these.
 _LOCAL_OPTIONS = frozenset({"n_local_attn_heads", "blindspot_size"}) | {
-    name for name in _parameters(Attention) if name.startswith("local_attn_") and name != "local_attn_window_size"
+    name for name in keyword_names(Attention) if name.startswith("local_attn_") and name != "local_attn_window_size"
 }
 _SEQUENCE_OPTIONS = _LOCAL_OPTIONS | {"chunk_size", "kernel", "use_local_conv", "local_conv_kernel"}
 # what the model itself decides for every attention layer: not options to hand over
@@ -232,7 +232,7 @@ class _AttentionOptions:
         self.given, self.taken, self.kinds = dict(options), set(), []
 
     def take(self, kind, factory, excluded=frozenset()):
-        names = _parameters(factory) - _SET_BY_MODEL - set(excluded)
+        names = keyword_names(factory) - _SET_BY_MODEL - set(excluded)
         taken = {name: value for name, value in self.given.items() if name in names}
         self.taken |= taken.keys()
         self.kinds.append(kind)
@@ -241,7 +241,7 @@ class _AttentionOptions:
     @staticmethod
     def names():
         """Every attention option some layer kind takes."""
-        return (_parameters(Attention) | _parameters(linformer_layers)) - _SET_BY_MODEL
+        return (keyword_names(Attention) | keyword_names(linformer_layers)) - _SET_BY_MODEL
 
     def check_all_taken(self):
         left = [name for name in self.given if name not in self.taken]
@@ -291,8 +291,8 @@ class LinearAttentionTransformer(nn.Module):
         use_rotary_emb=False, **options
     ):
         super().__init__()
-        _check_int("depth", depth)
-        _check_int("max_seq_len", max_seq_len)
+        check_int("depth", depth)
+        check_int("max_seq_len", max_seq_len)
         if linformer_settings is not None:
             if not isinstance(linformer_settings, LinformerSettings):
                 raise TypeError("linformer_settings must be a LinformerSettings")
@@ -385,8 +385,8 @@ class LinearAttentionTransformer(nn.Module):
     def option_names(cls):
         """Every keyword the constructor accepts: its own, the feed-forward's (``ff_`` and a
         ``FeedForward`` keyword) and the attention layers' options."""
-        feedforward = {"ff_" + name for name in _parameters(FeedForward) - {"dim"}}
-        return _parameters(cls) | feedforward | _AttentionOptions.names()
+        feedforward = {"ff_" + name for name in keyword_names(FeedForward) - {"dim"}}
+        return keyword_names(cls) | feedforward | _AttentionOptions.names()
 
     @staticmethod
     def uses_local_window(n_local_attn_heads=0, attend_axially=False):
@@ -415,9 +415,7 @@ class LinearAttentionTransformer(nn.Module):
         if positions is not None and self.rotary is None:
             raise ValueError("positions are the rotary embedding's, and this model was built without use_rotary_emb=True")
         place = Place.of(x, cache, return_cache, segment_ids, context_parallel, check=self.check_place)
-        # updated in place and returned; read without return_cache, it is left as it was
-        out = self.attend(x, place, input_mask, context, context_mask, cache if return_cache or cache is None
-                          else cache.clone(), positions)
+        out = self.attend(x, place, input_mask, context, context_mask, for_call(cache, return_cache), positions)
         return out[0] if place.cached and not return_cache else out
 
     def check_place(self, place, length, parallel=False):
@@ -445,7 +443,7 @@ class LinearAttentionTransformer(nn.Module):
         """The layers at ``place`` (``Place.of`` with ``check_place``) -> out, or with
         ``place.cached`` (out, DecodingCache): ``cache`` (made when None) updated in place.
         ``positions``: the rotary embedding's (default ``place.positions``)."""
-        _check_mask(input_mask, *x.shape[:2], "input_mask")
+        check_mask(input_mask, *x.shape[:2], "input_mask")
         if not self.receives_context and (context is not None or context_mask is not None):
             raise ValueError("context / context_mask given, but this model was built without receives_context=True: "
                              "build it with receives_context=True to attend to a context")
@@ -479,21 +477,6 @@ class LinearAttentionTransformer(nn.Module):
                                       for (f, g), pair in zip(self.layers.blocks, cache.layers)])
         cache.position += x.shape[1]
         return out, cache
-
-    def step(self, x, cache, made, at):
-        """One token x (b, dim) at ``at`` (a step's ``Place``) through the layers, each
-        ``Branch.step`` on its cache (``made``: their ``prepare_step`` tensors, per block a
-        pair), composed by the stack's rule; on eager steps of a plain stack each branch adds
-        its output into x (the step's own tensor) in place."""
-        blocks = zip(self.layers.blocks, cache.layers, made)
-        if isinstance(self.layers, ReversibleSequence) or at.position is None:
-            return self.layers.compose(x, [[functools.partial(branch.step, cache=c, made=m, at=at)
-                                            for branch, c, m in zip(pair, caches, mades)]
-                                           for pair, caches, mades in blocks])
-        for (f, g), (fc, gc), (fm, gm) in blocks:
-            f.step(x, fc, fm, at, x)
-            g.step(x, gc, gm, at, x)
-        return x
 
     @property
     def supports_cache(self):

@@ -49,7 +49,7 @@ import torch
 
 from .non_finite import poisoned, seen
 from .segments import positions_in_segment, segment_runs
-from .windowed_attention import Window, _quarantine
+from .windowed_attention import Window, quarantine_inputs
 
 try:
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
@@ -107,7 +107,7 @@ def flex_windowed_attention(q, k, v, window: Window, key_mask=None, segments=Non
     block_mask, attend = (_compiled(create_block_mask), _compiled(flex_attention)) if compiled else \
         (create_block_mask, flex_attention)
     blocks = block_mask(mask_mod, b if per_row else None, None, n, n, device=device)
-    q, k, v, bad = _quarantine(q, k, v)
+    q, k, v, bad = quarantine_inputs(q, k, v)
     out = attend(q, k, v, block_mask=blocks, scale=q.shape[-1] ** -0.5)
     if bad is None:
         return out
