@@ -14,17 +14,16 @@ import torch.nn.functional as F
 from einops import rearrange, repeat
 from torch import nn
 
-from .attention_step import AttentionStep, StepContext
-from .cache import NO_KEY, AttentionCache, GlobalCache, LocalCache
+from .cache import NO_KEY, AttentionCache, GlobalCache, LocalCache, for_call
 from .context_parallel import (context_parallel_causal_linear_attention, context_parallel_linear_attention,
                                exchange_boundaries)
-from .gating import ForgetGate, LocalConv, OutputGate
+from .gating import ForgetGate, LocalConv, OutputGate, local_conv_step
 from .ops import FeatureMap, causal_linear_attention, linear_attention, linear_attention_readout, linear_attention_summary
 from .ops.causal.forms import CHUNK_SIZE
-from .ops.common import _check_int, _check_mask
+from .ops.common import NEG_INF, check_int, check_mask
 from .ops.causal.recurrent import CausalState
 from .ops.segments import aligned_layout, from_layout, to_layout
-from .ops.windowed_attention import Window, windowed_attention, windowed_attention_by_position
+from .ops.windowed_attention import Window, windowed_attention, windowed_attention_by_position, windowed_attention_step
 from .ops.windowed_flex import flex_windowed_attention, local_form
 from .place import PLAIN, Place
 from .positional import apply_rotary
@@ -39,12 +38,12 @@ HEADS = 8  # the default number of heads of every attention layer and model
 def resolve_heads(dim, heads, dim_head=None, kv_heads=None, one_kv_head=False):
     """Check the head arithmetic once, with errors that name the argument.
     Returns (dim_head, kv_heads)."""
-    _check_int("heads", heads)
+    check_int("heads", heads)
     if dim_head is None:
         if dim % heads:
             raise ValueError(f"dim ({dim}) must be divisible by heads ({heads}) when dim_head is not given")
         dim_head = dim // heads
-    _check_int("dim_head", dim_head)
+    check_int("dim_head", dim_head)
     if one_kv_head:
         if kv_heads not in (None, 1):
             raise ValueError(f"one_kv_head=True means kv_heads=1, got kv_heads={kv_heads}")
@@ -55,7 +54,7 @@ def resolve_heads(dim, heads, dim_head=None, kv_heads=None, one_kv_head=False):
     return dim_head, kv_heads
 
 
-def _pad_to_multiple(t, multiple, dim, value=0.0):
+def pad_to_multiple(t, multiple, dim, value=0.0):
     pad = -t.shape[dim] % multiple
     if not pad:
         return t
@@ -114,7 +113,7 @@ class Attention(nn.Module):
             raise ValueError("local_attn_window_size is a setting of local heads, and n_local_attn_heads is 0")
         local_attn_window_size = LOCAL_WINDOW_SIZE if local_attn_window_size is None else local_attn_window_size
         if n_local_attn_heads:
-            _check_int("local_attn_window_size", local_attn_window_size)
+            check_int("local_attn_window_size", local_attn_window_size)
         # both shape the causal kernel only: given to a layer without a causal order they would be ignored
         if kernel not in KERNELS:
             raise ValueError(f"kernel must be one of {', '.join(map(repr, KERNELS))}, got {kernel!r}")
@@ -126,7 +125,7 @@ class Attention(nn.Module):
             raise ValueError("kernel='fla' runs the causal global heads, and every head of this layer is local")
         blindspot_size = 1 if blindspot_size is None else blindspot_size
         chunk_size = CHUNK_SIZE if chunk_size is None else chunk_size
-        _check_int("blindspot_size", blindspot_size)
+        check_int("blindspot_size", blindspot_size)
 
         self.dim, self.heads, self.dim_head, self.kv_heads = dim, heads, dim_head, kv_heads
         self.causal = causal and not receives_context
@@ -310,23 +309,22 @@ class Attention(nn.Module):
         self._check_routes(input_mask, context, context_mask, rotary)
         place = Place.of(x, cache, return_cache, segment_ids, context_parallel, check=self.check_place)
         if place.cached:
-            # updated in place and returned; read without return_cache, it is left as it was
-            cache = self.empty_cache(x.shape[0], x.device, x.dtype) if cache is None else cache if return_cache else cache.clone()
+            cache = self.empty_cache(x.shape[0], x.device, x.dtype, 0) if cache is None else for_call(cache, return_cache)
         out = self.attend(x, place.but(rotary=rotary), input_mask, cache, context, context_mask)
+        if cache is not None:  # (a layer on its own counts its tokens; in a model the model counts)
+            cache.position += x.shape[1]
         return (out, cache) if return_cache else out
 
     def attend(self, x, place=PLAIN, input_mask=None, cache=None, context=None, context_mask=None):
         """The output for x (b, n, dim) at ``place`` (``place.py``, checked by ``check_place``);
         ``cache``: this layer's ``AttentionCache`` when ``place.cached``, updated in place."""
-        _check_mask(input_mask, *x.shape[:2], "input_mask")
+        check_mask(input_mask, *x.shape[:2], "input_mask")
         if self.receives_context:
             out = self._cross_attention(x, context, context_mask, cache)
         elif place.segments is not None:
             out = self._packed(x, input_mask, place)
         else:
             out = self._self_attention(x, input_mask, place, cache)
-        if cache is not None:
-            cache.position += x.shape[1]
         return out
 
     def _check_routes(self, input_mask, context, context_mask, rotary):
@@ -359,17 +357,13 @@ class Attention(nn.Module):
         return from_layout(out, slots)
 
     def _self_attention(self, x, input_mask, place, cache=None):
-        """The output; ``cache``: an ``AttentionCache`` to continue from, updated in place
-        (but for its position, which ``attend`` counts)."""
+        """The output; ``cache``: an ``AttentionCache`` to continue from after
+        ``place.position`` tokens, updated in place."""
         rotary, segments, group = place.rotary, place.segments, place.group
-        if cache is not None and x.shape[1] == 1 and input_mask is None and not torch.is_grad_enabled():
-            # one real token: the decoder's step, on the cache's buffers
-            ctx = StepContext(torch.tensor(cache.position, device=x.device), cache.position, rotary)
-            return AttentionStep(self, cache, x.shape[0])(x[:, 0], ctx)[:, None]
         q, k, v = self.project(x, x)
         if rotary is not None:
             q, k = apply_rotary(q, rotary), apply_rotary(k, rotary)
-        position = 0 if cache is None else cache.position
+        position = place.position
         outs = []
         if 0 < self.n_local < self.heads:
             # one split per tensor: its backward is one cat, where two slices would each fill a
@@ -415,7 +409,7 @@ class Attention(nn.Module):
                 raise ValueError("this layer has receives_context=True: pass context=(batch, ctx_len, dim)")
             if context.ndim != 3 or context.shape[-1] != self.dim or context.shape[0] != x.shape[0]:
                 raise ValueError(f"context must have shape ({x.shape[0]}, ctx_len, {self.dim}), got {tuple(context.shape)}")
-            _check_mask(context_mask, *context.shape[:2], "context_mask")
+            check_mask(context_mask, *context.shape[:2], "context_mask")
             _, k, v = self.project(x[:, :0], context)
             k, normalize = self.noncausal_keys(k, context_mask, context)
             summary = linear_attention_summary(k, v, context_mask, normalize)
@@ -430,9 +424,93 @@ class Attention(nn.Module):
         q = rearrange(self.to_q(x), "b n (h d) -> b h n d", h=self.heads)
         return self._combine([linear_attention_readout(self.feature_map.queries(q), summary)], x)
 
-    def empty_cache(self, batch_size, device=None, dtype=torch.float32):
+    def prepare_step(self, cache, batch, position, first_real=None):
+        """What ``step`` reads besides ``cache`` (this layer's ``AttentionCache`` of ``batch``
+        rows after ``position`` tokens), made once per decoder: ``StepTensors`` (None for a
+        cross-attention layer). Parameters changed afterwards are not seen."""
+        return None if self.receives_context else StepTensors(self, cache, batch, position, first_real)
+
+    def step(self, h, cache, made, at, into=None):
+        """One token h (b, dim) at ``at`` (a step's ``Place``: ``position`` an int on eager
+        steps, else None; ``tensor`` the same as a long tensor) on ``cache``, in place;
+        ``made``: ``prepare_step``'s tensors. Returns the layer's output (b, dim), or with
+        ``into`` (eager steps) adds it to ``into`` in place. A traced step (position None)
+        makes new tensors: no buffer but the cache's is written."""
+        if self.receives_context:  # the context reduced to kᵀv on the first call
+            out = self.read_context(h[:, None], cache.context)[:, 0]
+            return out if into is None else into.add_(out)
+        eager = at.position is not None
+        if eager:
+            proj = made.proj
+            if made.bias is None:
+                torch.mm(h, made.weight_t, out=proj)
+            else:
+                torch.addmm(made.bias, h, made.weight_t, out=proj)
+        else:
+            proj = F.linear(h, made.weight, made.bias)
+        q_local, kv_local, q, k, v = made.split(proj, at.rotary)
+        outs = []
+        if self.n_local:  # (q_local came out of the projection scaled)
+            keys, values, bias = self._enter_ring(kv_local, cache.local, made, at)
+            outs.append(windowed_attention_step(q_local, keys, values, bias, made.out_local if eager else None))
+        if self.n_local < self.heads:  # the global heads: their state stepped in place
+            log_gate = None if self.forget_gate is None else self.forget_gate.log_gates(proj[:, made.ends[1]: made.ends[2]])
+            out = made.out_global if eager else None
+            if made.conv_taps is not None:
+                q, k, v = local_conv_step(torch.stack((q, k, v), dim=1), cache.global_.conv, made.conv_taps).unbind(1)
+            if not self.feature_map.is_softmax:
+                q, k = self.feature_map.pointwise(q), self.feature_map.pointwise(k)
+            out_dtype = q.dtype
+            if out_dtype != made.zero.dtype:  # (the state's dtype: float32 or wider)
+                out, dtype = None, made.zero.dtype
+                q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
+                log_gate = None if log_gate is None else log_gate.to(dtype)
+            state = cache.global_.state
+            seen = eager and made.seen_from is not None and at.position >= made.seen_from
+            where = state.where(at.position if eager else at.tensor, self.blindspot_size, made.zero, made.hidden)
+            out = state.step(q, k, v, log_gate, where, seen, out=out)
+            outs.append(out if out.dtype == out_dtype else out.to(out_dtype))
+        gate = None if self.output_gate is None else torch.sigmoid(proj[:, made.ends[-2]:])
+        if not eager:
+            out = (torch.cat(outs, dim=1) if len(outs) > 1 else outs[0]).flatten(1)
+            return F.linear(out if gate is None else out * gate, self.to_out.weight, self.to_out.bias)
+        for out, buffer in zip(outs, made.out_buffers):
+            if out is not buffer:
+                buffer.copy_(out)
+        if gate is not None:
+            made.heads_flat.mul_(gate)
+        if into is None:
+            return torch.mm(made.heads_out, made.out_weight_t)
+        return into.addmm_(made.heads_out, made.out_weight_t)
+
+    def _enter_ring(self, kv, cache, made, at):
+        """Position p enters the local heads' ring (``LocalCache``) with its key and value kv
+        (b, 2, h, dh): its slot p mod slots takes them and the position. Returns (keys, values
+        (b, h, slots, dh), bias (b or 1, 1, slots): 0 on the slots from the query's first key
+        on, -inf elsewhere); once every slot holds a real key, a row of ``made``'s table."""
+        p, host = at.tensor, at.position
+        if host is not None:  # eager: the slot, and from steady on the bias, from the host
+            slot = host % made.slots
+            made.kv_slots[slot].copy_(kv)
+            made.position_slots[slot].copy_(p)
+            if made.steady_from is not None and host >= made.steady_from:
+                return made.keys, made.values, made.table_rows[slot]
+            keys, values, first = made.keys, made.values, self.local_window.first_key(host)
+        else:  # (views of the buffer made here: a compiled step's inputs do not alias)
+            slot = torch.remainder(p, made.slots)[None]
+            cache.kv.index_copy_(3, slot, kv[:, :, :, None].to(cache.kv.dtype))  # (autocast: kv in half)
+            cache.positions.index_copy_(1, slot, p.expand(cache.positions.shape[0], 1))
+            keys, values = cache.kv.unbind(1)
+            first = self.local_window.first_key(p)
+        bias = torch.where(cache.positions >= first, made.ring_zero, made.ring_hidden)[:, None]
+        if host is None and made.steady is not None:  # (not the int: a compiled step would guard on it)
+            bias = torch.where(p >= made.steady, made.table.index_select(0, slot)[0], bias)
+        return keys, values, bias
+
+    def empty_cache(self, batch_size, device=None, dtype=torch.float32, position=None):
         """The cache before any token: zero state, no keys, zero convolution inputs (a
-        cross-attention layer's context is reduced on the first call)."""
+        cross-attention layer's context is reduced on the first call); ``position``: 0 for a
+        layer that counts its own tokens (``forward``), None in a model (the model counts)."""
         self.check_cacheable()
         n_global, dh = self.heads - self.n_local, self.dim_head
         local = global_ = None
@@ -445,13 +523,114 @@ class Attention(nn.Module):
             conv = None if self.local_conv is None else torch.zeros(
                 batch_size, 3, n_global, self.local_conv[0].kernel_size - 1, dh, device=device, dtype=dtype)
             global_ = GlobalCache(state, conv)
-        return AttentionCache(0, local, global_, None)
+        return AttentionCache(position, local, global_, None)
 
     def check_cacheable(self):
         if not self.causal and not self.receives_context:
             raise ValueError("a cache (cached decoding) needs a causal model: this attention layer is not causal")
         if self.training and (self.attn_dropout.p > 0 or self.dropout.p > 0):
             raise ValueError("cached decoding needs eval mode: dropout is active (call model.eval())")
+
+
+class StepTensors:
+    """What an ``Attention`` layer's ``step`` reads and writes besides its cache, made once per
+    decoder (``Attention.prepare_step``).
+
+    One matmul projects the token to every head's q, k, v and the gates' inputs: ``weight``
+    concatenates the projections (the local heads' queries scaled by dim_head^-1/2 already:
+    rotary is a rotation, it commutes with the scale), ``bias`` is the output gate's (the
+    others add exact zeros) or None. Eager steps write into buffers made here: the projection
+    ``proj``, and the heads' outputs ``heads_out`` (b, heads * dh + 1) with a last column of
+    ones, so that the output projection's bias is one more row of ``out_weight_t``.
+
+    ``first_real``: the latest first real token over the rows (prompts padded on the left),
+    when known: from the blindspot block after it every query of the global heads sees a key,
+    and eager steps leave out the guards for a row without one (``read_state``'s
+    ``all_seen``). The local heads' ring: once every slot holds a real key (``steady_from``, read
+    from the ring once), the bias is a row of ``table``."""
+
+    def __init__(self, attn, cache, batch, position, first_real=None):
+        heads, dh, kvh, nl = attn.heads, attn.dim_head, attn.kv_heads, attn.n_local
+        self.heads, self.dim_head, self.kv_heads, self.n_local = heads, dh, kvh, nl
+        gate, out_gate = attn.forget_gate, attn.output_gate
+        linears = [attn.to_q, attn.to_kv] + ([] if gate is None else [gate.gate_down])
+        linears += [] if out_gate is None else [out_gate.gate_out]
+        sizes = [linear.out_features for linear in linears]
+        with torch.no_grad():
+            self.weight = torch.cat([linear.weight for linear in linears], dim=0)
+            self.weight[: nl * dh] *= dh ** -0.5
+            self.bias = None
+            if out_gate is not None:
+                self.bias = torch.cat((self.weight.new_zeros(sum(sizes[:-1])), out_gate.gate_out.bias))
+            self.out_weight_t = torch.cat((attn.to_out.weight, attn.to_out.bias[:, None]), dim=1).t()
+        self.ends = torch.tensor(sizes).cumsum(0).tolist()
+        self.weight_t = self.weight.t()
+        # eager steps' buffers: the projection, views of its parts, the heads' outputs
+        self.proj = proj = self.weight.new_empty(batch, self.weight.shape[0])
+        self.parts = None
+        self.parts = self.split(proj, None) if kvh == heads else None  # views, made once
+        self.heads_out = proj.new_ones(batch, heads * dh + 1)
+        self.heads_flat = self.heads_out[:, :-1]
+        heads_view = self.heads_flat.view(batch, heads, dh)
+        self.out_local, self.out_global = heads_view[:, :nl], heads_view[:, nl:]
+        self.out_buffers = [t for t, n in ((self.out_local, nl), (self.out_global, heads - nl)) if n]
+        self.conv_taps = self.zero = self.steady = self.steady_from = self.table = None
+        self.seen_from = None
+        if nl < heads:
+            state = cache.global_.state
+            self.zero = torch.zeros((), dtype=state.kv.dtype, device=state.kv.device)
+            self.hidden = torch.full_like(self.zero, NEG_INF)
+            blindspot = attn.blindspot_size
+            if first_real is not None:  # the block after each row's first real token
+                self.seen_from = first_real if blindspot == 1 else (first_real // blindspot + 1) * blindspot
+            if attn.local_conv is not None:  # the three convolutions (q, k, v) as one: (3, heads, taps, dh)
+                with torch.no_grad():
+                    self.conv_taps = torch.stack([c.taps(heads - nl) for c in attn.local_conv])
+        if nl:
+            self._ring(attn.local_window, cache.local, position)
+
+    def _ring(self, window, ring, position):
+        kv, positions = ring.kv, ring.positions
+        device = kv.device
+        self.slots = slots = ring.slots
+        self.ring_zero = torch.zeros((), dtype=kv.dtype, device=device)
+        self.ring_hidden = torch.full_like(self.ring_zero, NEG_INF)
+        # eager steps' views: each slot's (b, 2, h, dh), each slot's column of positions, keys
+        # and values (b, h, slots, dh)
+        self.kv_slots, self.position_slots = kv.unbind(3), positions.unbind(1)
+        self.keys, self.values = kv.unbind(1)
+        # steady from the position after the next write of each slot without a real key (a sync, once)
+        empty = (positions == NO_KEY).any(dim=0).nonzero().flatten().tolist()
+        self.steady_from = max([position] + [position + (s - position) % slots + 1 for s in empty])
+        self.steady = torch.tensor(self.steady_from, device=device)
+        q = slots + torch.arange(slots, device=device)[:, None]  # one query per residue mod slots
+        slot_positions = q - (q - torch.arange(slots, device=device)) % slots
+        self.table = torch.where(window.visible(q, slot_positions), self.ring_zero, self.ring_hidden)[:, None, None]
+        self.table_rows = self.table.unbind(0)
+
+    def split(self, proj, rotary):
+        """The projection (b, width) -> (q local (b, nl, 1, dh), kv local (b, 2, nl, dh), q, k,
+        v global (b, ng, dh) each): views, unless rotary or kv_heads make new tensors."""
+        if rotary is None and proj is self.proj and self.parts is not None:
+            return self.parts
+        b, heads, dh, kvh, nl = proj.shape[0], self.heads, self.dim_head, self.kv_heads, self.n_local
+        q_end, kv_end = self.ends[0], self.ends[1]
+        if rotary is not None:  # q and k are side by side: rotate them at once
+            qk = apply_rotary(proj[:, : q_end + kvh * dh].view(b, heads + kvh, dh), rotary)
+            q = qk[:, :heads]
+            kv = torch.stack((qk[:, heads:], proj[:, q_end + kvh * dh: kv_end].view(b, kvh, dh)), dim=1)
+        else:
+            q = proj[:, :q_end].view(b, heads, dh)
+            kv = proj[:, q_end:kv_end].view(b, 2, kvh, dh)
+        if kvh != heads:
+            kv = kv.repeat_interleave(heads // kvh, dim=2)
+        return q[:, :nl, None], kv[:, :, :nl], q[:, nl:], kv[:, 0, nl:], kv[:, 1, nl:]
+
+    def tensors(self):
+        """The tensors made here that a traced step reads (a CUDA graph's static inputs)."""
+        found = [self.weight, self.bias, self.conv_taps, self.zero, self.steady, self.table]
+        found += [getattr(self, "hidden", None), getattr(self, "ring_zero", None), getattr(self, "ring_hidden", None)]
+        return [t for t in found if t is not None]
 
 
 def _local_window(size, look_backward, look_forward, exact, causal):

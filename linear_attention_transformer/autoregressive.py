@@ -30,7 +30,8 @@ Such a net may also offer the faster one-token form,
 
 (the logits at the prompt's last position, then after each token fed); ``generate`` then
 uses it instead of the cache. A decoder whose step can be compiled as one graph sets
-``compilable = True`` (``generate(..., compile_step=...)`` compiles it).
+``compilable = True`` (``generate(..., compile_step=...)`` compiles it, after calling its
+``mark_static()`` if it has one).
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ from torch import nn
 
 from .context_parallel import ContextParallel
 from .lm import check_token_ids
-from .ops.common import _check_mask
+from .ops.common import check_mask
 from .ops.segments import check_integer_ids, check_segment_ids, is_integer_dtype
 from .place import check_modes
 
@@ -341,7 +342,7 @@ class AutoregressiveWrapper(nn.Module):
 
         mask = kwargs.pop("input_mask", None)
         if mask is not None:
-            _check_mask(mask, *x.shape, "input_mask")
+            check_mask(mask, *x.shape, "input_mask")
             kwargs["input_mask"] = mask[:, :-1]
             targets = targets.masked_fill(~mask[:, 1:], self.ignore_index)
         segment_ids = kwargs.pop("segment_ids", None)
@@ -411,6 +412,9 @@ class AutoregressiveWrapper(nn.Module):
         if device is not None and torch.device(device).type == "cuda" and "mode" not in options \
                 and "backend" not in options:
             options["mode"] = "reduce-overhead"
+        mark_static = getattr(decoder, "mark_static", None)
+        if mark_static is not None:  # (what the step reads keeps its address: a CUDA graph need not copy it)
+            mark_static()
         return torch.compile(decoder.step, **options)
 
     def _next_logits(self, seq, mask, cache_state, kwargs):
@@ -570,7 +574,7 @@ class AutoregressiveWrapper(nn.Module):
         if mask is not None:
             if was_1d and torch.is_tensor(mask):
                 mask = mask[None]
-            _check_mask(mask, *seq.shape, "input_mask")
+            check_mask(mask, *seq.shape, "input_mask")
             if not bool(mask[:, -1].all()):
                 raise ValueError("input_mask must be True at the last prompt position of every "
                                  "row (pad prompts on the left)")

@@ -50,9 +50,22 @@ def map_tensors(obj, fn):
         return fn(obj)
     if isinstance(obj, (tuple, list)):
         return type(obj)(map_tensors(o, fn) for o in obj)
-    if isinstance(obj, (_Cache, CausalState)):
+    if isinstance(obj, (_Cache, CausalState, Position)):
         return obj._map(fn)
     return obj
+
+
+def for_call(cache, return_cache):
+    """The cache a call continues from and updates in place: ``cache`` itself when the call
+    returns it, else a copy (a call that only reads a cache leaves it as it was)."""
+    return cache if return_cache or cache is None else cache.clone()
+
+
+def tensors_of(obj):
+    """Every tensor of a cache, in order."""
+    found = []
+    map_tensors(obj, lambda t: found.append(t) or t)
+    return found
 
 
 def copy_rows(into, rows, part):
@@ -118,18 +131,19 @@ class GlobalCache(_Cache):
 
 
 class AttentionCache(_Cache):
-    """One attention layer: tokens consumed (``position``, an int), ``local`` (LocalCache or
-    None), ``global_`` (GlobalCache or None), and for a cross-attention layer ``context``: the
-    encoder's keys and values reduced once to kᵀv."""
+    """One attention layer: ``local`` (LocalCache or None), ``global_`` (GlobalCache or None),
+    for a cross-attention layer ``context`` (the encoder's keys and values reduced once to
+    kᵀv), and ``position``: the tokens the layer's own forward has consumed (None inside a
+    model, whose ``DecodingCache`` counts for every layer)."""
 
     __slots__ = ("position", "local", "global_", "context")
 
 
 class AxialCache(_Cache):
     """Axial attention: one ``AttentionCache`` over a batch of b * w rows, row (i, r) holding
-    the sequence of positions t = r mod w of batch element i; ``position``: tokens consumed."""
+    the sequence of positions t = r mod w of batch element i."""
 
-    __slots__ = ("inner", "position")
+    __slots__ = ("inner",)
 
 
 class BranchCache(_Cache):
@@ -139,17 +153,63 @@ class BranchCache(_Cache):
     __slots__ = ("shift", "fn")
 
 
+class Position:
+    """Tokens consumed: the one count a ``DecodingCache`` keeps and every layer reads. An int on
+    the host; a decoder also keeps it as a long tensor of no dimension on the model's device
+    (``tensor``), advanced in place by steps that read nothing back: the int is then read back
+    once, when asked for."""
+
+    __slots__ = ("_host", "tensor")
+
+    def __init__(self, count=0, tensor=None):
+        self._host, self.tensor = count, tensor
+
+    def __int__(self):
+        if self._host is None:
+            self._host = int(self.tensor)
+        return self._host
+
+    @property
+    def host(self):
+        """The count if the host knows it without reading the device back, else None."""
+        return self._host
+
+    def on(self, device):
+        """The count as a tensor on ``device`` (made once)."""
+        if self.tensor is None:
+            self.tensor = torch.tensor(int(self), dtype=torch.long, device=device)
+        return self.tensor
+
+    def set(self, count):
+        self._host = count
+        if self.tensor is not None:
+            self.tensor.fill_(count)
+
+    def advance(self):
+        """One token more: on the device, and on the host unless the host's count is unknown
+        (traced steps leave it to be read back)."""
+        if self.tensor is not None:
+            self.tensor.add_(1)
+        if torch.compiler.is_compiling():  # (not read: a compiled step would guard on the int)
+            self._host = None
+        elif self._host is not None:
+            self._host += 1
+
+    def _map(self, fn):
+        return Position(int(self), None if self.tensor is None else fn(self.tensor))
+
+
 class DecodingCache(_Cache):
-    """The whole model after ``position`` tokens: ``layers`` holds a (BranchCache, BranchCache)
-    pair per residual block, in order."""
+    """The whole model after ``position`` tokens (an int; its one count, ``counter``, a
+    ``Position``): ``layers`` holds a (BranchCache, BranchCache) pair per residual block, in
+    order."""
 
-    __slots__ = ("position", "layers")
+    __slots__ = ("counter", "layers")
 
-    def set_position(self, position):
-        """Tokens consumed, written into every layer's cache too (``Decoder`` counts them on
-        the device and writes them back here when its cache is read)."""
-        self.position = position
-        for pair in self.layers:
-            for branch in pair:
-                if branch is not None and branch.fn is not None:
-                    branch.fn.position = position
+    @property
+    def position(self):
+        return int(self.counter)
+
+    @position.setter
+    def position(self, count):
+        self.counter.set(count)

@@ -25,7 +25,7 @@ import torch
 from .ops import CausalState, causal_linear_attention, linear_attention_readout, linear_attention_summary
 from .ops.causal.forms import CHUNK_SIZE
 from .ops.causal.scan import Summary, scan, summarize
-from .ops.common import _append_ones, _apply_key_mask, _compute_dtype
+from .ops.common import append_ones, apply_key_mask, compute_dtype
 
 __all__ = ["ContextParallel", "causal_summary", "gather_summaries", "state_before",
            "context_parallel_causal_linear_attention", "noncausal_summary", "context_parallel_linear_attention",
@@ -159,8 +159,8 @@ def causal_summary(k, v, log_decay=None, mask=None, exp_features=False) -> Summa
     with ``exp_features``), v (b, h, n, e), log_decay and mask as ``causal_linear_attention``.
     Returns Summary(kv (b, h, d, e + 1), log_decay (b, h, 1 or d) or None, ref (b, h, d) or
     None), in at least float32."""
-    dtype = _compute_dtype(k)
-    k, v, ld = _apply_key_mask(k.to(dtype), v.to(dtype), None if log_decay is None else log_decay.to(dtype), mask,
+    dtype = compute_dtype(k)
+    k, v, ld = apply_key_mask(k.to(dtype), v.to(dtype), None if log_decay is None else log_decay.to(dtype), mask,
                                exp_features)
     total = to_end = None
     if ld is not None:
@@ -170,7 +170,7 @@ def causal_summary(k, v, log_decay=None, mask=None, exp_features=False) -> Summa
         # reverse cumulative sum (no cancellation, every entry <= 0)
         later = torch.cat((torch.zeros_like(ld[:, :, :1]), ld.flip(2)[:, :, :-1]), dim=2)
         to_end = later.cumsum(dim=2).flip(2)
-    summary, _ = summarize(k, _append_ones(v), to_end, total, exp_features)
+    summary, _ = summarize(k, append_ones(v), to_end, total, exp_features)
     return summary
 
 

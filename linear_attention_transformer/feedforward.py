@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .ops.common import _check_int
+from .ops.common import check_int
 
 _ACTIVATIONS = {"gelu": F.gelu, "relu": F.relu}
 
@@ -29,7 +29,7 @@ class FeedForward(nn.Module):
         super().__init__()
         if int(chunks) != chunks or chunks < 1:
             raise ValueError(f"ff_chunks must be a positive integer, got {chunks!r}")
-        _check_int("ff_mult", mult)
+        check_int("ff_mult", mult)
         if activation not in _ACTIVATIONS:
             raise ValueError(f"ff_activation must be one of {sorted(_ACTIVATIONS)}, got {activation!r}")
         hidden = dim * mult
@@ -48,6 +48,19 @@ class FeedForward(nn.Module):
             return self._forward(x)
         return torch.cat([self._forward(part) for part in x.chunk(self.chunks, dim=1)], dim=1)
 
+    def prepare_step(self, cache=None, batch=None, position=None, first_real=None):
+        """What ``step`` reads, made once per decoder: its weights, the output's transposed."""
+        return (self.proj_in.weight, self.proj_in.bias, self.glu, self.activation), self.proj_out.weight.t(), self.proj_out.bias
+
+    def step(self, h, cache, made, at=None, into=None):
+        """One position h (b, dim) (cached decoding, eval mode; ``made``: ``prepare_step``'s);
+        with ``into`` (b, dim), the output is added to it in place."""
+        in_args, out_weight_t, out_bias = made
+        h = _hidden(h, *in_args)
+        if into is None:
+            return torch.addmm(out_bias, h, out_weight_t)
+        return into.addmm_(h, out_weight_t).add_(out_bias)
+
 
 def _hidden(x, weight, bias, glu, activation):
     h = F.linear(x, weight, bias)
@@ -55,24 +68,3 @@ def _hidden(x, weight, bias, glu, activation):
         h, gate = h.chunk(2, dim=-1)
         return h * activation(gate)
     return activation(h)
-
-
-class FeedForwardStep:
-    """A ``FeedForward`` on one position h (b, dim) (cached decoding, eval mode), its weights
-    read once; called with ``into`` (b, dim), the output is added to it in place."""
-
-    __slots__ = ("in_args", "out_weight", "out_weight_t", "out_bias")
-
-    def __init__(self, ff):
-        self.in_args = (ff.proj_in.weight, ff.proj_in.bias, ff.glu, ff.activation)
-        self.out_weight, self.out_bias = ff.proj_out.weight, ff.proj_out.bias
-        self.out_weight_t = self.out_weight.t()
-
-    def buffers(self):
-        return []
-
-    def __call__(self, h, ctx=None, into=None):
-        h = _hidden(h, *self.in_args)
-        if into is None:
-            return F.linear(h, self.out_weight, self.out_bias)
-        return into.addmm_(h, self.out_weight_t).add_(self.out_bias)

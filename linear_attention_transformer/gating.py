@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from einops import rearrange
 from torch import nn
 
-from .ops.common import _check_int
+from .ops.common import check_int
 
 
 GATE_GRANULARITIES = ("feature", "head")
@@ -36,7 +36,7 @@ class ForgetGate(nn.Module):
 
     def __init__(self, dim, heads, dim_head, rank=16, temperature=16.0, granularity="head"):
         super().__init__()
-        _check_int("gate_rank", rank)
+        check_int("gate_rank", rank)
         if not temperature > 0:
             raise ValueError(f"gate_temperature must be > 0, got {temperature!r}")
         if granularity not in GATE_GRANULARITIES:
@@ -89,7 +89,7 @@ class LocalConv(nn.Module):
 
     def __init__(self, channels, kernel_size=3, causal=True):
         super().__init__()
-        _check_int("local_conv_kernel", kernel_size)
+        check_int("local_conv_kernel", kernel_size)
         if not causal and kernel_size % 2 == 0:
             raise ValueError(f"local_conv_kernel must be odd in a non-causal model (it is centred), got {kernel_size}")
         self.kernel_size, self.causal = kernel_size, causal

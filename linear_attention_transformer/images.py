@@ -15,7 +15,7 @@ from einops import rearrange
 from torch import nn
 
 from .ops import linear_attention
-from .ops.common import _check_bool, _check_float_tensor, _check_int
+from .ops.common import check_bool, check_float_tensor, check_int
 
 __all__ = ["ImageLinearAttention"]
 
@@ -55,8 +55,8 @@ class ImageLinearAttention(nn.Module):
         chan_out = chan if chan_out is None else chan_out
         for name, value in (("chan", chan), ("chan_out", chan_out), ("key_dim", key_dim), ("value_dim", value_dim),
                             ("heads", heads)):
-            _check_int(name, value)
-        _check_bool("norm_queries", norm_queries)
+            check_int(name, value)
+        check_bool("norm_queries", norm_queries)
         self.kernel_size = _pair("kernel_size", kernel_size, 1)
         self.padding = _pair("padding", padding, 0)
         self.stride = _pair("stride", stride, 1)
@@ -86,7 +86,7 @@ class ImageLinearAttention(nn.Module):
         return grid
 
     def _check_input(self, name, t, b=None):
-        _check_float_tensor(name, t)
+        check_float_tensor(name, t)
         if t.ndim < 3 or t.shape[1] != self.chan:
             raise ValueError(f"{name} must have shape (batch, chan = {self.chan}, ...), got {tuple(t.shape)}")
         if b is not None and t.shape[0] != b:

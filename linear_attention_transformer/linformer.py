@@ -30,13 +30,13 @@ from einops import rearrange
 from torch import nn
 
 from .attention import resolve_heads
-from .ops.common import _check_bool, _check_float_tensor, _check_int, _check_mask
+from .ops.common import check_bool, check_float_tensor, check_int, check_mask
 
 __all__ = ["LinformerSettings", "LinformerContextSettings", "LinformerSelfAttention", "linformer_layers"]
 
 
 def _check_features(name, t, dim):
-    _check_float_tensor(name, t)
+    check_float_tensor(name, t)
     if t.ndim != 3:
         raise ValueError(f"{name} must have shape (batch, length, dim), got {tuple(t.shape)}")
     if t.shape[-1] != dim:
@@ -66,19 +66,19 @@ class LinformerSettings:
     k_reduce_by_layer: int = 0
 
     def __post_init__(self):
-        _check_int("k", self.k)
-        _check_bool("one_kv_head", self.one_kv_head)
-        _check_bool("share_kv", self.share_kv)
+        check_int("k", self.k)
+        check_bool("one_kv_head", self.one_kv_head)
+        check_bool("share_kv", self.share_kv)
         if self.parameter_sharing not in SHARING:
             raise ValueError(f"parameter_sharing must be one of {SHARING}, got {self.parameter_sharing!r}")
-        _check_int("k_reduce_by_layer", self.k_reduce_by_layer, minimum=0)
+        check_int("k_reduce_by_layer", self.k_reduce_by_layer, minimum=0)
         if self.k_reduce_by_layer and self.parameter_sharing == "layerwise":
             raise ValueError("k_reduce_by_layer > 0 with parameter_sharing='layerwise': one projection for every "
                              "layer has one k")
 
 
 def _check_context_settings(self):
-    _check_int("seq_len", self.seq_len)
+    check_int("seq_len", self.seq_len)
     LinformerSettings.__post_init__(self)
 
 
@@ -123,10 +123,10 @@ class LinformerSelfAttention(nn.Module):
                  projection: Optional[nn.Parameter] = None):
         super().__init__()
         for name, value in (("dim", dim), ("seq_len", seq_len), ("k", k), ("heads", heads)):
-            _check_int(name, value)
+            check_int(name, value)
         dim_head, kv_heads = resolve_heads(dim, heads, dim_head, one_kv_head=one_kv_head)
         for name, value in (("one_kv_head", one_kv_head), ("share_kv", share_kv), ("per_head", per_head)):
-            _check_bool(name, value)
+            check_bool(name, value)
         if projection is not None and (per_head or tuple(projection.shape) != (seq_len, k)):
             raise ValueError(f"projection must be a ({seq_len}, {k}) parameter, used without per_head")
         share_kv = share_kv or projection is not None
@@ -175,7 +175,7 @@ class LinformerSelfAttention(nn.Module):
     def forward(self, x, context=None, input_mask=None, context_mask=None):
         _check_features("x", x, self.dim)
         b, n, _ = x.shape
-        _check_mask(input_mask, b, n, "input_mask")
+        check_mask(input_mask, b, n, "input_mask")
         if context is None:
             if context_mask is not None:
                 raise ValueError("context_mask was given without context")
@@ -191,7 +191,7 @@ class LinformerSelfAttention(nn.Module):
                 raise ValueError(f"context has batch size {context.shape[0]}, x has {b}")
             if context.shape[1] > self.seq_len:
                 raise ValueError(f"context has length {context.shape[1]}, longer than seq_len = {self.seq_len}")
-            _check_mask(context_mask, b, context.shape[1], "context_mask")
+            check_mask(context_mask, b, context.shape[1], "context_mask")
             kv_input, kv_mask = context, context_mask
 
         if kv_mask is not None:

@@ -1,19 +1,42 @@
-"""The language model: token and position embeddings around a ``LinearAttentionTransformer``."""
+"""The language model: token and position embeddings around a ``LinearAttentionTransformer``,
+and its decoder.
+
+Fast decoding: ``Decoder``, the loop of ``AutoregressiveWrapper.generate``, is primed once
+with the prompt (``LinearAttentionTransformerLM.start_decoding``: the model's cached path);
+then ``step(tokens)`` feeds one token per row and returns the next logits. Each stateful
+module has one ``step`` that writes its part of the cache in place
+(``LinearAttentionTransformerLM.step`` -> ``Branch.step`` -> ``Attention.step`` ->
+``CausalState.step``): the decoder's state *is* the cache. The decoder keeps the loop, what
+the steps read besides the cache (made once: ``prepare_step``, e.g. each attention layer's
+concatenated projection weights), the thread count of an eager step, and on CUDA the static
+addresses of both.
+
+The position is the cache's (``DecodingCache.counter``), kept also as a tensor on the model's
+device and advanced in place, and every choice that follows from it is a tensor operation: a
+step reads nothing back to the host, allocates nothing that lasts, and
+``torch.compile(decoder.step, fullgraph=True)`` traces one graph for every position
+(``mode="reduce-overhead"``: a CUDA graph, the cache and the made-once tensors static). Eager
+steps also know the position on the host and use it where it saves work. A model with axial
+attention (``attend_axially``) steps that layer on its cached path: eager only.
+"""
 
 from __future__ import annotations
+
+import functools
+from typing import NamedTuple, Optional
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from .attention import HEADS, LOCAL_WINDOW_SIZE
-from .attention_step import StepContext
-from .decoding import start_decoding
-from .ops.common import _check_int
+from .cache import for_call, tensors_of
+from .ops.common import check_int
 from .ops.segments import check_integer_ids
 from .place import Place
 from .positional import AbsolutePositionalEmbedding, AxialPositionalEmbedding
-from .transformer import LinearAttentionTransformer, _parameters, refuse_unknown_keywords
+from .reversible import ReversibleSequence
+from .transformer import LinearAttentionTransformer, keyword_names, refuse_unknown_keywords
 
 
 def check_token_ids(tokens, num_tokens, name):
@@ -57,9 +80,9 @@ class LinearAttentionTransformerLM(nn.Module):
     ):
         super().__init__()
         refuse_unknown_keywords(type(self).__name__, kwargs, self.option_names())
-        _check_int("num_tokens", num_tokens)
+        check_int("num_tokens", num_tokens)
         emb_dim = dim if emb_dim is None else emb_dim
-        _check_int("emb_dim", emb_dim)
+        check_int("emb_dim", emb_dim)
         if not isinstance(tie_embedding, bool):
             raise TypeError(f"tie_embedding must be True or False, got {tie_embedding!r}")
         if tie_embedding and return_embeddings:
@@ -99,7 +122,7 @@ class LinearAttentionTransformerLM(nn.Module):
     @classmethod
     def option_names(cls):
         """Every keyword the constructor accepts: its own and ``LinearAttentionTransformer``'s."""
-        return _parameters(cls) | LinearAttentionTransformer.option_names()
+        return keyword_names(cls) | LinearAttentionTransformer.option_names()
 
     @property
     def supports_cache(self):
@@ -123,13 +146,59 @@ class LinearAttentionTransformerLM(nn.Module):
         """Read the prompt x (b, n) and return (logits (b, num_tokens) at its last position,
         decoder); ``decoder.step(tokens (b,))`` then feeds one token per row and returns the
         logits after it. The fast form of ``forward(..., cache=...)`` for one token at a time
-        (``decoding.py``); it runs without gradients and assumes eval mode."""
-        return start_decoding(self, x, input_mask, context, context_mask)
+        (``Decoder``); it runs without gradients and assumes eval mode."""
+        # not in inference mode: the buffers are then ordinary tensors, updatable in place in any mode
+        with torch.no_grad():
+            out, cache = self._body(x, input_mask, context, context_mask, None, True)
+            return self._output(out[:, -1]), Decoder(self, cache, x.shape[0], input_mask)
 
-    def step_of(self, cache, batch, first_real=None):
-        """The one-token step (``LMStep``) on ``cache``'s buffers (a ``DecodingCache`` of
-        ``batch`` rows; ``first_real``: see ``AttentionStep``), which a ``Decoder`` loops."""
-        return LMStep(self, cache, batch, first_real)
+    def prepare_step(self, cache, batch, first_real=None):
+        """What ``step`` reads besides ``cache`` (a ``DecodingCache`` of ``batch`` rows), made
+        once per decoder: the position embeddings of every position as one table (when it
+        has at most ``POSITION_TABLE_ELEMENTS`` entries) and each branch's ``prepare_step``
+        (``first_real``: see ``attention.StepTensors``)."""
+        position = cache.position
+        layers = [(f.prepare_step(fc, batch, position, first_real), g.prepare_step(gc, batch, position, first_real))
+                  for (f, g), (fc, gc) in zip(self.transformer.layers.blocks, cache.layers)]
+        table = rows = None
+        token = self.token_emb.weight
+        if self.pos_emb is not None and self.max_seq_len * token.shape[1] <= POSITION_TABLE_ELEMENTS:
+            with torch.no_grad():
+                table = self.pos_emb(torch.arange(self.max_seq_len, device=token.device)).to(token.dtype)
+            rows = table.unbind(0)  # (eager steps: a row without an indexing op)
+        project_in = None if isinstance(self.project_in, nn.Identity) else (self.project_in.weight, self.project_in.bias)
+        reversible = isinstance(self.transformer.layers, ReversibleSequence)
+        return StepTensors(token, table, rows, project_in, self._output_args(), layers, reversible)
+
+    def step(self, tokens, cache, made, position=None):
+        """tokens (b,) through the model on ``cache`` (a ``DecodingCache``), in place, its
+        position advanced by one -> logits (b, num_tokens). ``made``: ``prepare_step``'s;
+        ``position``: the cache's position as an int on eager steps, None on traced ones (then
+        read from the cache's tensor only: nothing read back, one graph for every position).
+        Each ``Branch.step`` of a plain stack's eager step adds its output into h in place."""
+        counter = cache.counter
+        p = counter.tensor
+        rotary = self.transformer.rotary
+        at = Place(position, True, rotary=None if rotary is None else rotary(p[None]), tensor=p)
+        h = F.embedding(tokens, made.token)
+        if made.table is not None:
+            # (a tensor index is an embedding lookup: indexing with it would read it back)
+            h = h + (F.embedding(p, made.table) if position is None else made.rows[position])
+        elif self.pos_emb is not None:
+            h = h + self.pos_emb(p[None]).to(h.dtype)
+        if made.project_in is not None:
+            h = F.linear(h, *made.project_in)
+        layers = self.transformer.layers
+        blocks = zip(layers.blocks, cache.layers, made.layers)
+        if position is None or made.reversible:
+            h = layers.compose(h, [[functools.partial(branch.step, cache=c, made=m, at=at)
+                                    for branch, c, m in zip(pair, caches, mades)] for pair, caches, mades in blocks])
+        else:
+            for (f, g), (fc, gc), (fm, gm) in blocks:
+                f.step(h, fc, fm, at, h)
+                g.step(h, gc, gm, at, h)
+        counter.advance()
+        return _logits(h, *made.output_args)
 
     def output_features(self, x, input_mask=None, context=None, context_mask=None, segment_ids=None,
                         context_parallel=None):
@@ -155,9 +224,8 @@ class LinearAttentionTransformerLM(nn.Module):
         h = self._embed(x)
         if self.pos_emb is not None:
             h = h + self.pos_emb(positions).to(h.dtype)
-        # updated in place and returned; read without return_cache, it is left as it was
         out = self.transformer.attend(self.project_in(h), place, input_mask, context, context_mask,
-                                      cache if return_cache or cache is None else cache.clone(), positions)
+                                      for_call(cache, return_cache), positions)
         return out[0] if place.cached and not return_cache else out
 
     def _embed(self, x):
@@ -201,42 +269,115 @@ def _logits(out, norm_args, project_out, to_logits):
 POSITION_TABLE_ELEMENTS = 2 ** 23
 
 
-class LMStep:
-    """One token per row through the model, on a ``DecodingCache``'s buffers (``Decoder``):
-    token and position embeddings in, the layers' steps (``Branch.step_of``), logits out. The
-    position embeddings are one table made once when it has at most ``POSITION_TABLE_ELEMENTS``
-    entries; past that each step calls the module on its position."""
+class StepTensors(NamedTuple):
+    """What ``LinearAttentionTransformerLM.step`` reads besides its cache, made once per decoder:
+    the token embedding, the position table (or None) and its rows, project_in's (weight,
+    bias) or None, ``_output_args``, per block the branches' ``prepare_step``, and whether the
+    stack is reversible."""
 
-    def __init__(self, model, cache, batch, first_real=None):
-        transformer = model.transformer
-        self.transformer, self.rotary = transformer, transformer.rotary
-        self.branches = [(f.step_of(fc, batch, first_real), g.step_of(gc, batch, first_real))
-                         for (f, g), (fc, gc) in zip(transformer.layers.blocks, cache.layers)]
-        self.token, self.pos_emb, self.table = model.token_emb.weight, model.pos_emb, None
-        self.project_in = None if isinstance(model.project_in, nn.Identity) else (model.project_in.weight,
-                                                                                  model.project_in.bias)
-        self.output_args = model._output_args()
-        if self.pos_emb is not None and model.max_seq_len * self.token.shape[1] <= POSITION_TABLE_ELEMENTS:
-            self.table = self.pos_emb(torch.arange(model.max_seq_len, device=self.token.device)).to(self.token.dtype)
-            self.table_rows = self.table.unbind(0)  # (eager steps: a row without an indexing op)
+    token: torch.Tensor
+    table: Optional[torch.Tensor]
+    rows: Optional[tuple]
+    project_in: Optional[tuple]
+    output_args: tuple
+    layers: list
+    reversible: bool
+
+
+# eager steps on a CPU for at most this many rows run on one thread (Decoder.step_threads)
+ONE_THREAD_MAX_BATCH = 8
+
+
+class Decoder:
+    """One running sequence per row (see the module docstring), built by the model's
+    ``start_decoding`` from the ``DecodingCache`` of its prompt (``batch`` rows; ``input_mask``:
+    the prompt's).
+
+    It owns and steps its prompt's ``DecodingCache`` (``decoder.cache``: clone it to keep a
+    copy); what the steps read besides it is made when the decoder is built, so parameters
+    changed afterwards are not seen. ``step(tokens (b,) integer) -> logits (b, num_tokens)``;
+    ``max_seq_len`` is checked on the host eagerly, on the device compiled. ``position``:
+    tokens consumed (prompt included; the cache's). ``step_threads``: the torch thread count
+    of an eager step (None: torch's own); on a CPU 1 for at most ``ONE_THREAD_MAX_BATCH`` rows:
+    a step's small operations gain nothing from a second thread and wait for it when another
+    process holds the core (benchmarks/README.md). ``compilable``: whether the step compiles as
+    one graph (not with axial attention).
+    """
+
+    def __init__(self, model, cache, batch, input_mask=None):
+        self.model, self.cache, self.batch, self.max_seq_len = model, cache, batch, model.max_seq_len
+        self.device = device = model.token_emb.weight.device
+        self.step_threads = 1 if device.type == "cpu" and batch <= ONE_THREAD_MAX_BATCH else None
+        self.compilable = not model.transformer.attend_axially
+        # the latest first real token over the rows (prompts are padded on the left)
+        first_real = 0
+        if input_mask is not None:  # (a row without any: its first generated token; built once: a sync is fine)
+            first = torch.where(input_mask.any(dim=1), input_mask.int().argmax(dim=1), input_mask.shape[1])
+            first_real = int(first.max())
+        self.made = model.prepare_step(cache, batch, first_real)
+        cache.counter.on(device)
+        if device.type == "cuda":  # CUDA graphs: the tensors a step reads keep their addresses
+            # (only there: importing torch._dynamo takes seconds, and a CPU has no graphs to capture)
+            self.mark_static()
 
     def buffers(self):
-        return [t for pair in self.branches for branch in pair for t in branch.buffers()]
+        """Every tensor the steps update in place (their shapes never change): the position
+        and the cache's buffers."""
+        return tensors_of(self.cache)
 
-    def rings(self):
-        """The local heads' rings (``_Ring``: their key positions settle when the cache is read)."""
-        return [ring for pair in self.branches for branch in pair if (ring := getattr(branch.step, "ring", None))]
+    def static_tensors(self):
+        """Every tensor a traced step reads or writes other than the model's parameters: the
+        cache's buffers and what ``prepare_step`` made (the inputs a CUDA graph keeps)."""
+        return self.buffers() + _made_tensors(self.made._replace(rows=None))  # (the rows: eager steps' views)
 
-    def __call__(self, tokens, p, host=None):
-        """tokens (b,) at position p (a long tensor of no dimension; ``host``: the same as an
-        int on eager steps, else None) -> logits (b, num_tokens)."""
-        ctx = StepContext(p, host, None if self.rotary is None else self.rotary(p[None]))
-        h = F.embedding(tokens, self.token)
-        if self.table is not None:
-            # (a tensor index is an embedding lookup: indexing with it would read it back)
-            h = h + (F.embedding(p, self.table) if host is None else self.table_rows[host])
-        elif self.pos_emb is not None:
-            h = h + self.pos_emb(p[None]).to(h.dtype)
-        if self.project_in is not None:
-            h = F.linear(h, *self.project_in)
-        return _logits(self.transformer.step(h, self.branches, ctx), *self.output_args)
+    def mark_static(self):
+        """Mark ``static_tensors`` as static addresses (``torch._dynamo.mark_static_address``):
+        a CUDA graph of the step then reads them where they are, with no copy per replay."""
+        for tensor in self.static_tensors():
+            torch._dynamo.mark_static_address(tensor)
+
+    @property
+    def position(self):
+        return self.cache.position
+
+    def step(self, tokens):
+        check_integer_ids(tokens, "tokens")
+        if tokens.dtype != torch.int64:  # (any integer dtype: the embedding takes int64)
+            tokens = tokens.long()
+        if tuple(tokens.shape) != (self.batch,):
+            raise ValueError(f"tokens must have shape ({self.batch},): one token per row, got {tuple(tokens.shape)}")
+        counter = self.cache.counter
+        if torch.compiler.is_compiling():
+            # no host count under compile (a Python int that changes would recompile): the
+            # device checks, and an eager step after this reads the position back
+            torch._assert_async(counter.tensor < self.max_seq_len,
+                                "decoder step past max_seq_len: sequence length exceeds max_seq_len")
+            with torch.no_grad():
+                return self.model.step(tokens, self.cache, self.made)
+        p = int(counter)
+        if p >= self.max_seq_len:
+            raise ValueError(f"sequence length {p + 1} exceeds max_seq_len={self.max_seq_len}")
+        threads, saved = self.step_threads, None
+        if threads is not None and torch.get_num_threads() != threads:
+            saved = torch.get_num_threads()
+            torch.set_num_threads(threads)
+        # under autocast a step takes the form a compiled step traces (its F.linear casts; the
+        # eager form writes into buffers of the model's dtype)
+        host = None if torch.is_autocast_enabled(self.device.type) else p
+        try:
+            if torch.is_inference_mode_enabled():  # (generate runs in it: no context to enter)
+                return self.model.step(tokens, self.cache, self.made, host)
+            with torch.inference_mode():
+                return self.model.step(tokens, self.cache, self.made, host)
+        finally:
+            if saved is not None:
+                torch.set_num_threads(saved)
+
+
+def _made_tensors(made):
+    """The tensors in what ``prepare_step`` made (tuples of them, and attention layers' ``StepTensors``)."""
+    if torch.is_tensor(made):
+        return [made]
+    if isinstance(made, (tuple, list)):
+        return [t for part in made for t in _made_tensors(part)]
+    return made.tensors() if hasattr(made, "tensors") else []

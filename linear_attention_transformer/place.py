@@ -31,18 +31,22 @@ class Place:
     """Where x sits (see the module docstring).
 
     Attributes:
-        position: the tokens before x in its sequence (a cache's position; 0 without one).
+        position: the tokens before x in its sequence (a cache's position; 0 without one); on a
+            decoder's step that does not know it on the host (a traced step), None.
         cached: whether the layers continue from their caches and update them.
         segments: (b, n) long run index of packed sequences, or None.
         group: a ``ContextParallel`` when x is one rank's slice, or None.
         rotary: (cos, sin) of x's positions for rotary embeddings, or None.
+        tensor: on a decoder's step, the position as a long tensor of no dimension on the
+            model's device (the cache's ``Position``), else None.
     """
 
-    position: int = 0
+    position: Optional[int] = 0
     cached: bool = False
     segments: Optional[torch.Tensor] = None
     group: Optional[ContextParallel] = None
     rotary: Optional[tuple] = None
+    tensor: Optional[torch.Tensor] = None
 
     @classmethod
     def of(cls, x, cache=None, return_cache=False, segment_ids=None, context_parallel=None,

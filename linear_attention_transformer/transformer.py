@@ -9,7 +9,6 @@ its input first and may shift tokens (``token_shift.py``).
 from __future__ import annotations
 
 import difflib
-import functools
 import inspect
 from typing import Optional
 
@@ -18,13 +17,12 @@ from einops import rearrange
 from product_key_memory import PKM
 from torch import nn
 
-from .attention import HEADS, LOCAL_WINDOW_SIZE, Attention, _pad_to_multiple, resolve_heads
-from .attention_step import AttentionStep
-from .cache import AxialCache, BranchCache, DecodingCache, copy_rows, map_tensors
+from .attention import HEADS, LOCAL_WINDOW_SIZE, Attention, pad_to_multiple, resolve_heads
+from .cache import AxialCache, BranchCache, DecodingCache, Position, copy_rows, for_call, map_tensors
 from .context_parallel import exchange_boundaries
-from .feedforward import FeedForward, FeedForwardStep
+from .feedforward import FeedForward
 from .linformer import LinformerContextSettings, LinformerSettings, linformer_layers
-from .ops.common import _check_int, _check_mask
+from .ops.common import check_int, check_mask
 from .place import PLAIN, Place
 from .positional import RotaryEmbedding
 from .reversible import ReversibleSequence, SequentialSequence
@@ -73,60 +71,23 @@ class Branch(nn.Module):
             out = self.fn.attend(h, place, cache=None if cache is None else cache.fn, **routed)
         return (self.dropout(out), cache) if place.cached else self.dropout(out)
 
-    def step_of(self, cache, batch, first_real=None):
-        """This branch's one-token step (``BranchStep``) on its ``BranchCache``, or None when
-        its module has none (attend_axially)."""
-        fn = self.fn
-        if isinstance(fn, Attention) and fn.receives_context:  # the context reduced to kᵀv on the first call
-            step = _ModuleStep(functools.partial(fn.read_context, summary=cache.fn.context))
-        elif isinstance(fn, Attention):
-            step = AttentionStep(fn, cache.fn, batch, first_real, steady=True)
-        elif isinstance(fn, FeedForward):
-            step = FeedForwardStep(fn)
-        elif not self.stateful:  # (product-key memory): the module on the one token
-            step = _ModuleStep(fn)
-        else:
-            return None
-        return BranchStep(self, cache.shift, step)
+    def prepare_step(self, cache, batch, position, first_real=None):
+        """What ``step`` reads besides its ``BranchCache``, made once per decoder: the norm's
+        arguments and what the module's ``prepare_step`` makes (None for a module without)."""
+        norm, prepare = self.norm, getattr(self.fn, "prepare_step", None)
+        return ((norm.normalized_shape, norm.weight, norm.bias, norm.eps),
+                None if prepare is None else prepare(cache.fn, batch, position, first_real))
 
-
-class BranchStep:
-    """One token through a ``Branch``: LayerNorm, token shift (``shift_step``, on the cache's
-    buffer of the previous token), then the module's step. Called with ``into`` (eager steps
-    of a model that is not reversible), the branch's output is added to ``into`` in place."""
-
-    __slots__ = ("norm_args", "previous", "step")
-
-    def __init__(self, branch, previous, step):
-        norm = branch.norm
-        self.norm_args = (norm.normalized_shape, norm.weight, norm.bias, norm.eps)
-        self.previous = None if branch.shifts is None else previous  # (a causal model's shifts: (1, 0))
-        self.step = step
-
-    def buffers(self):
-        return ([] if self.previous is None else [self.previous]) + self.step.buffers()
-
-    def __call__(self, x, ctx, into=None):
-        h = torch.layer_norm(x, *self.norm_args)
-        if self.previous is not None:
-            h = shift_step(h, self.previous)
-        return self.step(h, ctx, into)
-
-
-class _ModuleStep:
-    """A module without a state of its own (or a cross-attention's read) on one token."""
-
-    __slots__ = ("fn",)
-
-    def __init__(self, fn):
-        self.fn = fn
-
-    def buffers(self):
-        return []
-
-    def __call__(self, h, ctx, into=None):
-        out = self.fn(h[:, None])[:, 0]
-        return out if into is None else into.add_(out)
+    def step(self, x, cache, made, at, into=None):
+        """One token x (b, dim) at ``at`` (a step's ``Place``) through the branch, its
+        ``BranchCache`` updated in place: LayerNorm, token shift (``shift_step``), then the
+        module's ``step``. With ``into`` (eager steps of a stack that is not reversible) the
+        output is added to ``into`` in place. ``made``: ``prepare_step``'s."""
+        norm_args, fn_made = made
+        h = torch.layer_norm(x, *norm_args)
+        if cache.shift is not None:  # (a causal model's shifts: (1, 0))
+            h = shift_step(h, cache.shift)
+        return self.fn.step(h, cache.fn, fn_made, at, into)
 
 
 def _shift_tokens_context_parallel(h, shifts, mask, group):
@@ -148,35 +109,40 @@ class FoldAxially(nn.Module):
 
     def __init__(self, width, attn):
         super().__init__()
-        _check_int("local_attn_window_size (the stride of attend_axially)", width)
+        check_int("local_attn_window_size (the stride of attend_axially)", width)
         self.width, self.attn = width, attn
 
     def forward(self, x, input_mask=None):
         return self.attend(x, PLAIN, input_mask)
 
     def empty_cache(self, batch_size, device=None, dtype=torch.float32):
-        return AxialCache(self.attn.empty_cache(batch_size * self.width, device, dtype), 0)
+        return AxialCache(self.attn.empty_cache(batch_size * self.width, device, dtype, 0))
+
+    def step(self, h, cache, made, at, into=None):
+        """One token h (b, dim) on the cached path (eager only: it picks rows by the position)."""
+        out = self._cached(h[:, None], None, cache, int(at.tensor) if at.position is None else at.position)[:, 0]
+        return out if into is None else into.add_(out)
 
     def attend(self, x, place=PLAIN, input_mask=None, cache=None):
         """The output at ``place`` (plain or cached: the model refuses the others);
         ``cache``: an ``AxialCache`` when ``place.cached``, updated in place."""
         if place.cached:
-            return self._cached(x, input_mask, cache)
+            return self._cached(x, input_mask, cache, place.position)
         b, n, _ = x.shape
         if n % self.width and (input_mask is not None or not self.attn.causal):
             input_mask = torch.ones(b, n, dtype=torch.bool, device=x.device) if input_mask is None else input_mask
-            input_mask = _pad_to_multiple(input_mask, self.width, dim=1, value=False)
-        x = _pad_to_multiple(x, self.width, dim=1)
+            input_mask = pad_to_multiple(input_mask, self.width, dim=1, value=False)
+        x = pad_to_multiple(x, self.width, dim=1)
         x = rearrange(x, "b (i w) d -> (b w) i d", w=self.width)
         if input_mask is not None:
             input_mask = rearrange(input_mask, "b (i w) -> (b w) i", w=self.width)
         out = self.attn(x, input_mask=input_mask)
         return rearrange(out, "(b w) i d -> b (i w) d", b=b)[:, :n]
 
-    def _cached(self, x, input_mask, cache):
+    def _cached(self, x, input_mask, cache, position):
         b, n, _ = x.shape
         w = self.width
-        inner, position = cache.inner, cache.position
+        inner = cache.inner
 
         def one(t):
             return self._step(x[:, t : t + 1], _cut(input_mask, t, t + 1), inner, position + t)
@@ -193,7 +159,6 @@ class FoldAxially(nn.Module):
             out, _ = self.attn(xs, input_mask=ms, cache=inner, return_cache=True)
             outs.append(rearrange(out, "(b w) i d -> b (i w) d", b=b))
         outs += [one(t) for t in range(head + full, n)]
-        cache.position = position + n
         return torch.cat(outs, dim=1)
 
     def _step(self, x, mask, inner, position):
@@ -217,14 +182,19 @@ class ProductKeyMemory(nn.Module):
 
     def __init__(self, dim, num_keys):
         super().__init__()
-        _check_int("pkm_num_keys", num_keys)
+        check_int("pkm_num_keys", num_keys)
         self.pkm = PKM(dim, num_keys=num_keys, topk=min(32, num_keys))
 
     def forward(self, x):
         return self.pkm(x)
 
+    def step(self, h, cache=None, made=None, at=None, into=None):
+        """The memory on one position h (b, dim); with ``into``, added to it in place."""
+        out = self.pkm(h[:, None])[:, 0]
+        return out if into is None else into.add_(out)
 
-def _parameters(factory):
+
+def keyword_names(factory):
     kinds = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
     return {name for name, p in inspect.signature(factory).parameters.items() if p.kind in kinds}
 
@@ -232,7 +202,7 @@ def _parameters(factory):
 # Attention options about a layer's own sequence. The strided axial layers have no local heads
 # or blindspot; a cross-attention layer (its keys come from a context) has none of these.
 _LOCAL_OPTIONS = frozenset({"n_local_attn_heads", "blindspot_size"}) | {
-    name for name in _parameters(Attention) if name.startswith("local_attn_") and name != "local_attn_window_size"
+    name for name in keyword_names(Attention) if name.startswith("local_attn_") and name != "local_attn_window_size"
 }
 _SEQUENCE_OPTIONS = _LOCAL_OPTIONS | {"chunk_size", "kernel", "use_local_conv", "local_conv_kernel"}
 # what the model itself decides for every attention layer: not options to hand over
@@ -262,7 +232,7 @@ class _AttentionOptions:
         self.given, self.taken, self.kinds = dict(options), set(), []
 
     def take(self, kind, factory, excluded=frozenset()):
-        names = _parameters(factory) - _SET_BY_MODEL - set(excluded)
+        names = keyword_names(factory) - _SET_BY_MODEL - set(excluded)
         taken = {name: value for name, value in self.given.items() if name in names}
         self.taken |= taken.keys()
         self.kinds.append(kind)
@@ -271,7 +241,7 @@ class _AttentionOptions:
     @staticmethod
     def names():
         """Every attention option some layer kind takes."""
-        return (_parameters(Attention) | _parameters(linformer_layers)) - _SET_BY_MODEL
+        return (keyword_names(Attention) | keyword_names(linformer_layers)) - _SET_BY_MODEL
 
     def check_all_taken(self):
         left = [name for name in self.given if name not in self.taken]
@@ -321,8 +291,8 @@ class LinearAttentionTransformer(nn.Module):
         use_rotary_emb=False, **options
     ):
         super().__init__()
-        _check_int("depth", depth)
-        _check_int("max_seq_len", max_seq_len)
+        check_int("depth", depth)
+        check_int("max_seq_len", max_seq_len)
         if linformer_settings is not None:
             if not isinstance(linformer_settings, LinformerSettings):
                 raise TypeError("linformer_settings must be a LinformerSettings")
@@ -415,8 +385,8 @@ class LinearAttentionTransformer(nn.Module):
     def option_names(cls):
         """Every keyword the constructor accepts: its own, the feed-forward's (``ff_`` and a
         ``FeedForward`` keyword) and the attention layers' options."""
-        feedforward = {"ff_" + name for name in _parameters(FeedForward) - {"dim"}}
-        return _parameters(cls) | feedforward | _AttentionOptions.names()
+        feedforward = {"ff_" + name for name in keyword_names(FeedForward) - {"dim"}}
+        return keyword_names(cls) | feedforward | _AttentionOptions.names()
 
     @staticmethod
     def uses_local_window(n_local_attn_heads=0, attend_axially=False):
@@ -445,9 +415,7 @@ class LinearAttentionTransformer(nn.Module):
         if positions is not None and self.rotary is None:
             raise ValueError("positions are the rotary embedding's, and this model was built without use_rotary_emb=True")
         place = Place.of(x, cache, return_cache, segment_ids, context_parallel, check=self.check_place)
-        # updated in place and returned; read without return_cache, it is left as it was
-        out = self.attend(x, place, input_mask, context, context_mask, cache if return_cache or cache is None
-                          else cache.clone(), positions)
+        out = self.attend(x, place, input_mask, context, context_mask, for_call(cache, return_cache), positions)
         return out[0] if place.cached and not return_cache else out
 
     def check_place(self, place, length, parallel=False):
@@ -475,7 +443,7 @@ class LinearAttentionTransformer(nn.Module):
         """The layers at ``place`` (``Place.of`` with ``check_place``) -> out, or with
         ``place.cached`` (out, DecodingCache): ``cache`` (made when None) updated in place.
         ``positions``: the rotary embedding's (default ``place.positions``)."""
-        _check_mask(input_mask, *x.shape[:2], "input_mask")
+        check_mask(input_mask, *x.shape[:2], "input_mask")
         if not self.receives_context and (context is not None or context_mask is not None):
             raise ValueError("context / context_mask given, but this model was built without receives_context=True: "
                              "build it with receives_context=True to attend to a context")
@@ -497,7 +465,7 @@ class LinearAttentionTransformer(nn.Module):
         """The layers one branch at a time, each continuing from its cache (updated in place;
         made when None), composed by the stack's own rule (``reversible.py``)."""
         if cache is None:
-            cache = DecodingCache(0, [[None, None] for _ in self.layers.blocks])
+            cache = DecodingCache(Position(0), [[None, None] for _ in self.layers.blocks])
 
         def continuing(branch, pair, i):
             def call(h):
@@ -509,17 +477,6 @@ class LinearAttentionTransformer(nn.Module):
                                       for (f, g), pair in zip(self.layers.blocks, cache.layers)])
         cache.position += x.shape[1]
         return out, cache
-
-    def step(self, x, branches, ctx):
-        """One token x (b, dim) through the layers (``Decoder``): each block's pair of
-        ``BranchStep`` (``Branch.step_of``) composed by the stack's rule; on eager steps of a
-        plain stack each branch adds its output into x (the step's own tensor) in place."""
-        if isinstance(self.layers, ReversibleSequence) or ctx.host_position is None:
-            return self.layers.compose(x, [[functools.partial(step, ctx=ctx) for step in pair] for pair in branches])
-        for f, g in branches:
-            f(x, ctx, x)
-            g(x, ctx, x)
-        return x
 
     @property
     def supports_cache(self):

@@ -1,4 +1,4 @@
-"""The one-token decoder (decoding.py) equals the full forward, and the in-place recurrence
+"""The one-token decoder (lm.py's ``Decoder``) equals the full forward, and the in-place recurrence
 step (``CausalState``, ops/causal/recurrent.py) equals the reference step beside it."""
 
 import pytest
@@ -9,7 +9,7 @@ from torch._dynamo.testing import CompileCounterWithBackend
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from linear_attention_transformer import AutoregressiveWrapper, LinearAttentionTransformerLM
-from linear_attention_transformer.decoding import CacheDecoder, Decoder
+from linear_attention_transformer.lm import Decoder
 from linear_attention_transformer.ops import CausalState, causal_linear_attention, naive_causal_linear_attention
 from linear_attention_transformer.ops.causal.recurrent import join_flags
 
@@ -62,14 +62,13 @@ def local_caches(cache):
 @pytest.mark.parametrize("name", ["local+blindspot+shift+reversible", "gate+conv+rotary+exact window",
                                   "elu, blindspot 3, no gate"])
 def test_the_cache_read_after_steady_steps_holds_every_key_position(name):
-    """Eager steps past the point where every ring slot holds a real key leave the key
-    positions unwritten (``_Ring.settle``); reading ``decoder.cache`` writes them. The cache
-    then equals the full forward's, and the cached path continues from it."""
+    """Eager steps past the point where every ring slot holds a real key read the local
+    heads' bias from a table made once, and still write each key's position: the decoder's
+    cache equals the full forward's, and the cached path continues from it."""
     cfg = DECODER_CONFIGS[name]
     model = make(cfg)
     x, mask, kw = inputs(cfg, n=30)
     _, decoder = decoded(model, x[:, :27], mask[:, :27], kw, prompt=4)
-    assert not all(ring.settled for ring in decoder._steps.rings())  # steady steps left them out
     cache = decoder.cache
     _, full_cache = model(x[:, :27], input_mask=mask[:, :27], return_cache=True, **kw)
     ours, want = local_caches(cache), local_caches(full_cache)
@@ -130,7 +129,7 @@ def test_axial_model_gets_the_general_form_behind_the_same_interface():
     model = make(cfg)
     x, mask, kw = inputs(cfg)
     out, decoder = decoded(model, x, mask, kw, 6)
-    assert isinstance(decoder, CacheDecoder)
+    assert isinstance(decoder, Decoder) and not decoder.compilable  # axial attention steps on its cached path
     full = model(x, input_mask=mask, **kw)
     assert (out - full[:, 5:])[mask[:, 5:]].abs().max() <= 1e-12 * full[mask].abs().max()
 
@@ -287,7 +286,7 @@ class OpLog(TorchDispatchMode):
 def test_step_makes_no_sync_and_keeps_its_buffers(name):
     """Over 60 steps (blocks completing, windows filling, the prompt's padding leaving the
     window): no op reads a value back, eager or in the form a compiled step traces
-    (``_advance`` without the host's position), and every buffer keeps its shape and its
+    (``model.step`` without the host's position), and every buffer keeps its shape and its
     memory. The traced form runs the same ops on the same shapes at every position."""
     model = make_long(LONG_CONFIGS[name], torch.float32)
     x, mask = padded_prompt()
@@ -303,13 +302,43 @@ def test_step_makes_no_sync_and_keeps_its_buffers(name):
     with torch.inference_mode():
         for _ in range(30):
             with OpLog() as log:
-                decoder._advance(tokens)
+                model.step(tokens, decoder.cache, decoder.made)
             assert log.syncs() == []
             per_step.append(log.ops)
     assert all(ops == per_step[0] for ops in per_step)
     assert [(tuple(t.shape), t.data_ptr()) for t in decoder.buffers()] == layout
-    decoder._host_position = None  # (as a compiled step leaves it: read back from the device)
     assert decoder.position == 5 + 60
+
+
+def test_the_step_reads_tensors_made_once_and_marked_static():
+    """What a step reads besides the parameters and the cache (each attention layer's
+    concatenated projection, the position table, ...) is made once per decoder: those tensors
+    keep their memory over eager and compiled steps, ``mark_static`` marks every one of them
+    (``torch._dynamo.mark_static_address``: a CUDA graph then reads them where they are, with
+    no copy per replay), and a compiled step's graph takes them as its inputs."""
+    model = make_long(LONG_CONFIGS["global gate per feature+conv+rotary+exact window+kv_heads"], torch.float32)
+    x, mask = padded_prompt()
+    _, decoder = model.start_decoding(x, input_mask=mask)
+    static = decoder.static_tensors()
+    layout = [(t.data_ptr(), tuple(t.shape)) for t in static]
+    weights = [made.weight for pair in decoder.made.layers for _, made in pair if hasattr(made, "weight")]
+    assert len(weights) == 2 and all(any(w is t for t in static) for w in weights)
+    inputs = []
+
+    def backend(gm, example_inputs):
+        inputs.extend(example_inputs)
+        return gm.forward
+
+    torch._dynamo.reset()
+    step = AutoregressiveWrapper(model)._compiled_step(decoder, {"backend": backend})
+    assert all(getattr(t, "_dynamo_static_input_type", None) == "unguarded" for t in static)
+    tokens = torch.tensor([3, 7])
+    for _ in range(3):
+        decoder.step(tokens)
+        step(tokens)
+    read = {t.data_ptr() for t in inputs if torch.is_tensor(t)}
+    assert all(w.data_ptr() in read for w in weights)
+    assert [(t.data_ptr(), tuple(t.shape)) for t in decoder.static_tensors()] == layout
 
 
 def graphs(counter):
@@ -380,7 +409,7 @@ def test_eager_step_runs_on_step_threads_and_restores_torch_threads():
     """On a CPU an eager step of a few rows runs its ops on one thread (Decoder.step_threads)
     and leaves torch's thread count as it found it; step_threads None leaves it alone; more
     rows than ONE_THREAD_MAX_BATCH keep torch's count."""
-    from linear_attention_transformer.decoding import ONE_THREAD_MAX_BATCH
+    from linear_attention_transformer.lm import ONE_THREAD_MAX_BATCH
 
     class Threads(TorchDispatchMode):
         def __init__(self):
@@ -452,7 +481,7 @@ def test_generate_compile_step_refusals():
             wrapper.generate(prompt, 2, compile_step=bad)
     with pytest.raises(ValueError, match="compile_step"):
         wrapper.generate(prompt, 2, use_cache=False, compile_step=True)
-    axial = AutoregressiveWrapper(make(CONFIGS["gate+conv+axial+rotary"], torch.float32))  # its decoder: CacheDecoder
+    axial = AutoregressiveWrapper(make(CONFIGS["gate+conv+axial+rotary"], torch.float32))  # its decoder steps eagerly only
     with pytest.raises(ValueError, match="compile_step"):
         axial.generate(prompt, 2, compile_step={"backend": "eager"})
 
@@ -463,7 +492,7 @@ def test_generate_compile_step_refusals():
 def test_piece_steps_equal_their_full_forms_float64():
     """Token shift, the local convolution, the feed-forward and the local heads' ring readout:
     each one-token step (in place on its buffer) equals its full form on the last position."""
-    from linear_attention_transformer.feedforward import FeedForward, FeedForwardStep
+    from linear_attention_transformer.feedforward import FeedForward
     from linear_attention_transformer.gating import LocalConv, local_conv_step
     from linear_attention_transformer.ops.windowed_attention import (Window, windowed_attention_by_position,
                                                                      windowed_attention_step)
@@ -491,7 +520,7 @@ def test_piece_steps_equal_their_full_forms_float64():
         ff = FeedForward(dim, mult=2, glu=glu).to(D).eval()
         into = x[:, -1].clone()
         with torch.no_grad():
-            FeedForwardStep(ff)(x[:, -1], None, into)
+            ff.step(x[:, -1], None, ff.prepare_step(), into=into)
             torch.testing.assert_close(into, x[:, -1] + ff(x)[:, -1], rtol=1e-12, atol=1e-12)
 
     window = Window(3, look_backward=1)

@@ -12,16 +12,16 @@ from einops import rearrange
 NEG_INF = float("-inf")
 
 
-def _compute_dtype(t: torch.Tensor) -> torch.dtype:
+def compute_dtype(t: torch.Tensor) -> torch.dtype:
     return torch.promote_types(t.dtype, torch.float32)
 
 
-def _append_ones(v: torch.Tensor) -> torch.Tensor:
+def append_ones(v: torch.Tensor) -> torch.Tensor:
     """(…, e) -> (…, e + 1) with a last column of ones: it accumulates the normaliser."""
     return F.pad(v, (0, 1), value=1.0)
 
 
-def _divide(out_aug: torch.Tensor) -> torch.Tensor:
+def divide_by_normaliser(out_aug: torch.Tensor) -> torch.Tensor:
     """Split the ones column off and divide. A query that sees no key (all masked, or the
     first blindspot block) has numerator and denominator 0, and gets 0 with zero gradient."""
     return _DivideRows.apply(out_aug[..., :-1], out_aug[..., -1:])
@@ -60,26 +60,26 @@ class _DivideRows(torch.autograd.Function):
         return grad_num, grad_den
 
 
-def _check_int(name, value, minimum=1):
+def check_int(name, value, minimum=1):
     if isinstance(value, bool) or not isinstance(value, int):
         raise TypeError(f"{name} must be an int, got {type(value).__name__}")
     if value < minimum:
         raise ValueError(f"{name} must be >= {minimum}, got {value}")
 
 
-def _check_bool(name, value):
+def check_bool(name, value):
     if not isinstance(value, bool):
         raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
 
 
-def _check_float_tensor(name, t):
+def check_float_tensor(name, t):
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     if not t.is_floating_point():
         raise TypeError(f"{name} must be a floating point tensor, got {t.dtype}")
 
 
-def _check_mask(mask, b, n, name="mask"):
+def check_mask(mask, b, n, name="mask"):
     if mask is None:
         return
     if not torch.is_tensor(mask) or mask.dtype != torch.bool:
@@ -88,7 +88,7 @@ def _check_mask(mask, b, n, name="mask"):
         raise ValueError(f"{name} must have shape (batch, seq_len) = {(b, n)}, got {tuple(mask.shape)}")
 
 
-def _apply_key_mask(k, v, log_decay, mask, exp_features):
+def apply_key_mask(k, v, log_decay, mask, exp_features):
     """Masked keys contribute nothing and do not decay the state."""
     if mask is None:
         return k, v, log_decay
@@ -100,20 +100,20 @@ def _apply_key_mask(k, v, log_decay, mask, exp_features):
     return k, v, log_decay
 
 
-def _log_ratio(a, b):
-    """log of ``_exp_ratio(a, b)``: a - b, and -inf where b is not finite."""
+def log_ratio(a, b):
+    """log of ``exp_ratio(a, b)``: a - b, and -inf where b is not finite."""
     return a - torch.where(torch.isfinite(b), b, float("inf"))
 
 
-def _exp_ratio(a, b):
+def exp_ratio(a, b):
     """exp(a - b) for a log reference b (-inf: no key yet) and a <= b or a = -inf: 0 when a or
     b is -inf (or b is +inf), with a zero gradient there, never 0 * NaN. The non-finite b are
     replaced on b's side (usually the small, broadcast one): no extra pass over a. (a = +inf
     is outside the domain: references and logits are finite or -inf.)"""
-    return _log_ratio(a, b).exp()
+    return log_ratio(a, b).exp()
 
 
-def _queries_relative_to(q, ref):
+def queries_relative_to(q, ref):
     """exp(q_d + ref_d - M) with M = max_d (q_d + ref_d): the largest factor is exactly 1.
 
     q: (…, n, d) logits; ref: (…, d) or broadcastable reference of the state / keys, -inf

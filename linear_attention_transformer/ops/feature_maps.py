@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from einops import rearrange
 
-from .linear_attention import _check_mask
+from .common import check_mask
 from .segments import segment_softmax
 
 __all__ = ["FeatureMap", "FEATURE_MAP_NAMES"]
@@ -98,7 +98,7 @@ class FeatureMap:
         """The number of features of a head of d query / key dimensions (taylor: 1 + d + d (d + 1) / 2)."""
         return 1 + d + d * (d + 1) // 2 if self.kind == "taylor" else d
 
-    def _pointwise(self, x):
+    def pointwise(self, x):
         """The features of queries or keys over the last dimension (all but 'softmax';
         elementwise for all but 'taylor', which maps d to ``feature_dim(d)``)."""
         if self.kind == "taylor":
@@ -110,15 +110,15 @@ class FeatureMap:
         return self.kind(x)
 
     def queries(self, q):
-        return q.softmax(dim=-1) if self.is_softmax else self._pointwise(q)
+        return q.softmax(dim=-1) if self.is_softmax else self.pointwise(q)
 
     def noncausal_keys(self, k, mask: Optional[torch.Tensor] = None, segments: Optional[torch.Tensor] = None):
         """Key features for non-causal attention. Returns (features, normalize): with the
         softmax map every output row already sums to one. With ``segments`` (a (b, n) run
         index, ``segments.py``) the softmax runs over each segment's keys."""
-        _check_mask(mask, k.shape[0], k.shape[2])
+        check_mask(mask, k.shape[0], k.shape[2])
         if not self.is_softmax:
-            return self._pointwise(k), True
+            return self.pointwise(k), True
         if mask is not None:
             # -max rather than -inf: a row with every key masked stays finite (the kernel
             # zeroes masked keys afterwards, so that query gets 0)
@@ -130,4 +130,4 @@ class FeatureMap:
         hands over the logits (the module docstring)."""
         if self.is_softmax:
             return q, k, True
-        return self._pointwise(q), self._pointwise(k), False
+        return self.pointwise(q), self.pointwise(k), False

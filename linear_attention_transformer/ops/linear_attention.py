@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from einops import rearrange
 
-from .common import _append_ones, _apply_key_mask, _check_mask, _compute_dtype, _divide
+from .common import append_ones, apply_key_mask, check_mask, compute_dtype, divide_by_normaliser
 from .segments import same_segment, segment_one_hot, segment_runs
 
 __all__ = ["linear_attention", "linear_attention_summary", "linear_attention_readout", "naive_linear_attention"]
@@ -34,7 +34,7 @@ def linear_attention(q, k, v, mask=None, normalize=True, segments=None):
         return linear_attention_readout(q, linear_attention_summary(k, v, mask, normalize))
     # one kᵀv per segment (S, b, h, d, e), of its own keys (the others zeroed), read by every
     # query; each query keeps its own segment's
-    member = rearrange(segment_one_hot(segment_runs(segments), _compute_dtype(k)), "b s n -> s b 1 n 1")
+    member = rearrange(segment_one_hot(segment_runs(segments), compute_dtype(k)), "b s n -> s b 1 n 1")
     out = linear_attention_readout(q, linear_attention_summary(k * member, v, mask, normalize))
     return (out * member).sum(dim=0).to(q.dtype)
 
@@ -43,13 +43,13 @@ def linear_attention_summary(k, v, mask=None, normalize=True):
     """The keys and values reduced to kᵀv: (…, b, h, d, e), or (…, b, h, d, e + 1) with the
     normaliser column when ``normalize``; k (…, b, h, m, d) (leading axes: one summary each),
     v (b, h, m, e). A decoder computes it once per context."""
-    _check_mask(mask, k.shape[-4], k.shape[-2])
-    dtype = _compute_dtype(k)
+    check_mask(mask, k.shape[-4], k.shape[-2])
+    dtype = compute_dtype(k)
     with torch.autocast(k.device.type, enabled=False):
         k, v = k.to(dtype), v.to(dtype)
-        k, v, _ = _apply_key_mask(k, v, None, mask, exp_features=False)
+        k, v, _ = apply_key_mask(k, v, None, mask, exp_features=False)
         if normalize:
-            v = _append_ones(v)
+            v = append_ones(v)
         summary = torch.einsum("...md,...me->...de", k, v)
     return summary, normalize
 
@@ -60,7 +60,7 @@ def linear_attention_readout(q, summary):
     with torch.autocast(q.device.type, enabled=False):
         out = torch.einsum("...nd,...de->...ne", q.to(kv.dtype), kv)
         if normalize:
-            out = _divide(out)
+            out = divide_by_normaliser(out)
     return out.to(q.dtype)
 
 

@@ -69,7 +69,7 @@ def windowed_attention_by_position(q, k, v, q_positions, k_positions, window, ke
     ``k_positions`` (m,) or (b, m), ``key_mask`` (b, m) True for real keys, ``q_segments`` /
     ``k_segments`` (b, n) / (b, m) labels (a key is visible only to queries of its label;
     positions are then segment-relative) -> (b, h, n, d)."""
-    q, k, v, bad = _quarantine(q, k, v)
+    q, k, v, bad = quarantine_inputs(q, k, v)
     sim = torch.einsum("bhid,bhjd->bhij", q, k) * q.shape[-1] ** -0.5
     visible = window.visible(q_positions[..., :, None], k_positions[..., None, :])
     if q_segments is not None:
@@ -96,7 +96,7 @@ def windowed_attention(q, k, v, window, key_mask=None, segments=None):
     pad = -n % w
     span = (before + 1 + after) * w
     sides = (before * w, pad + after * w)
-    q, k, v, bad = _quarantine(q, k, v)
+    q, k, v, bad = quarantine_inputs(q, k, v)
     q = rearrange(F.pad(q, (0, 0, 0, pad)), "b h (u i) d -> b h u i d", i=w)
     k, v = (rearrange(F.pad(t, (0, 0, *sides)).unfold(2, span, w), "b h u d j -> b h u j d") for t in (k, v))
     if bad is not None:  # the same blocks of the flags: queries (b, h, u, i), keys (b, h, u, j)
@@ -127,7 +127,7 @@ def windowed_attention_step(q, keys, values, bias, out=None):
     return torch.sum(sim.softmax(dim=-1)[..., None] * values, dim=-2, out=out)
 
 
-def _quarantine(q, k, v):
+def quarantine_inputs(q, k, v):
     """``non_finite.quarantine`` of q, k, v: (q, k, v, None or (query flags (b, h, n), key or
     value flags (b, h, m))) for ``_softmax_attend``. Checked first where the causal kernel's
     form in scope may read back to the host."""

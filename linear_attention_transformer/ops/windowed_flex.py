@@ -61,7 +61,7 @@ import torch
 
 from .non_finite import poisoned, seen
 from .segments import positions_in_segment, segment_runs
-from .windowed_attention import Window, _quarantine
+from .windowed_attention import Window, quarantine_inputs
 
 try:
     from torch.nn.attention.flex_attention import BlockMask, flex_attention
@@ -185,7 +185,7 @@ def flex_windowed_attention(q, k, v, window: Window, key_mask=None, segments=Non
     positions = index.expand(b, n) if runs is None else positions_in_segment(runs)  # (b, n)
     structure = (n, window, device, runs is not None, key_mask is None and runs is None)
     blocks = window_blocks(*structure) if torch.compiler.is_compiling() else _cached_blocks(*structure)
-    q, k, v, bad = _quarantine(q, k, v)
+    q, k, v, bad = quarantine_inputs(q, k, v)
     attend = _flex
     if _compile_here(device):
         attend = _compiled_flex((window, key_mask is None, runs is None, q.dtype, torch.is_grad_enabled(),

@@ -1,4 +1,4 @@
-"""``_exp_ratio`` (ops/common.py), the one exp(a - b) of a log reference that every causal form
+"""``exp_ratio`` (ops/common.py), the one exp(a - b) of a log reference that every causal form
 uses, at its edges in float64: 0 when either argument is -inf (or b is +inf), a zero
 gradient there, never NaN."""
 
@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from linear_attention_transformer.ops.common import _exp_ratio, _log_ratio
+from linear_attention_transformer.ops.common import exp_ratio, log_ratio
 
 INF = math.inf
 
@@ -29,13 +29,13 @@ EDGES = [
 @pytest.mark.parametrize("a, b, value, grad_a, grad_b", EDGES)
 def test_exp_ratio_at_its_edges(a, b, value, grad_a, grad_b):
     ta, tb = (torch.tensor(x, dtype=torch.float64, requires_grad=True) for x in (a, b))
-    out = _exp_ratio(ta, tb)
+    out = exp_ratio(ta, tb)
     out.backward()
     assert out.item() == pytest.approx(value, rel=1e-15, abs=0.0)
     assert ta.grad.item() == pytest.approx(grad_a, rel=1e-15, abs=0.0)
     assert tb.grad.item() == pytest.approx(grad_b, rel=1e-15, abs=0.0)
     # its log form (the blocked scan's coefficients): a - b, -inf where b is not finite
-    assert _log_ratio(ta.detach(), tb.detach()).item() == (a - b if math.isfinite(b) else -INF)
+    assert log_ratio(ta.detach(), tb.detach()).item() == (a - b if math.isfinite(b) else -INF)
 
 
 def test_exp_ratio_mixed_and_broadcast():
@@ -45,9 +45,9 @@ def test_exp_ratio_mixed_and_broadcast():
                       [-3.0, 0.0, 0.0], [-INF, -1.0, 1.0]], dtype=torch.float64, requires_grad=True)
     b = torch.tensor([-INF, 0.0, INF], dtype=torch.float64, requires_grad=True)
     weight = torch.arange(1.0, 16.0, dtype=torch.float64).view(5, 3)
-    (weight * _exp_ratio(a, b)).sum().backward()
+    (weight * exp_ratio(a, b)).sum().backward()
     expected = torch.where(torch.isfinite(b) & (a > -INF), (a - b).exp(), torch.zeros(()))
-    torch.testing.assert_close(_exp_ratio(a, b), expected, rtol=0, atol=0)
+    torch.testing.assert_close(exp_ratio(a, b), expected, rtol=0, atol=0)
     torch.testing.assert_close(a.grad, weight * expected, rtol=0, atol=0)
     torch.testing.assert_close(b.grad, -(weight * expected).sum(dim=0), rtol=0, atol=0)
     assert torch.isfinite(a.grad).all() and torch.isfinite(b.grad).all()

@@ -46,7 +46,7 @@ import torch
 import torch.nn.functional as F
 from einops import rearrange
 
-from ..common import NEG_INF, _append_ones, _apply_key_mask, _check_mask, _compute_dtype, _divide
+from ..common import NEG_INF, append_ones, apply_key_mask, check_mask, compute_dtype, divide_by_normaliser
 from ..non_finite import poisoned, quarantine, seen
 from ..segments import positions_in_segment, segment_runs
 from .fla import fla_causal_linear_attention
@@ -293,7 +293,7 @@ def causal_linear_attention(q, k, v, log_decay=None, mask=None, blindspot_size=1
         (b, h, n, e), and the state when ``return_state``.
     """
     b, h, n, d = q.shape
-    _check_mask(mask, b, n)
+    check_mask(mask, b, n)
     if blindspot_size < 1 or chunk_size < 1:
         raise ValueError("blindspot_size and chunk_size must be >= 1")
     form = check_form(scoped_form() if form is None else form)
@@ -307,7 +307,7 @@ def causal_linear_attention(q, k, v, log_decay=None, mask=None, blindspot_size=1
                                       return_state, form)
 
     out_dtype = q.dtype
-    dtype = _compute_dtype(q)
+    dtype = compute_dtype(q)
     with torch.autocast(q.device.type, enabled=False):
         # contiguous once: strided heads of a fused projection would be copied by every matmul
         q, k, v = q.to(dtype).contiguous(), k.to(dtype).contiguous(), v.to(dtype)
@@ -327,8 +327,8 @@ def causal_linear_attention(q, k, v, log_decay=None, mask=None, blindspot_size=1
                 out = poisoned(out, _sees_non_finite(bad, n, blindspot_size,
                                                      None if segments is None else segment_runs(segments)))
             return (out.to(out_dtype), _non_finite_state(bad, last)) if return_state else out.to(out_dtype)
-        k, v, log_decay = _apply_key_mask(k, v, log_decay, mask, exp_features)
-        v = _append_ones(v)
+        k, v, log_decay = apply_key_mask(k, v, log_decay, mask, exp_features)
+        v = append_ones(v)
 
         blindspot = blindspot_size > 1
         # (padding c C - n: under dynamic shapes the padded length is then c C by its form)
@@ -430,7 +430,7 @@ def causal_linear_attention(q, k, v, log_decay=None, mask=None, blindspot_size=1
         out = out.flatten(2, 3)
         # (compiled, a fresh tensor of the n real positions, not a view of the padded ones: its
         # layout would make dynamic shapes guard on whether n is a multiple of C)
-        out = _divide(out.index_select(2, torch.arange(n, device=out.device)) if blocked else out[:, :, :n])
+        out = divide_by_normaliser(out.index_select(2, torch.arange(n, device=out.device)) if blocked else out[:, :, :n])
         if bad is not None:
             out = poisoned(out, _sees_non_finite(bad, n, blindspot_size, runs))
 

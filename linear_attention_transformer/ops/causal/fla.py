@@ -11,7 +11,7 @@ none. Both start from a given state (``initial_state``), return the last one
 sequence's first token). ``causal_linear_attention`` is that recurrence once its options are
 written in fla's terms:
 
-* the normaliser is the all-ones value column (``_append_ones``), as in every form here, and
+* the normaliser is the all-ones value column (``append_ones``), as in every form here, and
   the output is divided after; the state is then exactly ``CausalState.kv`` (d x e+1);
 * given features: q, k as they are; ``log_decay`` is fla's g (per head) or gk (per feature);
 * exponential features, exactly: with r_t the decayed running maximum of the key logits,
@@ -28,7 +28,7 @@ written in fla's terms:
   logit spread. The references carry no gradient (any r cancels). Where r is -inf (no key
   yet) or a segment starts, the gate acts on an empty state: it is set to 0;
 * ``mask``: masked keys and values are zero (logits -inf) and do not decay
-  (``_apply_key_mask``);
+  (``apply_key_mask``);
 * ``segments``: the batch is flattened into one row and each segment is one of fla's
   sequences (``cu_seqlens``; finding the starts reads them back to the host);
 * a state: ``initial_state`` is ``state.kv``, the final state comes back with the last
@@ -67,7 +67,7 @@ import torch
 import torch.nn.functional as F
 from einops import rearrange
 
-from ..common import NEG_INF, _append_ones, _apply_key_mask, _divide, _exp_ratio, _log_ratio, _queries_relative_to
+from ..common import NEG_INF, append_ones, apply_key_mask, divide_by_normaliser, exp_ratio, log_ratio, queries_relative_to
 from ..segments import segment_runs
 from .recurrent import CausalState
 from .scan import Summary, combine, references, summarize
@@ -193,9 +193,9 @@ def _exp_feature_factors(q, k, log_decay, start, starts):
         decay = torch.zeros_like(k[..., :1]) if decay is None else decay
         decay = decay.masked_fill(rearrange(starts, "b n -> b 1 n 1"), NEG_INF)
     r_prev, r = references(k, decay, start, dim=2, drops=starts is not None)
-    gate = _log_ratio(r_prev if decay is None else r_prev + decay, r)
+    gate = log_ratio(r_prev if decay is None else r_prev + decay, r)
     gate = torch.where(torch.isfinite(gate), gate, 0.0)  # an empty state (no key yet, a new segment)
-    return _queries_relative_to(q, r), _exp_ratio(k, r), gate, r[:, :, -1]
+    return queries_relative_to(q, r), exp_ratio(k, r), gate, r[:, :, -1]
 
 
 def _blindspot_sequence(q, k, v, log_decay, B, exp_features, runs):
@@ -244,7 +244,7 @@ def _blindspot_sequence(q, k, v, log_decay, B, exp_features, runs):
 
 def _gla(q, k, v, log_decay, starts, exp_features, state, return_state):
     """The recurrence on fla's kernels: (out with the normaliser column (b, h, n, e + 1), last
-    kv or None, last reference or None). k, v, log_decay: masked (``_apply_key_mask``), v with
+    kv or None, last reference or None). k, v, log_decay: masked (``apply_key_mask``), v with
     the ones column; starts: None or (b, n) bool, True at each of fla's sequence starts (then
     True at every row's first token)."""
     b, h, n, d = q.shape
@@ -276,19 +276,19 @@ def fla_causal_linear_attention(q, k, v, log_decay=None, mask=None, blindspot_si
     ``causal_linear_attention`` hands it on). Returns (b, h, n, e), and the ``CausalState``
     after the last token when ``return_state``."""
     n = q.shape[2]
-    k, v, log_decay = _apply_key_mask(k, v, log_decay, mask, exp_features)
-    v = _append_ones(v)
+    k, v, log_decay = apply_key_mask(k, v, log_decay, mask, exp_features)
+    v = append_ones(v)
     runs = None if segments is None else segment_runs(segments)
     position = (0 if state is None else state.position) + n
     if blindspot_size == 1:
         starts = None if runs is None else F.pad(runs[:, 1:] != runs[:, :-1], (1, 0), value=True)
         out, last, ref = _gla(q, k, v, log_decay, starts, exp_features, state, return_state)
-        return (_divide(out), CausalState(last, ref, position=position)) if return_state else _divide(out)
+        return (divide_by_normaliser(out), CausalState(last, ref, position=position)) if return_state else divide_by_normaliser(out)
 
     B = blindspot_size
     *tokens, starts, pending = _blindspot_sequence(q, k, v, log_decay, B, exp_features, runs)
     out, last, ref = _gla(*tokens, starts, exp_features, state, return_state)
-    out = _divide(out.unflatten(2, (-1, B))[:, :, ::2].flatten(2, 3)[:, :, :n])  # the query tokens
+    out = divide_by_normaliser(out.unflatten(2, (-1, B))[:, :, ::2].flatten(2, 3)[:, :, :n])  # the query tokens
     if not return_state:
         return out
     if n % B:  # the last block is unfinished: its keys wait in `pending`

@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..common import NEG_INF, _append_ones, _apply_key_mask, _check_mask, _compute_dtype
+from ..common import NEG_INF, append_ones, apply_key_mask, check_mask, compute_dtype
 from .scan import Summary, combine, join_factors, summarize
 
 __all__ = ["CausalState", "causal_linear_attention_step", "recurrent_causal_linear_attention"]
@@ -132,11 +132,24 @@ class CausalState:
         be a masked key (-inf), which needs ``join_factors``' guard (a decoder's keys are real).
         Returns out (b, h, e), written into ``out`` when given. Differentiable on tensors of
         their own (``causal_linear_attention_step`` steps a copy)."""
-        if self.keys is not None:
-            return self._step_waiting(q, k, v, *where, all_seen, out)
+        if self.keys is not None:  # the key and value wait in their slot; the block joins where it ends
+            slot, joining = where
+            if isinstance(slot, int):
+                key_slots, value_slots = self._slot_views
+                key_slots[slot].copy_(k)
+                value_slots[slot].copy_(v)
+            else:
+                self.keys.index_copy_(2, slot, k[:, :, None])
+                self.values[..., :-1].index_copy_(2, slot, v[:, :, None])
+            out = read_state(q, self.kv, self.ref, all_seen, out)  # (not its own block)
+            if joining is True:
+                self._join_waiting()
+            elif joining is not False:  # (traced: a tensor, computed always)
+                self._join_waiting(joining)
+            return out
         kv, ref, pending, pending_ref = self.kv, self.ref, self.pending, self.pending_ref
         exp_features, blindspot = ref is not None, pending is not None
-        v1 = _append_ones(v)[:, :, None, :]
+        v1 = append_ones(v)[:, :, None, :]
         if log_decay is not None:
             ld = log_decay[..., None] if log_decay.ndim == 2 else log_decay  # (b, h, 1 or d)
             if exp_features:  # the decay moves the references, not the sums
@@ -172,23 +185,6 @@ class CausalState:
         kv.mul_(kv_factor[..., None]).addcmul_(pending, pending_factor[..., None])
         ref.copy_(new_ref)
         pending_ref.add_(b)
-
-    def _step_waiting(self, q, k, v, slot, joining, all_seen=False, out=None):
-        """The key and value go to ``slot``, the query reads the state (not its own block), the
-        block joins where ``joining`` holds (eager: a bool; traced: a tensor, computed always)."""
-        if isinstance(slot, int):
-            key_slots, value_slots = self._slot_views
-            key_slots[slot].copy_(k)
-            value_slots[slot].copy_(v)
-        else:
-            self.keys.index_copy_(2, slot, k[:, :, None])
-            self.values[..., :-1].index_copy_(2, slot, v[:, :, None])
-        out = read_state(q, self.kv, self.ref, all_seen, out)
-        if joining is True:
-            self._join_waiting()
-        elif joining is not False:
-            self._join_waiting(joining)
-        return out
 
     def _join_waiting(self, joining=None):
         """The block's keys (and ``pending``) join the state: all (``joining`` None), or where the
@@ -249,10 +245,10 @@ def recurrent_causal_linear_attention(q, k, v, log_decay=None, mask=None, blinds
     With ``segments`` (b, n) the state is emptied (sums 0, references -inf) at each
     segment's first token. Returns (out (b, h, n, e), state after the last token)."""
     b, h, n, d = q.shape
-    _check_mask(mask, b, n)
+    check_mask(mask, b, n)
     if state is None:
-        state = CausalState.zeros(b, h, d, v.shape[-1], blindspot_size, exp_features, q.device, _compute_dtype(q))
-    k, v, log_decay = _apply_key_mask(k, v, log_decay, mask, exp_features)
+        state = CausalState.zeros(b, h, d, v.shape[-1], blindspot_size, exp_features, q.device, compute_dtype(q))
+    k, v, log_decay = apply_key_mask(k, v, log_decay, mask, exp_features)
     starts = None if segments is None else F.pad(segments[:, 1:] != segments[:, :-1], (1, 0))
     outs = []
     for t in range(n):
@@ -302,7 +298,7 @@ def join_flags(p, blindspot_size, exp_features, zero, hidden):
 
 
 def read_state(q, kv, ref, all_seen=False, out=None):
-    """A query reads a state (the numbers of ``_queries_relative_to`` and ``_divide``, written
+    """A query reads a state (the numbers of ``queries_relative_to`` and ``divide_by_normaliser``, written
     into ``out`` when given): q (b, h, d), kv (b, h, d, e + 1) on
     ref (b, h, d) (None: given features) -> (b, h, e); 0 for a row before any key.
     ``all_seen``: the caller knows every row has seen a key (the factors are then a softmax,

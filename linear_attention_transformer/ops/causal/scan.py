@@ -34,7 +34,7 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from ..common import NEG_INF, _exp_ratio, _log_ratio
+from ..common import NEG_INF, exp_ratio, log_ratio
 
 __all__ = ["Summary", "summarize", "key_factors", "combine", "common_reference", "join_factors", "scan", "references",
            "linear_scan", "sequential_linear_scan", "blocked_linear_scan"]
@@ -66,7 +66,7 @@ def key_factors(k, to_end=None, exp_features=False):
     k_end = k if to_end is None else k + to_end
     with torch.no_grad():
         ref = k_end.detach().amax(dim=-2)
-    return _exp_ratio(k_end, ref.unsqueeze(-2)), ref
+    return exp_ratio(k_end, ref.unsqueeze(-2)), ref
 
 
 def combine(earlier: Summary, later: Summary) -> Summary:
@@ -99,11 +99,11 @@ def join_factors(ref, other_ref, other_finite=False):
     """Two sums held under log references ``ref`` and ``other_ref`` brought to their common one:
     (new_ref, exp(ref - new_ref), exp(other_ref - new_ref)), factors <= 1, 0 for a reference of
     -inf, the gradient through the factors only. ``other_finite``: the caller knows other_ref
-    is finite (a real key), and ``_exp_ratio``'s guard is left out (a decoding step's cost)."""
+    is finite (a real key), and ``exp_ratio``'s guard is left out (a decoding step's cost)."""
     new_ref = common_reference(ref, other_ref)
     if other_finite:
         return new_ref, (ref - new_ref).exp(), (other_ref - new_ref).exp()
-    return new_ref, _exp_ratio(ref, new_ref), _exp_ratio(other_ref, new_ref)
+    return new_ref, exp_ratio(ref, new_ref), exp_ratio(other_ref, new_ref)
 
 
 def _check_summary(s: Summary, name: str, dim: int | None):
@@ -142,8 +142,8 @@ def scan(summaries: Summary, initial: Optional[Summary] = None, dim: int = 0, dr
     a, r_prev, r = (g if blocked or g is None else g.exp()), None, None
     if m is not None:  # step 2 of the module docstring; the gradient reaches g through a
         r_prev, r = references(m, g, None if initial is None else initial.ref, dim, drops, blocked)
-        a = (_log_ratio if blocked else _exp_ratio)(r_prev if g is None else r_prev + g, r)
-        kv = kv * _exp_ratio(m, r).unsqueeze(-1)
+        a = (log_ratio if blocked else exp_ratio)(r_prev if g is None else r_prev + g, r)
+        kv = kv * exp_ratio(m, r).unsqueeze(-1)
     a = None if a is None else a.unsqueeze(-1)
     linear = {"log_depth": linear_scan, "loop": sequential_linear_scan, "blocked": blocked_linear_scan}[form]
     before, final = linear(a, kv, start, dim)
