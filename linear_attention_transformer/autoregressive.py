@@ -160,7 +160,7 @@ def top_p(logits, thres=FILTER_THRES):
 # logits held at once by linear_cross_entropy: rows per chunk = this // num_tokens. On the CPU
 # 2**22 (16 MiB of float32 logits, near the caches); on other devices a chunk costs its ~15
 # launches whatever its size, so fewer, larger chunks: 2**25 (128 MiB). At n = 65536 and 20000
-# tokens that is 40 chunks instead of 313 (benchmarks/estimate_gpu.py: 1833 ops, not 9779).
+# tokens that is 40 chunks instead of 313.
 LOSS_CHUNK_ELEMENTS = 2 ** 22
 LOSS_CHUNK_ELEMENTS_ACCELERATOR = 2 ** 25
 
@@ -499,8 +499,7 @@ class AutoregressiveWrapper(nn.Module):
                 ``torch.compile`` keyword arguments, runs ``torch.compile(decoder.step,
                 fullgraph=True, **options)`` (one graph for every position; on CUDA with
                 ``mode="reduce-overhead"`` unless the dict names a mode or a backend). Needs
-                the one-token decoder and the cache. On a CPU it may not pay
-                (benchmarks/bench_generate.py ``--compile-step``).
+                the one-token decoder and the cache. On a CPU it may not pay.
             **kwargs: passed to the net. ``input_mask`` (b, n) (or (n,) for a 1-D
                 prompt) bool, True for real tokens, describes left-padded prompts: its
                 last column must be all True. It is extended with True for each
@@ -514,7 +513,7 @@ class AutoregressiveWrapper(nn.Module):
         on an error) and under ``torch.inference_mode``: tensors captured inside (by hooks,
         say) are inference tensors.
         """
-        # inference mode: ~20 % less overhead per decoding step than no_grad (measured); the
+        # inference mode: less overhead per decoding step than no_grad; the
         # result is cloned outside it so that callers may feed it to a model they train
         with torch.inference_mode():
             sample_filter = _sampling_filter(filter_logits_fn, filter_thres, top_k, top_p)

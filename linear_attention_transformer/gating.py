@@ -29,8 +29,8 @@ class ForgetGate(nn.Module):
         rank: width of the low-rank projection. temperature: tau.
         granularity: ``'head'`` (the default), one scalar decay per head and position
             (Mamba-2, Gated DeltaNet); or ``'feature'``, one per head and key feature (GLA).
-            The default by measurement (examples/README.md, 2026-11-23): the same validation
-            BPC at equal steps on real text, and a cheaper step.
+            The default by measurement: the same validation BPC at equal steps on real
+            text, and a cheaper step (examples/README.md).
     Shapes: x (b, n, dim) -> (b, heads, n, dim_head), or (b, heads, n) per head.
     """
 

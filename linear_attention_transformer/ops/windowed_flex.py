@@ -46,9 +46,8 @@ shapes), so that many layers, windows and modes never push one function past dyn
 where it would fall back to the eager flex and its (b, h, n, n) scores. Inside a compiled
 model the call is traced with the rest. The tests run it eagerly on the CPU (unfused,
 forward only), equal to the blocked form in float64. The CPU's compiled flex is not used:
-torch 2.13's CPU template returned wrong values and NaN on some calls (errors up to 3.5 at
-n = 40, window 8, an unmasked causal case, 2026-11-25) where the compiled block mask was
-right. No GPU has run this form yet: the CUDA kernel, its backward and its timing are
+torch's CPU template returned wrong values and NaN on some calls (docs/kernels.md) where the
+compiled block mask was right. No GPU has run this form yet: the CUDA kernel, its backward and its timing are
 unmeasured; ``kernel='torch'`` on a layer keeps the blocked form.
 """
 

@@ -14,11 +14,11 @@ differ in two choices, which a ``Form`` names:
 ===========  ==================  =========  ============  =========================================
 requested    where               scan       exact chunks  why
 ===========  ==================  =========  ============  =========================================
-auto         CPU, eager          loop       no            the CPU's fastest: exact chunks cost 4.6x
-                                                          / 3.4x the fast ones plus their recompute
-                                                          (bench_kernel --form parallel, softmax
-                                                          map, 1 thread, 2026-11-24, n = 4096 /
-                                                          16384); a loop costs a CPU nothing
+auto         CPU, eager          loop       no            the CPU's fastest: exact chunks cost
+                                                          several times the fast ones plus their
+                                                          recompute (bench_kernel --forms,
+                                                          benchmarks/README.md); a loop costs a
+                                                          CPU nothing
 auto         any other device    log_depth  yes           no host sync in forward or backward
                                                           (segments included), launches ~ log n
 sequential   anywhere, eager     loop       no            the CPU's form, on any device
@@ -43,8 +43,8 @@ Exact chunks only exist for exponential features outside the blindspot form: giv
 features never underflow, and blindspot chunks hold no pairs inside a chunk. The chunk
 length (``chunk``) is the blindspot block with ``blindspot_size`` > 1; chunks of
 ``PER_FEATURE_CHUNK`` (16, formed pair by pair in sub-chunks of 4) for a per-feature decay of
-given features and for exact chunks (measured on the CPU: 0.6 s vs 1.4 s for chunks of 64 in
-16, n = 4096, 8 heads of 64, forward + backward); else the caller's ``chunk_size``.
+given features and for exact chunks (on the CPU less than half the time of chunks of 64);
+else the caller's ``chunk_size``.
 
 A form is named per call (``causal_linear_attention(..., form=...)``) or for a scope of code
 that calls the kernel deep inside a model (``use_form``, which benchmarks and tests use to
