@@ -20,15 +20,16 @@ training batch uses. Held-out accuracy is measured every ``--eval-every`` steps:
 are the first step at which it reached 90 % (how fast recall is learned) and the accuracy at
 the end of the budget.
 
-Models (dim 64, depth 2, 2 heads by default):
+Models (dim 64, depth 2, 2 heads, vocabulary 512 by default):
     softmax   ``SoftmaxTransformer``: a standard pre-norm transformer (causal
-              scaled_dot_product_attention, rotary positions, biases, GELU MLP of 4 x dim),
-              the reference.
+              scaled_dot_product_attention, learned absolute positions, biases, GELU MLP
+              of 4 x dim, untied output layer), the reference; ``softmax+rotary`` rotates
+              q and k instead of adding positions.
     the rest  ``LinearAttentionTransformerLM(causal=True, ...)`` with the options of VARIANTS.
 
 Training: AdamW (lr 1e-3, linear warm-up over 100 steps, then constant), batch 32, cross
-entropy at the query positions only (the logits are computed only there, which keeps a
-Zoology-size vocabulary affordable on a CPU), gradient norm clipped to 1.
+entropy at the query positions only (the logits are computed only there), gradient norm
+clipped to 1. Every model ties its output layer to its token embedding, as Zoology's LM does.
 
 Every model trains in a fresh subprocess, one after another; ``--out`` writes every result
 (the held-out curve included) as JSON, rewritten after each model so a cut run keeps what
@@ -121,45 +122,62 @@ HELD_OUT = (10_000, -1)
 
 
 class SoftmaxBlock(nn.Module):
-    """Pre-norm block: x + attn(LN(x)), then x + MLP(LN(x)); causal SDPA with rotary q, k."""
+    """Pre-norm block: x + attn(LN(x)), then x + MLP(LN(x)); causal SDPA, rotary q, k when
+    given ``rotary``."""
 
     def __init__(self, dim, heads):
         super().__init__()
-        from linear_attention_transformer.positional import apply_rotary
-
-        self.heads, self.apply_rotary = heads, apply_rotary
+        self.heads = heads
         self.attn_norm, self.mlp_norm = nn.LayerNorm(dim), nn.LayerNorm(dim)
         self.to_qkv = nn.Linear(dim, 3 * dim)
         self.to_out = nn.Linear(dim, dim)
         self.mlp = nn.Sequential(nn.Linear(dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, dim))
 
-    def forward(self, x, rotary):
+    def forward(self, x, rotary=None):
+        from linear_attention_transformer.positional import apply_rotary
+
         q, k, v = rearrange(self.to_qkv(self.attn_norm(x)), "b n (three h d) -> three b h n d", three=3, h=self.heads)
-        q, k = self.apply_rotary(q, rotary), self.apply_rotary(k, rotary)
+        if rotary is not None:
+            q, k = apply_rotary(q, rotary), apply_rotary(k, rotary)
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         x = x + self.to_out(rearrange(out, "b h n d -> b n (h d)"))
         return x + self.mlp(self.mlp_norm(x))
 
 
 class SoftmaxTransformer(nn.Module):
-    """A standard causal softmax LM: token embedding, pre-norm ``SoftmaxBlock``s, a final
-    LayerNorm and an untied output layer. ``output_features`` / ``output_layer`` split the
-    logits as ``LinearAttentionTransformerLM`` does, so the loss can read only some positions."""
+    """A standard causal softmax LM: token embedding plus learned absolute positions (GPT-2's
+    recipe; ``positions="rotary"`` rotates q and k instead), pre-norm ``SoftmaxBlock``s, a
+    final LayerNorm and an output layer tied to the token embedding. ``output_features`` / ``output_layer`` split
+    the logits as ``LinearAttentionTransformerLM`` does, so the loss can read only some
+    positions."""
 
-    def __init__(self, num_tokens, dim, depth, heads):
+    def __init__(self, num_tokens, dim, depth, heads, max_seq_len, positions="learned"):
         super().__init__()
         from linear_attention_transformer.positional import RotaryEmbedding
 
+        if positions not in ("learned", "rotary"):
+            raise ValueError(f"positions must be 'learned' or 'rotary', got {positions!r}")
         self.token_emb = nn.Embedding(num_tokens, dim)
         nn.init.normal_(self.token_emb.weight, std=0.02)
-        self.rotary = RotaryEmbedding(dim // heads)
+        self.pos_emb = self.rotary = None
+        if positions == "learned":
+            self.pos_emb = nn.Embedding(max_seq_len, dim)
+            nn.init.normal_(self.pos_emb.weight, std=0.02)
+        else:
+            self.rotary = RotaryEmbedding(dim // heads)
         self.blocks = nn.ModuleList([SoftmaxBlock(dim, heads) for _ in range(depth)])
         self.norm = nn.LayerNorm(dim)
         self.output_layer = nn.Linear(dim, num_tokens)
+        self.output_layer.weight = self.token_emb.weight  # tied, as in GPT-2 and Zoology's LM
 
     def output_features(self, tokens):
+        positions = torch.arange(tokens.shape[1], device=tokens.device)
         x = self.token_emb(tokens)
-        rotary = self.rotary(torch.arange(tokens.shape[1], device=tokens.device))
+        rotary = None
+        if self.pos_emb is not None:
+            x = x + self.pos_emb(positions)
+        else:
+            rotary = self.rotary(positions)
         for block in self.blocks:
             x = block(x, rotary)
         return self.norm(x)
@@ -171,6 +189,8 @@ class SoftmaxTransformer(nn.Module):
 # ------------------------------------------------------------------------------ variants
 
 REFERENCE = "softmax"
+# softmax references: name -> SoftmaxTransformer options
+SOFTMAX = {REFERENCE: {}, "softmax+rotary": dict(positions="rotary")}
 # name -> LinearAttentionTransformerLM options on top of the shape (dim, depth, heads); an
 # entry may override the shape (depth, dim_head).
 VARIANTS = {
@@ -189,14 +209,14 @@ VARIANTS = {
 
 
 def build_model(variant, vocab, dim, depth, heads, seq_len):
-    if variant == REFERENCE:
-        return SoftmaxTransformer(vocab, dim, depth, heads)
+    if variant in SOFTMAX:
+        return SoftmaxTransformer(vocab, dim, depth, heads, seq_len, **SOFTMAX[variant])
     from linear_attention_transformer import LinearAttentionTransformerLM
 
     options = dict(VARIANTS[variant])
     depth = options.pop("depth", depth)
     return LinearAttentionTransformerLM(num_tokens=vocab, dim=dim, depth=depth, max_seq_len=seq_len, heads=heads,
-                                        causal=True, **options)
+                                        causal=True, tie_embedding=True, **options)
 
 
 def parameters(model, vocab=None):
@@ -263,7 +283,11 @@ def train_one(args):
         if step % args.eval_every == 0 or step == args.steps:
             curve.append((step, round(accuracy(model, *held_out, device), 4)))
             losses.append(round(loss.item(), 3))
-            print(f"step {step}: loss {losses[-1]}, held-out {100 * curve[-1][1]:.1f} %", flush=True)
+            line = f"{args.variant} seed {args.seed} step {step}: loss {losses[-1]}, held-out {100 * curve[-1][1]:.1f} %"
+            print(line, flush=True)
+            if args.progress:  # the driver reads a worker's output only at its end
+                with open(args.progress, "a") as f:
+                    print(line, file=f)
             if args.stop_at is not None and len(curve) >= 2 and min(a for _, a in curve[-2:]) >= args.stop_at:
                 break  # learned: the rest of the budget would only cost CPU time
     emit_result(dict(accuracy=curve[-1][1], steps_to_pass=first_pass(curve), curve=curve, losses=losses,
@@ -289,7 +313,7 @@ def main():
                         help="difficulties as SEQ_LEN:PAIRS (default 128:16 256:32 512:64)")
     parser.add_argument("--variants", nargs="+",
                         default=[REFERENCE, "default", "gate", "taylor+conv+dh16", "gate+taylor+conv+dh16"],
-                        help=f"{REFERENCE} and names of VARIANTS (--list)")
+                        help=f"{', '.join(SOFTMAX)} and names of VARIANTS (--list)")
     parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1])
     parser.add_argument("--steps", type=int, default=2000)
     parser.add_argument("--eval-every", type=int, default=100, help="steps between held-out measurements")
@@ -300,26 +324,29 @@ def main():
     parser.add_argument("--dim", type=int, default=64)
     parser.add_argument("--depth", type=int, default=2)
     parser.add_argument("--heads", type=int, default=2)
-    parser.add_argument("--vocab", type=int, default=8192, help="Zoology's default vocabulary")
+    parser.add_argument("--vocab", type=int, default=512,
+                        help="vocabulary (Zoology's 8192 needs far more steps just to learn each value's embedding)")
     parser.add_argument("--power-a", type=float, default=POWER_A, help="query slot power law (1: uniform)")
     parser.add_argument("--stop-at", type=float, default=None,
                         help="stop a model once two held-out measurements in a row reach this accuracy (0-1)")
     parser.add_argument("--device", default=default_device())
     parser.add_argument("--threads", type=int, default=None, help="torch threads per model (1 on a shared CPU)")
     parser.add_argument("--out", help="write every result as JSON here")
+    parser.add_argument("--progress", help="append each held-out measurement to this file as it is made")
     parser.add_argument("--list", action="store_true", help="print the variants and exit")
     parser.add_argument("--worker", nargs=3, metavar=("SIZE", "VARIANT", "SEED"), help=argparse.SUPPRESS)
     args = parser.parse_args()
 
     if args.list:
-        print(f"{REFERENCE:22s} SoftmaxTransformer")
+        for name, options in SOFTMAX.items():
+            print(f"{name:22s} SoftmaxTransformer {options}")
         for name, options in VARIANTS.items():
             print(f"{name:22s} {options}")
         return
     if args.worker:
         args.size, args.variant, args.seed = parse_size(args.worker[0]), args.worker[1], int(args.worker[2])
         return train_one(args)
-    unknown = [v for v in args.variants if v != REFERENCE and v not in VARIANTS]
+    unknown = [v for v in args.variants if v not in SOFTMAX and v not in VARIANTS]
     if unknown:
         parser.error(f"unknown variants {unknown}; see --list")
 
@@ -334,6 +361,8 @@ def main():
               "--heads", args.heads, "--vocab", args.vocab, "--power-a", args.power_a, "--device", args.device]
     if args.stop_at is not None:
         shared += ["--stop-at", args.stop_at]
+    if args.progress:
+        shared += ["--progress", args.progress]
     if args.threads is not None:
         shared += ["--threads", args.threads]
     record = dict(command=" ".join([os.path.basename(sys.executable)] + sys.argv), config=config,
