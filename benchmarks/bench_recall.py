@@ -18,13 +18,14 @@ Each training step draws a fresh batch from a generator fixed by (seed, step), s
 of one seed sees the same data; the held-out set comes from its own generator seed, which no
 training batch uses. Held-out accuracy is measured every ``--eval-every`` steps: the figures
 are the first step at which it reached 90 % (how fast recall is learned) and the accuracy at
-the end of the budget.
+the end of the run: the end of the budget, or with ``--stop-at`` the second measurement in a
+row at that accuracy or more.
 
 Models (dim 64, depth 2, 2 heads, vocabulary 512 by default):
     softmax   ``SoftmaxTransformer``: a standard pre-norm transformer (causal
               scaled_dot_product_attention, learned absolute positions, biases, GELU MLP
-              of 4 x dim, untied output layer), the reference; ``softmax+rotary`` rotates
-              q and k instead of adding positions.
+              of 4 x dim, output layer tied to the embedding), the reference;
+              ``softmax+rotary`` rotates q and k instead of adding positions.
     the rest  ``LinearAttentionTransformerLM(causal=True, ...)`` with the options of VARIANTS.
 
 Training: AdamW (lr 1e-3, linear warm-up over 100 steps, then constant), batch 32, cross
@@ -283,7 +284,7 @@ def train_one(args):
         if step % args.eval_every == 0 or step == args.steps:
             curve.append((step, round(accuracy(model, *held_out, device), 4)))
             losses.append(round(loss.item(), 3))
-            line = f"{args.variant} seed {args.seed} step {step}: loss {losses[-1]}, held-out {100 * curve[-1][1]:.1f} %"
+            line = f"{args.variant} seed {args.seed} step {step}: loss {losses[-1]}, held-out {curve[-1][1]:.1%}"
             print(line, flush=True)
             if args.progress:  # the driver reads a worker's output only at its end
                 with open(args.progress, "a") as f:
@@ -309,8 +310,8 @@ def parse_size(text):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--sizes", nargs="+", type=parse_size, default=[(128, 16), (256, 32), (512, 64)],
-                        help="difficulties as SEQ_LEN:PAIRS (default 128:16 256:32 512:64)")
+    parser.add_argument("--sizes", nargs="+", type=parse_size, default=[(64, 4), (128, 16), (256, 32)],
+                        help="difficulties as SEQ_LEN:PAIRS (default 64:4 128:16 256:32)")
     parser.add_argument("--variants", nargs="+",
                         default=[REFERENCE, "default", "gate", "taylor+conv+dh16", "gate+taylor+conv+dh16"],
                         help=f"{', '.join(SOFTMAX)} and names of VARIANTS (--list)")
@@ -320,7 +321,7 @@ def main():
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--warmup", type=int, default=100)
-    parser.add_argument("--held-out", type=int, default=1000, help="held-out sequences per difficulty")
+    parser.add_argument("--held-out", type=int, default=500, help="held-out sequences per difficulty")
     parser.add_argument("--dim", type=int, default=64)
     parser.add_argument("--depth", type=int, default=2)
     parser.add_argument("--heads", type=int, default=2)
