@@ -171,10 +171,10 @@ def test_bench_context_parallel_counts_the_bytes_a_layer_sends(tmp_path):
 
 
 def test_bench_recall_mqar_asks_every_key_once_for_its_own_value():
-    """MQAR data (bench_recall.py): each sequence opens with distinct keys from [1, vocab/2),
-    each followed by its value (distinct, from [vocab/2, vocab)); every key is asked exactly
-    once later and the target there is its value; every other later token is 0, so no value
-    is written after its query (that leaked which values were left: 21.7 % without recall)."""
+    """MQAR data (bench_recall.py), Zoology's layout: distinct keys from [1, vocab/2), each
+    followed by its value (distinct, from [vocab/2, vocab)); every key is asked exactly once,
+    at the first token of a two-token slot after the pairs, and the target there is its
+    value; every other later token is random filler, not a constant."""
     from bench_recall import IGNORE, batch_generator, mqar_batch
 
     seq_len, pairs, vocab = 40, 6, 32
@@ -182,6 +182,7 @@ def test_bench_recall_mqar_asks_every_key_once_for_its_own_value():
     again, _ = mqar_batch(50, seq_len, pairs, vocab, batch_generator(3, 5))
     assert torch.equal(tokens, again)  # the seed and the step fix the batch
     assert not torch.equal(tokens, mqar_batch(50, seq_len, pairs, vocab, batch_generator(3, 6))[0])
+    filler = []
     for row, target in zip(tokens.tolist(), targets.tolist()):
         keys, values = row[0 : 2 * pairs : 2], row[1 : 2 * pairs : 2]
         assert len(set(keys)) == pairs and all(1 <= k < vocab // 2 for k in keys)
@@ -190,26 +191,41 @@ def test_bench_recall_mqar_asks_every_key_once_for_its_own_value():
         asked = [i for i, t in enumerate(target) if t != IGNORE]
         assert sorted(row[i] for i in asked) == sorted(keys)  # each key asked once
         for i in asked:
-            assert i >= 2 * pairs and target[i] == bound[row[i]]
-        rest = [t for i, t in enumerate(row[2 * pairs :], 2 * pairs) if i not in asked]
-        assert rest == [0] * (seq_len - 3 * pairs)
+            assert i >= 2 * pairs and (i - 2 * pairs) % 2 == 0 and target[i] == bound[row[i]]
+        filler += [t for i, t in enumerate(row[2 * pairs :], 2 * pairs) if i not in asked]
+    assert len(filler) == 50 * (seq_len - 3 * pairs)
+    assert set(filler) == set(range(vocab))  # uniform over the whole vocabulary (1,100 draws of 32)
 
 
-def test_bench_recall_softmax_references_are_causal_and_equal_in_size():
-    """The softmax references of bench_recall.py (plain and token-shifted) see no later token,
-    and the shift adds no parameter; a change at position t moves the logits at t onward."""
-    from bench_recall import SOFTMAX_REFERENCES, build_model, parameters
+def test_bench_recall_query_slots_follow_the_power_law():
+    """Zoology's spacing: the slot of a query is drawn with weight g ** (power_a - 1), so with
+    the default power_a most queries come in the first slots after the pairs; power_a = 1 is
+    uniform. Here 4 queries among 96 slots: P(slot < 10) is about 0.5 against 0.1."""
+    from bench_recall import IGNORE, batch_generator, mqar_batch
+
+    seq_len, pairs, vocab = 200, 4, 512
+    for power_a, low, high in ((0.01, 0.4, 0.7), (1.0, 0.05, 0.17)):
+        _, targets = mqar_batch(300, seq_len, pairs, vocab, batch_generator(0, 0), power_a=power_a)
+        slots = ((targets != IGNORE).nonzero()[:, 1] - 2 * pairs) // 2
+        assert slots.numel() == 300 * pairs
+        assert low < (slots < 10).float().mean().item() < high, power_a
+
+
+def test_bench_recall_models_are_causal_and_read_logits_at_the_queries():
+    """bench_recall.py's softmax reference and a library variant see no later token (a change
+    at position t moves the logits at t onward only), and the loss's logits, read only at
+    the query positions, are the full forward's there."""
+    from bench_recall import build_model, query_logits
 
     torch.manual_seed(0)
     tokens = torch.randint(0, 32, (2, 12))
     changed = tokens.clone()
     changed[:, 6] = (changed[:, 6] + 1) % 32
-    sizes = set()
-    for name in SOFTMAX_REFERENCES:
+    asked = torch.rand(2, 12) < 0.5
+    for name in ("softmax", "softmax+rotary", "taylor+conv+dh16"):
         model = build_model(name, vocab=32, dim=16, depth=2, heads=2, seq_len=12)
-        sizes.add(parameters(model))
         with torch.no_grad():
             before, after = model(tokens), model(changed)
+            assert torch.allclose(query_logits(model, tokens, asked), before[asked], atol=1e-5), name
         assert torch.equal(before[:, :6], after[:, :6]), name
         assert (before[:, 6:] - after[:, 6:]).abs().amax(dim=-1).min() > 0, name
-    assert len(sizes) == 1
