@@ -57,15 +57,7 @@ from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import (  # noqa: E402  (the folder of this script, see common.py)
-    default_device,
-    emit_result,
-    load_average,
-    print_header,
-    run_in_subprocess,
-    set_threads,
-    synchronize,
-    table,
-)
+    default_device, emit_result, load_average, print_header, run_in_subprocess, set_threads, synchronize, table)
 
 IGNORE = -100  # the target of every position that is not a query
 POWER_A = 0.01  # Zoology's default: the slot after the pairs is ~1/g as likely as slot g
