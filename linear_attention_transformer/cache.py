@@ -169,11 +169,6 @@ class Position:
             self._host = int(self.tensor)
         return self._host
 
-    @property
-    def host(self):
-        """The count if the host knows it without reading the device back, else None."""
-        return self._host
-
     def on(self, device):
         """The count as a tensor on ``device`` (made once)."""
         if self.tensor is None:

@@ -67,7 +67,8 @@ import torch
 import torch.nn.functional as F
 from einops import rearrange
 
-from ..common import NEG_INF, append_ones, apply_key_mask, divide_by_normaliser, exp_ratio, log_ratio, queries_relative_to
+from ..common import (NEG_INF, append_ones, apply_key_mask, divide_by_normaliser, exp_ratio, log_ratio,
+                      queries_relative_to)
 from ..segments import segment_runs
 from .recurrent import CausalState
 from .scan import Summary, combine, references, summarize
@@ -283,7 +284,8 @@ def fla_causal_linear_attention(q, k, v, log_decay=None, mask=None, blindspot_si
     if blindspot_size == 1:
         starts = None if runs is None else F.pad(runs[:, 1:] != runs[:, :-1], (1, 0), value=True)
         out, last, ref = _gla(q, k, v, log_decay, starts, exp_features, state, return_state)
-        return (divide_by_normaliser(out), CausalState(last, ref, position=position)) if return_state else divide_by_normaliser(out)
+        out = divide_by_normaliser(out)
+        return (out, CausalState(last, ref, position=position)) if return_state else out
 
     B = blindspot_size
     *tokens, starts, pending = _blindspot_sequence(q, k, v, log_decay, B, exp_features, runs)
