@@ -7,11 +7,11 @@ its forms.
 fp32, for each ``--shapes`` b,h,n,d, with exponential features (the default 'softmax' map;
 logits ~ N(0, 0.25)) or elu features (``--map elu``): the step's matmul FLOPs, counted as they
 run, at the mean of the square matmul rates before and after are its floor. Each of ``--forms``
-(ops/causal/forms.py) is timed against the first in alternating rounds (each in the other
+(ops/causal/forms.py; 'device': the one the device takes) is timed against the first in alternating rounds (each in the other
 order, so that a drifting machine hits all alike); the median of the rounds' ratios is the figure.
 
 Usage:  python benchmarks/bench_kernel.py --threads 1 [--shapes 4,4,256,64 1,8,4096,64] [--map elu]
-        python benchmarks/bench_kernel.py --threads 1 --forms auto parallel blocked
+        python benchmarks/bench_kernel.py --threads 1 --forms device parallel blocked
 """
 
 from __future__ import annotations
@@ -67,7 +67,7 @@ def main(argv=None):
     p.add_argument("--device", default=common.default_device())
     p.add_argument("--shapes", type=parse_shape, nargs="+", default=[(4, 4, 256, 64), (1, 8, 4096, 64)])
     p.add_argument("--map", choices=["softmax", "elu"], default="softmax")
-    p.add_argument("--forms", nargs="+", choices=["auto", "sequential", "parallel", "blocked"], default=["auto"],
+    p.add_argument("--forms", nargs="+", choices=["device", "sequential", "parallel", "blocked"], default=["device"],
                    help="forms of this kernel, each timed against the first")
     p.add_argument("--rounds", type=int, default=3, help="alternating rounds (default: %(default)s)")
     p.add_argument("--threads", type=int, default=None)
@@ -77,7 +77,8 @@ def main(argv=None):
     common.set_threads(args.threads)
     from linear_attention_transformer.ops.causal.chunk import causal_linear_attention
 
-    kernels = {f"form={form}": functools.partial(causal_linear_attention, form=form) for form in args.forms}
+    kernels = {f"form={form}": functools.partial(causal_linear_attention, form=None if form == "device" else form)
+               for form in args.forms}
     common.print_header(args.device, args.threads, f"causal_linear_attention(chunk_size={CHUNK}, map={args.map}), "
                         "forward + backward, fp32")
     rate = common.square_matmul_rate(args.device, args.matmul_size)

@@ -299,12 +299,12 @@ def by_op(ops):
 @contextlib.contextmanager
 def kernel_form(form):
     """The causal kernel's form for the trace (``ops/causal/forms.py``'s ``use_form`` scope):
-    'gpu' picks what 'auto' picks on a CUDA device; 'parallel' / 'sequential' name one.
+    'gpu' picks the torch kernel's form on a CUDA device; 'parallel' / 'sequential' name one.
     Yields a note saying what was done."""
     forms = importlib.import_module("linear_attention_transformer.ops.causal.forms")
     if form == "gpu":
         chosen = forms.device_form(torch.device("cuda"))
-        note = f"form={chosen!r} (what 'auto' picks on cuda)"
+        note = f"form={chosen!r} (the torch kernel's on cuda)"
     else:
         chosen, note = form, f"form={form!r} (named)"
     with forms.use_form(chosen):

@@ -21,6 +21,7 @@ from .gating import ForgetGate, LocalConv, OutputGate, local_conv_step
 from .ops import FeatureMap, causal_linear_attention, linear_attention, linear_attention_readout, linear_attention_summary
 from .ops.causal.forms import CHUNK_SIZE
 from .ops.common import NEG_INF, check_int, check_mask
+from .ops.kernels import check_kernel
 from .ops.causal.recurrent import CausalState
 from .ops.segments import aligned_layout, from_layout, to_layout
 from .ops.windowed_attention import Window, windowed_attention, windowed_attention_by_position, windowed_attention_step
@@ -31,7 +32,6 @@ from .positional import apply_rotary
 # the default width of a local head's window; the model also strides attend_axially by it and
 # shapes its axial position table with it
 LOCAL_WINDOW_SIZE = 128
-KERNELS = ("auto", "torch", "fla")  # a layer's choices of kernel (see ``ops/causal/forms.py``)
 HEADS = 8  # the default number of heads of every attention layer and model
 
 
@@ -85,10 +85,10 @@ class Attention(nn.Module):
         use_gate: forget and output gates (``gating.py``) with ``gate_rank``,
             ``gate_temperature`` and ``gate_granularity``.
         use_local_conv: a convolution of ``local_conv_kernel`` taps on the global heads' q, k, v.
-        kernel: the fused GPU kernels (docs/kernels.md): 'auto' (on CUDA the causal global heads
-            on flash-linear-attention where it imports, the local heads on flex_attention),
-            'torch' (this library's eager forms only) or 'fla' (the causal global heads on fla,
-            the ``[cuda]`` extra; a call it cannot run raises).
+        kernel: which kernels run (``ops/kernels.py``'s table): 'auto' (on CUDA the causal
+            global heads on flash-linear-attention where it serves, the local heads on
+            flex_attention), 'torch' (this library's kernels only) or 'fla' (the causal global
+            heads on fla, the ``[cuda]`` extra; a call it cannot run raises).
     Shapes:
         x (b, n, dim); input_mask (b, n) bool; context (b, m, dim); context_mask (b, m) bool;
         rotary: (cos, sin) of the positions, each (n, dim_head) or (b, n, dim_head);
@@ -115,8 +115,7 @@ class Attention(nn.Module):
         if n_local_attn_heads:
             check_int("local_attn_window_size", local_attn_window_size)
         # both shape the causal kernel only: given to a layer without a causal order they would be ignored
-        if kernel not in KERNELS:
-            raise ValueError(f"kernel must be one of {', '.join(map(repr, KERNELS))}, got {kernel!r}")
+        check_kernel(kernel)
         for name, value in (("blindspot_size", blindspot_size), ("chunk_size", chunk_size),
                             ("kernel", "fla" if kernel == "fla" else None)):
             if value is not None and not (causal and not receives_context):
@@ -133,8 +132,7 @@ class Attention(nn.Module):
         self.local_window = _local_window(local_attn_window_size, local_attn_look_backward, local_attn_look_forward,
                                           local_attn_exact_windowsize, self.causal)
         self.blindspot_size, self.chunk_size = blindspot_size, chunk_size
-        self.form = None if kernel == "auto" else kernel  # (None: the scope's form, ``use_form``)
-        self.local_form = "blocked" if kernel == "torch" else "auto"
+        self.kernel = kernel
         self.feature_map = FeatureMap(feature_map)
 
         self.to_q = nn.Linear(dim, heads * dim_head, bias=False)
@@ -179,8 +177,8 @@ class Attention(nn.Module):
 
     def local_heads(self, q, k, v, mask, segments=None):
         """Windowed softmax attention (positions come from the model, not from the window); its
-        form by the device (``ops/windowed_flex.py``: flex_attention on CUDA)."""
-        if local_form(q.device, q.dtype, self.local_form, q.shape[-1]) == "flex":
+        form by the kernel and the device (``ops/kernels.py``: flex_attention on CUDA)."""
+        if local_form(q.device, q.dtype, self.kernel, q.shape[-1]) == "flex":
             return flex_windowed_attention(q, k, v, self.local_window, mask, segments)
         return windowed_attention(q, k, v, self.local_window, mask, segments)
 
@@ -220,11 +218,11 @@ class Attention(nn.Module):
             q, k, exp_features = fm.causal_features(q, k)
             if group is not None:
                 return context_parallel_causal_linear_attention(q, k, v, group, log_gate, mask, self.chunk_size,
-                                                                exp_features, self.blindspot_size, self.form)
+                                                                exp_features, self.blindspot_size, self.kernel)
             out = causal_linear_attention(
                 q, k, v, log_gate, mask, blindspot_size=self.blindspot_size, chunk_size=self.chunk_size,
                 exp_features=exp_features, state=None if fresh else cache.state.as_causal_state(position),
-                return_state=cache is not None, segments=segments, form=self.form,
+                return_state=cache is not None, segments=segments, kernel=self.kernel,
             )
             if cache is None:
                 return out

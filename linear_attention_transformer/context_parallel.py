@@ -199,8 +199,9 @@ def state_before(summaries: Summary, rank: int, start: int = 0, blindspot_size: 
 
 
 def context_parallel_causal_linear_attention(q, k, v, place: ContextParallel, log_decay=None, mask=None,
-                                             chunk_size=CHUNK_SIZE, exp_features=False, blindspot_size=1, form=None):
-    """``causal_linear_attention`` (in ``form``) on this rank's slice (the arguments' n: n_local, a multiple of
+                                             chunk_size=CHUNK_SIZE, exp_features=False, blindspot_size=1,
+                                             kernel="auto"):
+    """``causal_linear_attention`` (with ``kernel``) on this rank's slice (the arguments' n: n_local, a multiple of
     ``blindspot_size``) of a sequence split over ``place.group``: (b, h, n_local, e), equal to
     the whole sequence's output at the slice's positions."""
     if place.length % blindspot_size:
@@ -209,7 +210,7 @@ def context_parallel_causal_linear_attention(q, k, v, place: ContextParallel, lo
     summaries = gather_summaries(causal_summary(k, v, log_decay, mask, exp_features), place.group)
     state = state_before(summaries, place.rank, place.start, blindspot_size)
     return causal_linear_attention(q, k, v, log_decay, mask, blindspot_size=blindspot_size, chunk_size=chunk_size,
-                                   exp_features=exp_features, state=state, form=form)
+                                   exp_features=exp_features, state=state, kernel=kernel)
 
 
 def noncausal_summary(k, v, group, mask=None, normalize=True, softmax_keys=False, key_scale=None):

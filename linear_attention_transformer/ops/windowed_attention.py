@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from einops import rearrange
 
-from .causal.forms import pick_form, reads_back, scoped_form
+from .causal.forms import reads_back_here
 from .non_finite import poisoned, quarantine
 from .segments import positions_in_segment, segment_runs
 
@@ -129,10 +129,9 @@ def windowed_attention_step(q, keys, values, bias, out=None):
 
 def quarantine_inputs(q, k, v):
     """``non_finite.quarantine`` of q, k, v: (q, k, v, None or (query flags (b, h, n), key or
-    value flags (b, h, m))) for ``_softmax_attend``. Checked first where the causal kernel's
-    form in scope may read back to the host."""
-    form = pick_form(q.device, torch.compiler.is_compiling(), scoped_form())
-    (q, k, v), bad = quarantine((q, k, v), check_first=reads_back(form))
+    value flags (b, h, m))) for ``_softmax_attend``. Checked first by one value read back
+    where that costs nothing (``forms.reads_back_here``)."""
+    (q, k, v), bad = quarantine((q, k, v), check_first=reads_back_here(q.device))
     return q, k, v, None if bad is None else (bad[0], bad[1] | bad[2])
 
 

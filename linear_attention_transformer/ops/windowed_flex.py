@@ -14,21 +14,11 @@ two positions (the window's first and last visible key, clipped to the query's s
 the sequence), so ``non_finite.seen`` answers that from a running count of the bad keys,
 without a second pass over the window.
 
-Which form runs is decided in one place, ``local_form``:
-
-=========  ====================================  =======  ==========================================
-requested  where                                 form     why
-=========  ====================================  =======  ==========================================
-auto       CUDA, flex_attention imports,         flex     a fused kernel over the window's blocks
-           float16 / bfloat16 / float32,                  only: no (n, w) score blocks stored, no
-           head dim >= 16                                 launch per block
-auto       anywhere else (the CPU above all)     blocked  torch 2.13 has no flex backward on the
-                                                          CPU; below 16 the head is under the
-                                                          Triton kernel's smallest dot
-blocked    anywhere                              blocked  ``windowed_attention`` (a layer's
-                                                          ``kernel='torch'``)
-flex       anywhere flex_attention imports       flex     forced (the tests, on the CPU)
-=========  ====================================  =======  ==========================================
+Whether a local head's call runs here or in the blocked form is ``local_form``'s answer, the
+local heads' column of ``ops/kernels.py``'s table: on CUDA for float16 / bfloat16 / float32
+heads of at least ``FLEX_MIN_HEAD_DIM`` features (the Triton kernel's smallest dot) unless the
+layer's kernel is 'torch'; on the CPU never (torch has no flex backward there), except where
+a test calls ``flex_windowed_attention`` itself.
 
 The block mask is built from the window alone (``window_blocks``): for each block of
 queries the keys it may see lie between two positions that only grow with the query, so the
@@ -58,35 +48,24 @@ import types
 
 import torch
 
+from .kernels import check_kernel
 from .non_finite import poisoned, seen
 from .segments import positions_in_segment, segment_runs
 from .windowed_attention import Window, quarantine_inputs
 
-try:
-    from torch.nn.attention.flex_attention import BlockMask, flex_attention
-except ImportError:  # torch < 2.5
-    BlockMask = flex_attention = None
+from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
-LOCAL_FORMS = ("auto", "blocked", "flex")
 FLEX_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-
-
 FLEX_MIN_HEAD_DIM = 16  # the Triton kernel's smallest dot: smaller heads keep the blocked form
 BLOCK = 128  # flex_attention's block of queries and of keys
 BACKEND = "inductor"  # torch.compile's backend for the kernel (the tests count traces with their own)
 
 
-def local_form(device, dtype=torch.float32, form="auto", head_dim=FLEX_MIN_HEAD_DIM) -> str:
-    """'flex' or 'blocked': the form of a local head's call (the module docstring's table).
-    device, dtype, head_dim: the inputs'. form: the request, one of ``LOCAL_FORMS``."""
-    if form not in LOCAL_FORMS:
-        raise ValueError(f"form must be one of {', '.join(map(repr, LOCAL_FORMS))}, got {form!r}")
-    if form == "flex":
-        if flex_attention is None:
-            raise ValueError("form='flex' needs torch.nn.attention.flex_attention (torch >= 2.5)")
-        return "flex"
-    on_cuda = device.type == "cuda" and dtype in FLEX_DTYPES and head_dim >= FLEX_MIN_HEAD_DIM
-    return "flex" if form == "auto" and flex_attention is not None and on_cuda else "blocked"
+def local_form(device, dtype=torch.float32, kernel="auto", head_dim=FLEX_MIN_HEAD_DIM) -> str:
+    """'flex' or 'blocked': the form of a local head's call for a layer's ``kernel`` (the local
+    heads' column of ``ops/kernels.py``'s table). device, dtype, head_dim: the inputs'."""
+    fits = device.type == "cuda" and dtype in FLEX_DTYPES and head_dim >= FLEX_MIN_HEAD_DIM
+    return "flex" if check_kernel(kernel) != "torch" and fits else "blocked"
 
 
 def _key_bounds(window: Window, n, widen):

@@ -21,7 +21,6 @@ import torch.nn.functional as F  # noqa: E402
 from linear_attention_transformer import LinearAttentionTransformerLM  # noqa: E402
 from linear_attention_transformer.ops import causal_linear_attention  # noqa: E402
 from linear_attention_transformer.ops.causal import fla as fla_form  # noqa: E402
-from linear_attention_transformer.ops.causal.forms import use_form  # noqa: E402
 
 # The autotuner times its configurations with a benchmarker that needs a GPU driver. Timing
 # every configuration as 0 makes it keep the first, which is all the interpreter needs.
@@ -49,7 +48,7 @@ interpreter.FunctionRewriter.ast_transformer = _LoopIndexAsTensor()
 
 def outputs(case, leaves):
     """The case's output from its leaves (q, k, v, log_decay) in the fla form."""
-    options = dict(exp_features=case["exp_features"], blindspot_size=case["blindspot_size"], form="fla")
+    options = dict(exp_features=case["exp_features"], blindspot_size=case["blindspot_size"], kernel="fla")
     split = case["split"]
     if split is None:
         return causal_linear_attention(*leaves, mask=case["mask"], segments=case["segments"], **options)
@@ -77,14 +76,13 @@ def run_lm(config, tokens):
     """An LM's logits and parameter gradients (cross-entropy of the next token) in the fla form,
     with its parameters."""
     torch.manual_seed(0)
-    model = LinearAttentionTransformerLM(**config)
-    with use_form("fla"):
-        logits = model(tokens[:, :-1])
+    model = LinearAttentionTransformerLM(**config, kernel="fla")
+    logits = model(tokens[:, :-1])
     F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten()).backward()
     # the same logits from a cache: a prefill that ends inside a blindspot block, then several
     # tokens, one token, and the rest, each continuing from the state the last returned
     cached, cache = [], None
-    with use_form("fla"), torch.no_grad():
+    with torch.no_grad():
         for piece in (slice(0, 29), slice(29, 37), slice(37, 38), slice(38, tokens.shape[1] - 1)):
             out, cache = model(tokens[:, piece], cache=cache, return_cache=True)
             cached.append(out)

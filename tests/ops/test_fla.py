@@ -10,7 +10,7 @@ Two halves:
   TRITON_INTERPRET must be set before triton is imported, so they run in a subprocess
   (``fla_interpreted.py``), which writes its outputs and gradients back for judging here.
 
-And the picker: where 'auto' takes fla, and every refusal of form='fla' names its reason.
+And the picker: where 'auto' takes fla, and every refusal of kernel='fla' names its reason.
 """
 
 import importlib
@@ -160,7 +160,7 @@ def test_adapter_equals_the_naive_form(recurrences, exp_features, scale, feature
     leaves = inputs(b, h, n, d, e, 7, exp_features, scale, feature_map, decay)
     mask, segments = mask_and_segments(b, n, 7, masked, packed)
     options = dict(mask=mask, exp_features=exp_features, segments=segments, blindspot_size=blindspot_size)
-    out = causal_linear_attention(*leaves, form="fla", **options)
+    out = causal_linear_attention(*leaves, kernel="fla", **options)
     judge = naive_causal_linear_attention(*leaves, **options)
     assert_close(out, judge, 1e-10, "output")
     for name, got, want in zip("q k v log_decay".split(), grads(out, leaves, 7), grads(judge, leaves, 7)):
@@ -185,9 +185,9 @@ def test_adapter_state_in_and_out(recurrences, exp_features, scale, decay, blind
     def part(t, sl):
         return None if t is None else t[:, sl] if t.dtype == torch.bool else t[:, :, sl]
 
-    def run(sl, form, state=None):
+    def run(sl, kernel, state=None):
         return causal_linear_attention(*(part(t, sl) for t in (q, k, v, log_decay)), mask=part(mask, sl),
-                                       exp_features=exp_features, state=state, return_state=True, form=form,
+                                       exp_features=exp_features, state=state, return_state=True, kernel=kernel,
                                        blindspot_size=blindspot_size)
 
     head, tail = slice(0, split), slice(split, n)
@@ -199,9 +199,9 @@ def test_adapter_state_in_and_out(recurrences, exp_features, scale, decay, blind
     assert_close(out, judge, 1e-10, "output")
     for name, got, want in zip("q k v log_decay".split(), grads(out, leaves, 3), grads(judge, leaves, 3)):
         assert_close(got, want, 1e-9, f"grad {name}", GRAD_ATOL)
-    _, state_sequential = run(head, "sequential")
+    _, state_sequential = run(head, "torch")
     helpers.assert_same_state(state.detach(), state_sequential.detach())
-    _, last_sequential = run(tail, "sequential", state)  # the other form, from fla's state
+    _, last_sequential = run(tail, "torch", state)  # the other form, from fla's state
     helpers.assert_same_state(last.detach(), last_sequential.detach())
     out_mixed, _ = run(tail, "fla", state_sequential)  # fla, from the other form's state
     assert_close(out_mixed, judge[:, :, split:], 1e-10, "output from the sequential form's state")
@@ -217,7 +217,7 @@ def test_non_finite_inputs_poison_what_sees_them_as_in_the_other_forms(recurrenc
     v[1, 0, 17, 1] = float("inf")
     log_decay[1, 1, 21, 0] = float("nan")
     options = dict(exp_features=exp_features, blindspot_size=blindspot_size, return_state=True)
-    out, state = causal_linear_attention(q, k, v, log_decay, form="fla", **options)
+    out, state = causal_linear_attention(q, k, v, log_decay, kernel="fla", **options)
     expected, expected_state = causal_linear_attention(q, k, v, log_decay, form="sequential", **options)
     assert torch.equal(out.isnan(), expected.isnan()) and expected.isnan().any() and not expected.isnan().all()
     assert_close(out.nan_to_num(0.0), expected.nan_to_num(0.0), 1e-10, "finite outputs")
@@ -226,18 +226,22 @@ def test_non_finite_inputs_poison_what_sees_them_as_in_the_other_forms(recurrenc
 
 def test_the_form_leaves_its_inputs_alone(recurrences):
     leaves = inputs(1, 2, 20, 4, 3, 1, True, decay="feature")
-    state = causal_linear_attention(*leaves, exp_features=True, return_state=True, form="fla")[1]
+    state = causal_linear_attention(*leaves, exp_features=True, return_state=True, kernel="fla")[1]
     before = [t.detach().clone() for t in (*leaves, state.kv, state.ref)]
-    causal_linear_attention(*leaves, exp_features=True, state=state, form="fla")
+    causal_linear_attention(*leaves, exp_features=True, state=state, kernel="fla")
     assert all(torch.equal(a, b) for a, b in zip(before, (*leaves, state.kv, state.ref)))
 
 
-def test_use_form_scopes_the_fla_form(recurrences):
+def test_a_form_names_the_torch_kernels_way_only(recurrences):
+    """A scope's form leaves kernel='fla' to fla; a form named beside it in the call is refused,
+    since it would not act."""
     leaves = inputs(1, 1, 9, 4, 3, 2, False)
-    with forms.use_form("fla"):
-        causal_linear_attention(*leaves)
-    causal_linear_attention(*leaves)  # (the CPU's 'auto' stays the sequential form)
+    with forms.use_form("parallel"):
+        causal_linear_attention(*leaves, kernel="fla")
+        causal_linear_attention(*leaves)  # (the CPU's 'auto' is the torch kernel, here in the scope's form)
     assert recurrences == ["chunk_simple_gla"]
+    with pytest.raises(ValueError, match="form names how the torch kernel runs, and kernel='fla' runs fla's"):
+        causal_linear_attention(*leaves, kernel="fla", form="parallel")
 
 
 # ------------------------------------------------------------------ where the form runs
@@ -254,9 +258,9 @@ def test_auto_takes_fla_on_cuda_when_it_maps(monkeypatch, fla_importable):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     monkeypatch.setattr(fla_form, "_WARNED", set())
-    assert forms.pick_form(CUDA) == forms.FORMS["fla"]
-    assert forms.pick_form(CUDA, exp_features=True, blindspot_size=4) == forms.FORMS["fla"]
-    assert forms.pick_form(CUDA, compiling=True, exp_features=True) == forms.FORMS["fla"]
+    assert forms.pick_form(CUDA) == forms.FLA
+    assert forms.pick_form(CUDA, exp_features=True, blindspot_size=4) == forms.FLA
+    assert forms.pick_form(CUDA, compiling=True, exp_features=True) == forms.FLA
     assert forms.pick_form(CUDA, exp_features=True, dtype=DOUBLE) == ("log_depth", True, 16)
     monkeypatch.setattr(fla_form, "_import_error", lambda: "fla-core does not import")
     with pytest.warns(RuntimeWarning, match="torch form on CUDA instead of fla's kernels: fla-core does not import"):
@@ -272,7 +276,7 @@ def test_auto_warns_once_per_reason(monkeypatch, recwarn):
     monkeypatch.setattr(fla_form, "_WARNED", set())
     reason = "fla-core is not installed; " + fla_form.FIX
     monkeypatch.setattr(fla_form, "_import_error", lambda: reason)
-    forms.pick_form(CUDA, form="torch")
+    forms.pick_form(CUDA, kernel="torch")
     forms.pick_form(CUDA, dtype=DOUBLE)
     assert not recwarn.list
     for _ in range(3):
@@ -314,13 +318,13 @@ def test_the_known_bad_pair_runs_the_torch_form_for_what_it_affects(monkeypatch,
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     monkeypatch.setattr(fla_form, "_environment", lambda index: ("3.6.0", 9, False))
     monkeypatch.setattr(fla_form, "_WARNED", set())
-    assert forms.pick_form(CUDA) == forms.FORMS["fla"]  # (no gradients of a gated call needed)
-    assert forms.pick_form(CUDA, per_feature_decay=True) == forms.FORMS["fla"]
+    assert forms.pick_form(CUDA) == forms.FLA  # (no gradients of a gated call needed)
+    assert forms.pick_form(CUDA, per_feature_decay=True) == forms.FLA
     for _ in range(2):
         assert forms.pick_form(CUDA, gated_backward=True).scan == "log_depth"
     assert len(recwarn.list) == 1 and "Hopper with Triton 3.6.0" in str(recwarn.list[0].message)
-    with pytest.raises(ValueError, match="form='fla' cannot run this call: fla-core refuses the gated backward"):
-        forms.pick_form(CUDA, form="fla", gated_backward=True)
+    with pytest.raises(ValueError, match="kernel='fla' cannot run this call: fla-core refuses the gated backward"):
+        forms.pick_form(CUDA, kernel="fla", gated_backward=True)
 
 
 def test_the_gated_backward_is_named_by_the_call(monkeypatch):
@@ -360,18 +364,18 @@ def test_forcing_fla_where_it_cannot_run_names_why(monkeypatch, device, compilin
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     monkeypatch.setattr(fla_form, "_interpreted", lambda: interpreted)
     monkeypatch.setattr(fla_form, "_import_error", lambda: import_error)
-    with pytest.raises(ValueError, match=f"form='fla' cannot run this call: .*{reason}"):
+    with pytest.raises(ValueError, match=f"kernel='fla' cannot run this call: .*{reason}"):
         forms.pick_form(device, compiling, "fla", dtype=dtype)
 
 
 def test_forcing_fla_on_float64_is_refused_by_the_kernel():
     leaves = inputs(1, 1, 8, 4, 3, 0, False)
     with pytest.raises(ValueError, match="fla's kernels compute in float32"):
-        causal_linear_attention(*leaves, form="fla")
+        causal_linear_attention(*leaves, kernel="fla")
 
 
 def test_the_package_runs_without_fla():
-    """With fla unimportable the package imports and computes as before, and form='fla' says
+    """With fla unimportable the package imports and computes as before, and kernel='fla' says
     that fla does not import."""
     script = (
         "import sys; sys.modules['fla'] = None\n"
@@ -382,14 +386,14 @@ def test_the_package_runs_without_fla():
         "q = k = v = torch.rand(1, 1, 5, 2)\n"
         "assert causal_linear_attention(q, k, v).shape == (1, 1, 5, 2)\n"
         "try:\n"
-        "    causal_linear_attention(q, k, v, form='fla')\n"
+        "    causal_linear_attention(q, k, v, kernel='fla')\n"
         "except ValueError as e:\n"
         "    print(e)\n"
     )
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, (str(ROOT), os.environ.get("PYTHONPATH"))))}
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300)
     assert result.returncode == 0, result.stderr
-    assert "form='fla' cannot run this call: fla-core is not installed; pip install" in result.stdout
+    assert "kernel='fla' cannot run this call: fla-core is not installed; pip install" in result.stdout
 
 
 # ------------------------------------------------------------------ fla's real kernels, interpreted
@@ -500,8 +504,8 @@ def test_kernel_torch_never_asks_for_fla(monkeypatch):
     """kernel='torch' keeps today's forms even where 'auto' would take fla."""
     monkeypatch.setattr(forms, "fla_missing", lambda *args, **kwargs: None)  # fla could run anywhere
     cuda = torch.device("cuda")
-    assert forms.pick_form(cuda, form="torch", exp_features=True).scan == "log_depth"
-    assert forms.pick_form(torch.device("cpu"), form="torch").scan == "loop"
+    assert forms.pick_form(cuda, kernel="torch", exp_features=True).scan == "log_depth"
+    assert forms.pick_form(torch.device("cpu"), kernel="torch").scan == "loop"
 
 
 def test_the_layers_kernel_option_reaches_the_kernel(monkeypatch):
@@ -512,7 +516,7 @@ def test_the_layers_kernel_option_reaches_the_kernel(monkeypatch):
         layer.load_state_dict(layers["auto"].state_dict())
     assert torch.equal(layers["torch"](x), layers["auto"](x))
     # without the interpreter, the CPU cannot run fla: the forced kernel says why
-    with pytest.raises(ValueError, match="form='fla' cannot run this call: on the CPU"):
+    with pytest.raises(ValueError, match="kernel='fla' cannot run this call: on the CPU"):
         layers["fla"](x)
     # where fla can run, the layer's call goes to the fla form (here its adapter, spied on)
     calls = []

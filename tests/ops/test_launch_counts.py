@@ -248,22 +248,23 @@ def without_fla(monkeypatch):
     monkeypatch.setattr(FORMS, "fla_missing", lambda *args, **kwargs: "fla is not installed")
 
 
-@pytest.mark.parametrize("device, compiling, form, expected", [
-    (CPU, False, "auto", ("loop", False, 64)),
-    (CUDA, False, "auto", ("log_depth", True, 16)),
-    (META, False, "auto", ("log_depth", True, 16)),
-    (CPU, False, "parallel", ("log_depth", True, 16)),
-    (CUDA, False, "sequential", ("loop", False, 64)),
-    (CPU, False, "blocked", ("blocked", False, 64)),
-    (CPU, True, "auto", ("blocked", False, 64)),
-    (CUDA, True, "auto", ("blocked", True, 16)),
-    (CUDA, True, "sequential", ("blocked", False, 64)),
-    (CPU, False, "torch", ("loop", False, 64)),
-    (CUDA, False, "torch", ("log_depth", True, 16)),
+@pytest.mark.parametrize("device, compiling, kernel, form, expected", [
+    (CPU, False, "auto", None, ("loop", False, 64)),
+    (CUDA, False, "auto", None, ("log_depth", True, 16)),
+    (META, False, "auto", None, ("log_depth", True, 16)),
+    (CPU, False, "auto", "parallel", ("log_depth", True, 16)),
+    (CUDA, False, "auto", "sequential", ("loop", False, 64)),
+    (CPU, False, "auto", "blocked", ("blocked", False, 64)),
+    (CPU, True, "auto", None, ("blocked", False, 64)),
+    (CUDA, True, "auto", None, ("blocked", True, 16)),
+    (CUDA, True, "auto", "sequential", ("blocked", False, 64)),
+    (CPU, False, "torch", None, ("loop", False, 64)),
+    (CUDA, False, "torch", None, ("log_depth", True, 16)),
+    (CUDA, False, "torch", "sequential", ("loop", False, 64)),
 ])
-def test_pick_form_follows_its_table(device, compiling, form, expected, without_fla):
+def test_pick_form_follows_its_table(device, compiling, kernel, form, expected, without_fla):
     """The rows of forms.py's table, for exponential features without a blindspot."""
-    assert tuple(FORMS.pick_form(device, compiling, form, exp_features=True)) == expected
+    assert tuple(FORMS.pick_form(device, compiling, kernel, form, exp_features=True)) == expected
 
 
 def test_pick_form_options_decide_exact_chunks_and_the_chunk(without_fla):
@@ -278,28 +279,30 @@ def test_pick_form_options_decide_exact_chunks_and_the_chunk(without_fla):
 
 def test_a_bad_form_is_refused_naming_the_choices():
     q = k = v = torch.rand(1, 1, 4, 2)
-    for bad in ("fast", "Parallel", None):
-        with pytest.raises(ValueError, match=r"form must be one of 'auto', 'sequential', 'parallel', 'blocked', 'fla', "
-                                             r"'torch'"):
+    for bad in ("fast", "Parallel", "auto", "fla", 0):
+        with pytest.raises(ValueError, match=r"form must be None or one of 'sequential', 'parallel', 'blocked', got"):
             FORMS.pick_form(CPU, form=bad)
-        with pytest.raises(ValueError, match="form must be one of"):
+        with pytest.raises(ValueError, match="form must be None or one of"):
             with FORMS.use_form(bad):
                 pass
-    with pytest.raises(ValueError, match="form must be one of"):
+    with pytest.raises(ValueError, match="form must be None or one of"):
         causal_linear_attention(q, k, v, form="fast")
+    for bad in ("sequential", "Auto", None):
+        with pytest.raises(ValueError, match=r"kernel must be one of 'auto', 'torch', 'fla', got"):
+            causal_linear_attention(q, k, v, kernel=bad)
 
 
 def test_use_form_is_scoped_and_restored():
     """The scope nests, is restored on exit (an exception's included), and an explicit
-    ``form=`` wins over it; outside any scope the kernel runs 'auto'."""
-    assert FORMS.scoped_form() == "auto"
+    ``form=`` wins over it; outside any scope the device decides (None)."""
+    assert FORMS.scoped_form() is None
     with FORMS.use_form("parallel"):
         with pytest.raises(RuntimeError):
             with FORMS.use_form("blocked"):
                 assert FORMS.scoped_form() == "blocked"
                 raise RuntimeError
         assert FORMS.scoped_form() == "parallel"
-    assert FORMS.scoped_form() == "auto"
+    assert FORMS.scoped_form() is None
     # the scope acts (the parallel form makes no sync on these inputs) and form= wins over it
     q, k = (torch.randn(1, 1, 40, 4, generator=torch.Generator().manual_seed(i)) for i in (0, 1))
     v = torch.randn(1, 1, 40, 3)

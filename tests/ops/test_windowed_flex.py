@@ -90,10 +90,11 @@ def test_the_form_by_device():
     assert local_form(cuda, torch.bfloat16, head_dim=16) == "flex"
     assert local_form(cuda, torch.bfloat16, head_dim=8) == "blocked"  # under the kernel's smallest dot
     assert local_form(cuda, D, head_dim=64) == "blocked"
-    assert local_form(cuda, torch.float32, form="blocked", head_dim=64) == "blocked"
-    assert local_form(cpu, D, form="flex", head_dim=4) == "flex"
-    with pytest.raises(ValueError, match="form must be one of"):
-        local_form(cpu, D, form="triton")
+    assert local_form(cuda, torch.float32, "torch", head_dim=64) == "blocked"
+    assert local_form(cuda, torch.float32, "fla", head_dim=64) == "flex"
+    assert local_form(cpu, torch.float32, "fla", head_dim=64) == "blocked"
+    with pytest.raises(ValueError, match="kernel must be one of 'auto', 'torch', 'fla'"):
+        local_form(cpu, D, "triton")
 
 
 @torch.no_grad()  # flex_attention has no backward on the CPU
@@ -118,13 +119,14 @@ def test_the_layer_runs_the_picked_form(monkeypatch):
 
 @torch.no_grad()
 def test_the_layers_kernel_option_picks_the_local_form(monkeypatch):
-    """kernel='torch' keeps the blocked form on every device; 'auto' leaves it to ``local_form``."""
+    """The layer hands its kernel to ``local_form`` (whose answer for 'torch' is the blocked form
+    on every device)."""
     asked = []
     monkeypatch.setattr(attention_module, "local_form", lambda *args: asked.append(args[2:]) or "blocked")
     x = torch.randn(2, 20, 32)
     for kernel in ("auto", "torch"):  # (a layer without a causal order takes 'torch' too)
         Attention(32, heads=4, n_local_attn_heads=2, local_attn_window_size=W, kernel=kernel)(x)
-    assert asked == [("auto", 8), ("blocked", 8)]
+    assert asked == [("auto", 8), ("torch", 8)]
 
 
 # ------------------------------------------------------------------ the block mask and the compiled kernel

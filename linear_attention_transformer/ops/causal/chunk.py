@@ -50,6 +50,7 @@ from ..common import NEG_INF, append_ones, apply_key_mask, check_mask, compute_d
 from ..non_finite import poisoned, quarantine, seen
 from ..segments import positions_in_segment, segment_runs
 from .fla import fla_causal_linear_attention
+from ..kernels import check_kernel
 from .forms import CHUNK_SIZE, check_form, pick_form, reads_back, scoped_form
 from .recurrent import CausalState, recurrent_causal_linear_attention
 from .scan import Summary, key_factors, scan, summarize
@@ -269,7 +270,8 @@ def _non_finite_state(bad, state):
 
 
 def causal_linear_attention(q, k, v, log_decay=None, mask=None, blindspot_size=1, chunk_size=CHUNK_SIZE,
-                            exp_features=False, state=None, return_state=False, segments=None, form=None):
+                            exp_features=False, state=None, return_state=False, segments=None, kernel="auto",
+                            form=None):
     """Causal linear attention, chunk by chunk, in O(n) memory: (C x C) weights inside a chunk,
     a running state (d x e + 1 per head) between chunks. With ``blindspot_size`` B > 1 the chunk
     is the block and a query sees exactly the keys of earlier blocks.
@@ -286,9 +288,11 @@ def causal_linear_attention(q, k, v, log_decay=None, mask=None, blindspot_size=1
         return_state: also return the ``CausalState`` after the last token.
         segments: optional (b, n) segment ids (``segments.py``): a query sees only keys of
             its own segment. Not with ``state`` / ``return_state``.
-        form: the form that computes it, one of ``forms.FORM_NAMES`` ('auto': by the
-            device, ``forms.pick_form``); None: the ``forms.use_form`` scope's, else 'auto'.
-            (One token from a state is the recurrence, whatever the form.)
+        kernel: 'auto', 'torch' or 'fla' (``ops/kernels.py``'s table).
+        form: how the torch kernel runs, one of ``forms.FORM_NAMES``; None: the
+            ``forms.use_form`` scope's, else by the device (``forms.pick_form``). Refused
+            beside kernel='fla'. (One token from a state is the recurrence, whatever the
+            kernel.)
     Returns:
         (b, h, n, e), and the state when ``return_state``.
     """
@@ -296,7 +300,9 @@ def causal_linear_attention(q, k, v, log_decay=None, mask=None, blindspot_size=1
     check_mask(mask, b, n)
     if blindspot_size < 1 or chunk_size < 1:
         raise ValueError("blindspot_size and chunk_size must be >= 1")
-    form = check_form(scoped_form() if form is None else form)
+    if check_kernel(kernel) == "fla" and form is not None:
+        raise ValueError(f"form names how the torch kernel runs, and kernel='fla' runs fla's: got form={form!r}")
+    form = scoped_form() if check_form(form) is None else form
     if segments is not None and (state is not None or return_state):
         raise ValueError("segments cannot be combined with a state (state / return_state): a state continues one sequence")
     if state is not None and n == 1:  # decoding one token: the recurrence is the cheapest form
@@ -304,7 +310,7 @@ def causal_linear_attention(q, k, v, log_decay=None, mask=None, blindspot_size=1
         return (out, state) if return_state else out
     if state is not None and blindspot_size > 1 and state.position % blindspot_size:
         return _continue_inside_block(q, k, v, log_decay, mask, blindspot_size, chunk_size, exp_features, state,
-                                      return_state, form)
+                                      return_state, kernel, form)
 
     out_dtype = q.dtype
     dtype = compute_dtype(q)
@@ -314,7 +320,7 @@ def causal_linear_attention(q, k, v, log_decay=None, mask=None, blindspot_size=1
         log_decay = None if log_decay is None else log_decay.to(dtype)
         gated_backward = (not exp_features and log_decay is not None and log_decay.ndim == 3 and torch.is_grad_enabled()
                           and any(t.requires_grad for t in (q, k, v, log_decay)))
-        plan = pick_form(q.device, torch.compiler.is_compiling(), form, exp_features, blindspot_size,
+        plan = pick_form(q.device, torch.compiler.is_compiling(), kernel, form, exp_features, blindspot_size,
                          log_decay is not None and log_decay.ndim == 4, chunk_size, dtype, gated_backward)
         blocked, exact_chunks, C = plan.scan == "blocked", plan.exact_chunks, plan.chunk
         real = None if mask is None else rearrange(mask, "b n -> b 1 n")
@@ -459,7 +465,7 @@ def causal_linear_attention(q, k, v, log_decay=None, mask=None, blindspot_size=1
 
 
 def _continue_inside_block(q, k, v, log_decay, mask, blindspot_size, chunk_size, exp_features, state, return_state,
-                           form):
+                           kernel, form):
     """Continue from a state in the middle of a blindspot block: finish that block with
     the recurrence, then go on chunk by chunk from the block boundary."""
     n = q.shape[2]
@@ -473,7 +479,8 @@ def _continue_inside_block(q, k, v, log_decay, mask, blindspot_size, chunk_size,
     outs = [out]
     if head < n:
         out, state = causal_linear_attention(*(part(t, slice(head, n)) for t in (q, k, v, log_decay, mask)),
-                                             blindspot_size, chunk_size, exp_features, state, True, form=form)
+                                             blindspot_size, chunk_size, exp_features, state, True, kernel=kernel,
+                                             form=form)
         outs.append(out)
     out = torch.cat(outs, dim=2)
     return (out, state) if return_state else out

@@ -1,7 +1,10 @@
-"""Which form of the chunked causal kernel runs: decided in one place, ``pick_form``.
+"""How the torch kernel runs: its form, decided in one place, ``pick_form``.
 
-Every form computes the same thing (each is tested against ``naive.py`` in float64); they
-differ in two choices, which a ``Form`` names:
+A layer's ``kernel`` (``ops/kernels.py``) chooses between this library's chunked kernel
+('torch') and flash-linear-attention's ('fla'); ``pick_form`` makes that choice for the
+global heads, then, where the torch kernel runs, chooses its form. Every form computes the same
+thing (each is tested against ``naive.py`` in float64); they differ in two choices, which a
+``Form`` names:
 
 * ``scan``: how the state crosses the chunks (``scan.py``): a Python ``loop`` over them,
   the work-efficient ``log_depth`` scan (launches grow as log n, not n), or the ``blocked``
@@ -12,14 +15,14 @@ differ in two choices, which a ``Form`` names:
   a ``torch.cond`` compiled).
 
 ===========  ==================  =========  ============  =========================================
-requested    where               scan       exact chunks  why
+form         where               scan       exact chunks  why
 ===========  ==================  =========  ============  =========================================
-auto         CPU, eager          loop       no            the CPU's fastest: exact chunks cost
+None         CPU, eager          loop       no            the CPU's fastest: exact chunks cost
                                                           several times the fast ones plus their
                                                           recompute (bench_kernel --forms,
                                                           benchmarks/README.md); a loop costs a
                                                           CPU nothing
-auto         any other device    log_depth  yes           no host sync in forward or backward
+None         any other device    log_depth  yes           no host sync in forward or backward
                                                           (segments included), launches ~ log n
 sequential   anywhere, eager     loop       no            the CPU's form, on any device
 parallel     anywhere, eager     log_depth  yes           the accelerators' form, on any device
@@ -28,15 +31,6 @@ any          torch.compile       blocked    as above      the loop would unroll 
                                                           recompile per chunk count under dynamic
                                                           shapes); the log-depth scan branches on
                                                           the chunk count
-torch        anywhere            as auto, never fla           a layer's ``kernel='torch'``: today's forms
-auto, fla    CUDA, fla imports,  fla        (exact)       flash-linear-attention's fused Triton
-             float32 compute,                             kernels (``fla.py``; compiled: between
-             no known-bad pair                            graphs); 'auto' never on the CPU, and
-                                                          where fla cannot serve it, the torch
-                                                          form with one warning per reason;
-                                                          forced on the CPU only in Triton's
-                                                          interpreter (tests); refused with the
-                                                          reason elsewhere (``fla.fla_missing``)
 ===========  ==================  =========  ============  =========================================
 
 Exact chunks only exist for exponential features outside the blindspot form: given
@@ -48,8 +42,9 @@ else the caller's ``chunk_size``.
 
 A form is named per call (``causal_linear_attention(..., form=...)``) or for a scope of code
 that calls the kernel deep inside a model (``use_form``, which benchmarks and tests use to
-trace a whole model in one form). Adding a form (a GPU kernel, say) is one entry in ``FORMS``,
-one row above and one branch in ``pick_form``.
+trace a whole model in one form); None leaves it to the device. It acts wherever the torch
+kernel runs and is refused beside ``kernel='fla'``. Adding a form is one entry in ``FORMS``
+and one row above.
 """
 
 from __future__ import annotations
@@ -60,10 +55,11 @@ from typing import NamedTuple
 
 import torch
 
+from ..kernels import check_kernel
 from .fla import KERNEL_DTYPES, fla_missing, warn_unavailable
 
-__all__ = ["Form", "FORMS", "FORM_NAMES", "check_form", "device_form", "pick_form", "reads_back", "scoped_form",
-           "use_form"]
+__all__ = ["Form", "FORMS", "FORM_NAMES", "check_form", "device_form", "pick_form", "reads_back", "reads_back_here",
+           "scoped_form", "use_form"]
 
 CHUNK_SIZE = 64  # the default chunk length (a layer's chunk_size), written here once
 PER_FEATURE_CHUNK = 16
@@ -81,26 +77,26 @@ FORMS = {
     "sequential": Form("loop", False),
     "parallel": Form("log_depth", True),
     "blocked": Form("blocked", False),
-    "fla": Form("fla", False, 64),  # fla's kernels carry the state; exact by their own factors (fla.py)
 }
-FORM_NAMES = ("auto", *FORMS, "torch")
+FORM_NAMES = tuple(FORMS)
+FLA = Form("fla", False, 64)  # kernel='fla': fla's kernels carry the state, exact by their own factors (fla.py)
 
-_SCOPED = contextvars.ContextVar("causal_linear_attention_form", default="auto")
+_SCOPED = contextvars.ContextVar("causal_linear_attention_form", default=None)
 
 
 def check_form(form):
-    """``form`` if it names a form, else a ValueError naming the choices."""
-    if form not in FORM_NAMES:
-        raise ValueError(f"form must be one of {', '.join(map(repr, FORM_NAMES))}, got {form!r}")
+    """``form`` if it is None or names a form, else a ValueError naming the choices."""
+    if form is not None and (not isinstance(form, str) or form not in FORMS):
+        raise ValueError(f"form must be None or one of {', '.join(map(repr, FORM_NAMES))}, got {form!r}")
     return form
 
 
 @contextlib.contextmanager
 def use_form(form):
-    """Inside the ``with`` block, ``causal_linear_attention`` calls that name no form run in
-    ``form`` (one of ``FORM_NAMES``); the previous scope is restored on exit. Scoped to the
-    thread / task (a ``contextvars`` variable). Under torch.compile it is read when the graph
-    is traced: a graph keeps the form of the scope it was traced in."""
+    """Inside the ``with`` block, the torch kernel's calls that name no form run in ``form``
+    (one of ``FORM_NAMES``, or None: by the device); the previous scope is restored on exit.
+    Scoped to the thread / task (a ``contextvars`` variable). Under torch.compile it is read
+    when the graph is traced: a graph keeps the form of the scope it was traced in."""
     token = _SCOPED.set(check_form(form))
     try:
         yield form
@@ -110,35 +106,35 @@ def use_form(form):
 
 @torch.compiler.assume_constant_result  # (dynamo cannot trace ContextVar.get)
 def scoped_form():
-    """The form that ``use_form`` set around this call ('auto' outside any)."""
+    """The form that ``use_form`` set around this call (None outside any)."""
     return _SCOPED.get()
 
 
 def device_form(device) -> str:
-    """The form that 'auto' names on ``device`` (the table's first two rows)."""
+    """The form that None names on ``device`` (the table's first two rows)."""
     return "sequential" if device.type == "cpu" else "parallel"
 
 
-def pick_form(device, compiling=False, form="auto", exp_features=False, blindspot_size=1,
+def pick_form(device, compiling=False, kernel="auto", form=None, exp_features=False, blindspot_size=1,
               per_feature_decay=False, chunk_size=CHUNK_SIZE, dtype=torch.float32, gated_backward=False) -> Form:
-    """The ``Form`` that runs (the module docstring's table) for a call on ``device``, inside
-    torch.compile's trace or not (``compiling``), that requests ``form`` (one of ``FORM_NAMES``),
-    with these options and compute ``dtype`` (the fla form's kernels are float32).
-    ``gated_backward``: given features with a per-head decay, needing gradients (a known-bad
-    pair of fla and Triton affects it: ``fla.known_bad_pair``). Where 'auto' on CUDA cannot use
-    fla for a reason of the machine (``fla.fla_unavailable``) it warns once per reason."""
+    """The ``Form`` that runs a call on ``device``, inside torch.compile's trace or not
+    (``compiling``), for a layer's ``kernel`` (``ops/kernels.py``'s table) and, where the torch
+    kernel runs, ``form`` (the module docstring's table), with these options and compute
+    ``dtype`` (fla's kernels are float32). ``gated_backward``: given features with a per-head
+    decay, needing gradients (a known-bad pair of fla and Triton affects it:
+    ``fla.known_bad_pair``). Where 'auto' on CUDA cannot use fla for a reason of the machine
+    (``fla.fla_unavailable``) it warns once per reason."""
+    check_kernel(kernel)
     form = check_form(form)
-    if form == "fla" or (form == "auto" and device.type == "cuda" and torch.cuda.is_available()):
+    if kernel == "fla" or (kernel == "auto" and device.type == "cuda" and torch.cuda.is_available()):
         why_not = fla_missing(device, dtype, gated_backward)
         if why_not is None:
-            return FORMS["fla"]
-        if form == "fla":
-            raise ValueError(f"form='fla' cannot run this call: {why_not}")
+            return FLA
+        if kernel == "fla":
+            raise ValueError(f"kernel='fla' cannot run this call: {why_not}")
         if dtype in KERNEL_DTYPES:  # (float64 is the caller's choice, not the machine's: no warning)
             warn_unavailable(why_not)
-    if form in ("auto", "torch"):
-        form = device_form(device)
-    chosen = FORMS[form]
+    chosen = FORMS[form or device_form(device)]
     if compiling:
         chosen = chosen._replace(scan="blocked")
     exact = chosen.exact_chunks and exp_features and blindspot_size == 1
@@ -149,6 +145,14 @@ def pick_form(device, compiling=False, form="auto", exp_features=False, blindspo
     else:
         chunk = chunk_size
     return chosen._replace(exact_chunks=exact, chunk=chunk)
+
+
+def reads_back_here(device) -> bool:
+    """Whether code on ``device`` may read a value back to the host at no cost: eagerly, where
+    the torch kernel's form in scope (else the device's) is the loop, which waits on the host
+    anyway. The local heads ask it too, so that a scope such as ``use_form('parallel')`` makes
+    a whole model run as an accelerator runs it."""
+    return not torch.compiler.is_compiling() and (scoped_form() or device_form(device)) == "sequential"
 
 
 def reads_back(form: Form) -> bool:
