@@ -13,7 +13,7 @@ number of tokens); flat cost, the cached per-token time over the last three quar
 tokens against the first quarter (a fixed-size cache: near 1); a batch of ``--batch`` prompts
 against one; the square matmul rate before and after, the drift reference.
 
-Usage:  python benchmarks/bench_generate.py --threads 1 [--new-tokens 1024] [--record generate]
+Usage:  python benchmarks/bench_generate.py --threads 1 [--new-tokens 1024] [--set use_gate=True,...] [--record generate]
 """
 
 from __future__ import annotations
@@ -31,11 +31,11 @@ MODEL = dict(num_tokens=256, dim=256, depth=2, heads=4, n_local_attn_heads=2, lo
              blindspot_size=64, causal=True, max_seq_len=2048)
 
 
-def build_wrapper(device):
+def build_wrapper(device, options):
     from linear_attention_transformer import AutoregressiveWrapper, LinearAttentionTransformerLM
 
     torch.manual_seed(0)
-    return AutoregressiveWrapper(LinearAttentionTransformerLM(**MODEL).to(device).eval())
+    return AutoregressiveWrapper(LinearAttentionTransformerLM(**options).to(device).eval())
 
 
 def generation_seconds(wrapper, prompts, tokens, use_cache, device):
@@ -46,9 +46,9 @@ def generation_seconds(wrapper, prompts, tokens, use_cache, device):
 
 def measure(args):
     """The figures of the module docstring, as a dict."""
-    wrapper = build_wrapper(args.device)
+    wrapper = build_wrapper(args.device, args.model)
     g = torch.Generator().manual_seed(1)
-    prompts = torch.randint(0, MODEL["num_tokens"], (args.batch, args.prompt_len), generator=g).to(args.device)
+    prompts = torch.randint(0, args.model["num_tokens"], (args.batch, args.prompt_len), generator=g).to(args.device)
     one = prompts[:1]
 
     def run(prompts, tokens, use_cache):
@@ -79,10 +79,12 @@ def main(argv=None):
     p.add_argument("--check-tokens", type=int, default=64)
     p.add_argument("--batch", type=int, default=8, help="prompts in the batched run (default: %(default)s)")
     p.add_argument("--matmul-size", type=int, default=None)
+    p.add_argument("--set", type=common.parse_settings, default={}, help="model arguments, key=value,...")
     p.add_argument("--record", metavar="NAME", default=None, help="write the figures to results/NAME.json")
     args = p.parse_args(argv)
+    args.model = {**MODEL, **args.set}
     common.set_threads(args.threads)
-    common.print_header(args.device, args.threads, f"LinearAttentionTransformerLM({common.kwargs_text(MODEL)}), "
+    common.print_header(args.device, args.threads, f"LinearAttentionTransformerLM({common.kwargs_text(args.model)}), "
                         f"eval, fp32, greedy, {args.new_tokens} tokens after {args.prompt_len}")
     rate_before = common.square_matmul_rate(args.device, args.matmul_size)
     figures = measure(args)

@@ -16,6 +16,7 @@ Variants (``--variants``):
     conv_only             use_local_conv=True
     full_improved         use_gate=True, use_local_conv=True
     gate_only             use_gate=True (an ablation)
+    softmax               the reference: every head softmax attention over the whole context
     conv_v, conv_kv       conv_only with the convolution on v only / on k and v only (a design
                           probe: the others bypassed by hooks, see train_enwik8.restrict_conv)
     gate_feature          full_improved with gate_granularity='feature'  } only where the installed
@@ -47,6 +48,7 @@ VARIANTS = {
     "conv_only": {"variant": "conv_only"},
     "full_improved": {"variant": "full_improved"},
     "gate_only": {"variant": "gate_only"},
+    "softmax": {"variant": "softmax"},
     "conv_v": {"variant": "conv_only", "conv_on": "v"},
     "conv_kv": {"variant": "conv_only", "conv_on": "kv"},
     "gate_feature": {"variant": "full_improved", "gate_granularity": "feature"},

@@ -95,6 +95,9 @@ VARIANTS = {
     "conv_only": {"use_gate": False, "use_local_conv": True},
     "full_improved": {"use_gate": True, "use_local_conv": True},
     "gate_only": {"use_gate": True, "use_local_conv": False},  # ablation, not one of the experiment's three
+    # the reference: every head a local softmax head that sees the whole training context, that
+    # is causal softmax attention in the same model (positions, feed-forward, norms)
+    "softmax": {"use_gate": False, "use_local_conv": False},
 }
 
 
@@ -265,6 +268,10 @@ def build_model(args):
         raise SystemExit("--gate-granularity is a setting of the gate: it needs full_improved or gate_only")
     if switches["use_local_conv"]:
         extra.update(local_conv_kernel=args.local_conv_kernel)
+    softmax = args.variant == "softmax"
+    local_heads = args.heads if softmax else args.n_local_attn_heads
+    # (a window also sees the one before it: half the context covers all of it)
+    window = -(-args.seq_len // 2) if softmax else args.local_attn_window_size
     net = LinearAttentionTransformerLM(
         num_tokens=256,
         dim=args.dim,
@@ -273,9 +280,9 @@ def build_model(args):
         dim_head=args.dim_head,
         max_seq_len=args.seq_len,
         causal=True,
-        n_local_attn_heads=args.n_local_attn_heads,
+        n_local_attn_heads=local_heads,
         # the window shapes the local heads and the axial table; without either it is refused
-        local_attn_window_size=args.local_attn_window_size if args.n_local_attn_heads or args.pos_emb == "axial" else None,
+        local_attn_window_size=window if local_heads or args.pos_emb == "axial" else None,
         blindspot_size=args.blindspot_size,
         ff_glu=args.ff_glu,
         ff_dropout=args.dropout,
@@ -766,7 +773,8 @@ def build_parser():
     t = p.add_argument_group("training")
     t.add_argument("--variant", choices=sorted(VARIANTS), default="full_improved",
                    help="baseline: plain linear attention; conv_only: + local convolution on q, k, v; "
-                        "full_improved: + forget/output gates and the convolution; gate_only: the gates alone")
+                        "full_improved: + forget/output gates and the convolution; gate_only: the gates alone; "
+                        "softmax: every head softmax attention over the whole context (the reference)")
     t.add_argument("--steps", type=int, default=1000, help="optimizer steps")
     t.add_argument("--max-minutes", type=float, default=0.0, help="stop once training took this long (0: no limit)")
     t.add_argument("--batch-size", type=int, default=8, help="windows per micro-batch and process")

@@ -2,6 +2,7 @@
 variants at small sizes, and the figure check finds a quote that its recorded run does not hold."""
 
 import json
+import math
 import os
 import sys
 
@@ -116,10 +117,13 @@ def test_bench_generate_cached_and_recomputed_tokens_agree():
 
     import bench_generate
 
-    args = argparse.Namespace(device="cpu", batch=2, prompt_len=4, new_tokens=16, check_tokens=8)
-    figures = bench_generate.measure(args)
-    assert figures["same_tokens"]
-    assert figures["speedup"] > 0 and figures["batch_ratio"] > 0 and figures["flat"] > 0
+    for options in ({}, dict(use_gate=True, use_local_conv=True)):  # (--set's model arguments)
+        args = argparse.Namespace(device="cpu", batch=2, prompt_len=4, new_tokens=16, check_tokens=8,
+                                  model={**bench_generate.MODEL, **options})
+        figures = bench_generate.measure(args)
+        assert figures["same_tokens"]
+        # (times of a few tokens on a shared machine: the ratios are only checked to be figures)
+        assert all(math.isfinite(figures[key]) for key in ("speedup", "batch_ratio", "flat"))
 
 
 def test_check_figures_finds_a_stale_quote_and_a_missing_date(tmp_path):

@@ -206,6 +206,27 @@ def test_conv_on_v_bypasses_the_query_and_key_convolutions():
     assert not torch.allclose(probe.net(x), convolving_qkv, atol=1e-3)  # the bypass does change the model
 
 
+def test_the_softmax_variant_is_causal_softmax_attention_over_the_whole_context():
+    """Every head of every layer is a local head whose window covers the training context: the
+    layer equals causal scaled-dot-product attention on its own projections (float64)."""
+    import torch
+    import torch.nn.functional as F
+    from einops import rearrange
+
+    from linear_attention_transformer import Attention
+
+    args = train_enwik8.build_parser().parse_args([*TINY, "--variant", "softmax"])
+    torch.manual_seed(0)
+    layers = [m for m in train_enwik8.build_model(args).modules() if isinstance(m, Attention)]
+    assert len(layers) == 1 and layers[0].n_local == layers[0].heads == 2
+    layer = layers[0].double()
+    x = torch.randn(3, 32, 32, dtype=torch.float64)
+    q = rearrange(layer.to_q(x), "b n (h d) -> b h n d", h=2)
+    k, v = rearrange(layer.to_kv(x), "b n (two h d) -> two b h n d", two=2, h=2)
+    expected = layer.to_out(rearrange(F.scaled_dot_product_attention(q, k, v, is_causal=True), "b h n d -> b n (h d)"))
+    torch.testing.assert_close(layer(x), expected)
+
+
 def test_manpage_text_keeps_the_words_and_drops_the_markup():
     import make_local_corpus
 
