@@ -54,6 +54,14 @@ def resolve_heads(dim, heads, dim_head=None, kv_heads=None, one_kv_head=False):
     return dim_head, kv_heads
 
 
+def resolve_dim_qk(dim_qk, dim_head):
+    """The global heads' query/key width: ``dim_qk``, checked, or dim_head when not given."""
+    if dim_qk is None:
+        return dim_head
+    check_int("dim_qk", dim_qk)
+    return dim_qk
+
+
 def pad_to_multiple(t, multiple, dim, value=0.0):
     pad = -t.shape[dim] % multiple
     if not pad:
@@ -68,6 +76,11 @@ class Attention(nn.Module):
 
     Args:
         dim: model width. heads: number of query heads. dim_head: size of each (dim // heads).
+        dim_qk: the width of the global heads' queries and keys (default dim_head); their
+            values, and every local head's q, k and v, keep dim_head. A feature map that grows
+            with its input ('taylor': 1 + d + d (d + 1) / 2 features of d) then runs on a small
+            q/k while the heads' outputs keep their width. With kv_heads, each key/value head
+            serves query heads of one kind (n_local_attn_heads a multiple of heads // kv_heads).
         causal: each position attends only to itself and the past.
         n_local_attn_heads: how many of the heads are local windowed softmax heads, with
             ``local_attn_window_size`` (w, default ``LOCAL_WINDOW_SIZE``),
@@ -91,7 +104,9 @@ class Attention(nn.Module):
             heads on fla, the ``[cuda]`` extra; a call it cannot run raises).
     Shapes:
         x (b, n, dim); input_mask (b, n) bool; context (b, m, dim); context_mask (b, m) bool;
-        rotary: (cos, sin) of the positions, each (n, dim_head) or (b, n, dim_head);
+        rotary: (cos, sin) of the positions, each (n, dim_head) or (b, n, dim_head); with a
+        dim_qk other than dim_head (n, dim_head + dim_qk): the local heads' angles, then the
+        global heads' (``RotaryEmbedding(dim_head, dim_qk=dim_qk)``);
         segment_ids (b, n) integer: packed sequences, see ``forward``. Returns (b, n, dim).
     """
 
@@ -101,12 +116,22 @@ class Attention(nn.Module):
         blindspot_size=None, kv_heads=None, one_kv_head=False, feature_map="softmax", attn_dropout=0.0,
         dropout=0.0, receives_context=False, chunk_size=None, use_gate=False, gate_rank=None,
         gate_temperature=None, gate_granularity=None, use_local_conv=False, local_conv_kernel=None,
-        kernel="auto"
+        kernel="auto", dim_qk=None
     ):
         super().__init__()
         dim_head, kv_heads = resolve_heads(dim, heads, dim_head, kv_heads, one_kv_head)
         if not 0 <= n_local_attn_heads <= heads:
             raise ValueError(f"n_local_attn_heads ({n_local_attn_heads}) must be between 0 and heads ({heads})")
+        if dim_qk is not None and n_local_attn_heads == heads:
+            raise ValueError("dim_qk sizes the global heads' queries and keys, and every head of this layer is local "
+                             "(n_local_attn_heads == heads): leave dim_qk unset")
+        dim_qk = resolve_dim_qk(dim_qk, dim_head)
+        group = heads // kv_heads
+        if dim_qk != dim_head and n_local_attn_heads % group:
+            raise ValueError(f"dim_qk={dim_qk} with kv_heads={kv_heads}: each key/value head serves {group} query heads, "
+                             f"and with n_local_attn_heads={n_local_attn_heads} one would serve local heads (keys of "
+                             f"dim_head={dim_head}) and global heads (keys of dim_qk) at once; make n_local_attn_heads a "
+                             f"multiple of {group}")
         if receives_context and n_local_attn_heads:
             raise ValueError("a layer with receives_context=True has no local heads (n_local_attn_heads must be 0)")
         if local_attn_window_size is not None and not n_local_attn_heads:
@@ -126,7 +151,7 @@ class Attention(nn.Module):
         chunk_size = CHUNK_SIZE if chunk_size is None else chunk_size
         check_int("blindspot_size", blindspot_size)
 
-        self.dim, self.heads, self.dim_head, self.kv_heads = dim, heads, dim_head, kv_heads
+        self.dim, self.heads, self.dim_head, self.kv_heads, self.dim_qk = dim, heads, dim_head, kv_heads, dim_qk
         self.causal = causal and not receives_context
         self.receives_context, self.n_local = receives_context, n_local_attn_heads
         self.local_window = _local_window(local_attn_window_size, local_attn_look_backward, local_attn_look_forward,
@@ -135,12 +160,15 @@ class Attention(nn.Module):
         self.kernel = kernel
         self.feature_map = FeatureMap(feature_map)
 
-        self.to_q = nn.Linear(dim, heads * dim_head, bias=False)
-        self.to_kv = nn.Linear(dim, 2 * kv_heads * dim_head, bias=False)
+        n_global = heads - n_local_attn_heads
+        # the local heads first, then the global ones; keys likewise, then the values
+        q_width = n_local_attn_heads * dim_head + n_global * dim_qk
+        self.kv_widths = (q_width // group, kv_heads * dim_head)
+        self.to_q = nn.Linear(dim, q_width, bias=False)
+        self.to_kv = nn.Linear(dim, sum(self.kv_widths), bias=False)
         self.to_out = nn.Linear(heads * dim_head, dim)
         self.attn_dropout = nn.Dropout(attn_dropout)
         self.dropout = nn.Dropout(dropout)
-        n_global = heads - n_local_attn_heads
         if not isinstance(use_gate, bool) or not isinstance(use_local_conv, bool):
             raise ValueError("use_gate and use_local_conv must be True or False")
         # the settings given, under the names of the modules that default and check them
@@ -154,26 +182,66 @@ class Attention(nn.Module):
         self.forget_gate = self.output_gate = self.local_conv = None
         if use_gate:
             if n_global:
-                self.forget_gate = ForgetGate(dim, n_global, dim_head, **gate_settings)
+                # per feature: one decay per row of the state, a feature of the global heads' keys
+                self.forget_gate = ForgetGate(dim, n_global, self.feature_map.feature_dim(dim_qk), **gate_settings)
             else:  # still check the settings: they must not be accepted silently
                 ForgetGate(1, 1, 1, **gate_settings)
             self.output_gate = OutputGate(dim, heads * dim_head)
         if use_local_conv and receives_context:
             raise ValueError("use_local_conv applies to self-attention; a cross-attention layer has no sequence to convolve along")
+        # q, k, v grouped by width: a decoding step convolves each group at once
+        self.conv_groups = ((0, 1, 2),) if dim_qk == dim_head else ((0, 1), (2,))
         if use_local_conv and n_global:
             self.local_conv = nn.ModuleList(
-                [LocalConv(n_global * dim_head, causal=self.causal, **conv_settings) for _ in ("q", "k", "v")]
+                [LocalConv(n_global * width, causal=self.causal, **conv_settings)
+                 for width in (dim_qk, dim_qk, dim_head)]
             )
         elif use_local_conv:  # still check the argument: it must not be accepted silently
             LocalConv(1, causal=self.causal, **conv_settings)
 
     def project(self, x, source):
-        """Queries from x, keys/values from source, as (b, heads, n, dim_head) each."""
-        q = rearrange(self.to_q(x), "b n (h d) -> b h n d", h=self.heads)
-        k, v = rearrange(self.to_kv(source), "b n (two h d) -> two b h n d", two=2, h=self.kv_heads)
-        if self.kv_heads != self.heads:
-            k, v = (repeat(t, "b g n d -> b (g r) n d", r=self.heads // self.kv_heads) for t in (k, v))
-        return q, k, v
+        """Queries from x, keys/values from source: ((q, k, v) of the local heads, (q, k, v) of
+        the global heads), each (b, h, n, dim_head) but the global heads' q and k (b, h, n,
+        dim_qk); a kind of head the layer lacks gets None."""
+        k, v = self.to_kv(source).split(self.kv_widths, dim=-1)
+        v = self._by_kind(self._query_heads(rearrange(v, "b n (h d) -> b h n d", h=self.kv_heads)))
+        if self.dim_qk == self.dim_head:  # one width: a key head may serve local and global heads
+            q = rearrange(self.to_q(x), "b n (h d) -> b h n d", h=self.heads)
+            k = rearrange(k, "b n (h d) -> b h n d", h=self.kv_heads)
+            q, k = self._by_kind(q), self._by_kind(self._query_heads(k))
+        else:
+            group = self.heads // self.kv_heads
+            q = _split_heads(self.to_q(x), self.n_local, self.heads - self.n_local, self.dim_head, self.dim_qk)
+            k = _split_heads(k, self.n_local // group, (self.heads - self.n_local) // group, self.dim_head, self.dim_qk)
+            k = [None if t is None else self._query_heads(t) for t in k]
+        return tuple(None if t[0] is None else t for t in zip(q, k, v))
+
+    def _query_heads(self, t):
+        """Key/value heads (b, kv_heads or fewer, n, d) repeated for the query heads they serve."""
+        if self.kv_heads == self.heads:
+            return t
+        return repeat(t, "b g n d -> b (g r) n d", r=self.heads // self.kv_heads)
+
+    def _by_kind(self, t):
+        """Every head (b, heads, n, d) -> (local heads, global heads), None for a kind without
+        heads. One split: its backward is one cat, where two slices would each fill a full-size
+        zero gradient and copy into it; no split for one kind (its backward would copy for nothing)."""
+        if not self.n_local or self.n_local == self.heads:
+            return (t, None) if self.n_local else (None, t)
+        return t.split((self.n_local, self.heads - self.n_local), dim=1)
+
+    def _rotary_by_kind(self, rotary):
+        """The rotary tables (cos, sin) -> (the local heads', the global heads')."""
+        dh, dqk = self.dim_head, self.dim_qk
+        width = dh if dqk == dh else dh + dqk
+        if rotary[0].shape[-1] != width:
+            raise ValueError(f"rotary tables must have {width} features per position ("
+                             + ("dim_head" if dqk == dh else "dim_head + dim_qk") + f"), got {rotary[0].shape[-1]}")
+        if dqk == dh:
+            return rotary, rotary
+        if dqk % 2:
+            raise ValueError(f"rotary embeddings need an even dim_qk, got {dqk}")
+        return tuple(t[..., :dh] for t in rotary), tuple(t[..., dh:] for t in rotary)
 
     def local_heads(self, q, k, v, mask, segments=None):
         """Windowed softmax attention (positions come from the model, not from the window); its
@@ -208,7 +276,7 @@ class Attention(nn.Module):
         if self.local_conv is not None and group is not None:
             q, k, v = self._convolve_context_parallel(q, k, v, mask, group)
         elif self.local_conv is not None:
-            keep = (None,) * 3 if cache is None else cache.conv.unbind(1)  # (updated in place)
+            keep = (None,) * 3 if cache is None else [t for group in cache.conv for t in group.unbind(1)]  # (in place)
             previous = (None,) * 3 if fresh else keep
             q, k, v = (conv(t, mask, p, segments, kept)
                        for conv, t, p, kept in zip(self.local_conv, (q, k, v), previous, keep))
@@ -358,17 +426,13 @@ class Attention(nn.Module):
         """The output; ``cache``: an ``AttentionCache`` to continue from after
         ``place.position`` tokens, updated in place."""
         rotary, segments, group = place.rotary, place.segments, place.group
-        q, k, v = self.project(x, x)
+        kinds = self.project(x, x)
         if rotary is not None:
-            q, k = apply_rotary(q, rotary), apply_rotary(k, rotary)
+            kinds = [None if kind is None else (apply_rotary(kind[0], tables), apply_rotary(kind[1], tables), kind[2])
+                     for kind, tables in zip(kinds, self._rotary_by_kind(rotary))]
+        (ql, kl, vl), (qg, kg, vg) = ((None,) * 3 if kind is None else kind for kind in kinds)
         position = place.position
         outs = []
-        if 0 < self.n_local < self.heads:
-            # one split per tensor: its backward is one cat, where two slices would each fill a
-            # full-size zero gradient and copy into it
-            (ql, qg), (kl, kg), (vl, vg) = (t.split((self.n_local, self.heads - self.n_local), dim=1) for t in (q, k, v))
-        else:  # one group holds every head (the other is unused): a split's backward would copy for nothing
-            (ql, qg), (kl, kg), (vl, vg) = (q, q), (k, k), (v, v)
         if self.n_local:
             if group is not None:
                 outs.append(self._local_heads_context_parallel(ql, kl, vl, input_mask, group))
@@ -408,7 +472,7 @@ class Attention(nn.Module):
             if context.ndim != 3 or context.shape[-1] != self.dim or context.shape[0] != x.shape[0]:
                 raise ValueError(f"context must have shape ({x.shape[0]}, ctx_len, {self.dim}), got {tuple(context.shape)}")
             check_mask(context_mask, *context.shape[:2], "context_mask")
-            _, k, v = self.project(x[:, :0], context)
+            _, k, v = self.project(x[:, :0], context)[1]
             k, normalize = self.noncausal_keys(k, context_mask, context)
             summary = linear_attention_summary(k, v, context_mask, normalize)
             if cache is not None:
@@ -454,8 +518,12 @@ class Attention(nn.Module):
         if self.n_local < self.heads:  # the global heads: their state stepped in place
             log_gate = None if self.forget_gate is None else self.forget_gate.log_gates(proj[:, made.ends[1]: made.ends[2]])
             out = made.out_global if eager else None
-            if made.conv_taps is not None:
-                q, k, v = local_conv_step(torch.stack((q, k, v), dim=1), cache.global_.conv, made.conv_taps).unbind(1)
+            if made.conv_taps is not None:  # each group of one width at once
+                inputs, convolved = (q, k, v), []
+                for group, previous, taps in zip(self.conv_groups, cache.global_.conv, made.conv_taps):
+                    grouped = torch.stack([inputs[i] for i in group], dim=1)
+                    convolved += local_conv_step(grouped, previous, taps).unbind(1)
+                q, k, v = convolved
             if not self.feature_map.is_softmax:
                 q, k = self.feature_map.pointwise(q), self.feature_map.pointwise(k)
             out_dtype = q.dtype
@@ -515,11 +583,14 @@ class Attention(nn.Module):
         if self.n_local:
             local = LocalCache.zeros(batch_size, self.n_local, self.local_window.most_keys, dh, device, dtype)
         if n_global and not self.receives_context:
-            state = CausalState.zeros(batch_size, n_global, self.feature_map.feature_dim(dh), dh, self.blindspot_size,
+            features = self.feature_map.feature_dim(self.dim_qk)
+            state = CausalState.zeros(batch_size, n_global, features, dh, self.blindspot_size,
                                          self.feature_map.is_softmax, device, torch.promote_types(dtype, torch.float32),
                                          waiting=self.forget_gate is None)
-            conv = None if self.local_conv is None else torch.zeros(
-                batch_size, 3, n_global, self.local_conv[0].kernel_size - 1, dh, device=device, dtype=dtype)
+            widths = (self.dim_qk, self.dim_qk, dh)
+            conv = None if self.local_conv is None else tuple(torch.zeros(
+                batch_size, len(group), n_global, self.local_conv[0].kernel_size - 1, widths[group[0]], device=device,
+                dtype=dtype) for group in self.conv_groups)
             global_ = GlobalCache(state, conv)
         return AttentionCache(position, local, global_, None)
 
@@ -550,6 +621,7 @@ class StepTensors:
     def __init__(self, attn, cache, batch, position, first_real=None):
         heads, dh, kvh, nl = attn.heads, attn.dim_head, attn.kv_heads, attn.n_local
         self.heads, self.dim_head, self.kv_heads, self.n_local = heads, dh, kvh, nl
+        self.dim_qk, self.rotary_by_kind = attn.dim_qk, attn._rotary_by_kind
         gate, out_gate = attn.forget_gate, attn.output_gate
         linears = [attn.to_q, attn.to_kv] + ([] if gate is None else [gate.gate_down])
         linears += [] if out_gate is None else [out_gate.gate_out]
@@ -566,7 +638,8 @@ class StepTensors:
         # eager steps' buffers: the projection, views of its parts, the heads' outputs
         self.proj = proj = self.weight.new_empty(batch, self.weight.shape[0])
         self.parts = None
-        self.parts = self.split(proj, None) if kvh == heads else None  # views, made once
+        # views, made once (with local heads of another key width the local keys and values are stacked anew)
+        self.parts = self.split(proj, None) if kvh == heads and (attn.dim_qk == dh or not nl) else None
         self.heads_out = proj.new_ones(batch, heads * dh + 1)
         self.heads_flat = self.heads_out[:, :-1]
         heads_view = self.heads_flat.view(batch, heads, dh)
@@ -581,9 +654,10 @@ class StepTensors:
             blindspot = attn.blindspot_size
             if first_real is not None:  # the block after each row's first real token
                 self.seen_from = first_real if blindspot == 1 else (first_real // blindspot + 1) * blindspot
-            if attn.local_conv is not None:  # the three convolutions (q, k, v) as one: (3, heads, taps, dh)
+            if attn.local_conv is not None:  # each width's convolutions as one: (3 or 2 or 1, heads, taps, d)
                 with torch.no_grad():
-                    self.conv_taps = torch.stack([c.taps(heads - nl) for c in attn.local_conv])
+                    self.conv_taps = tuple(torch.stack([attn.local_conv[i].taps(heads - nl) for i in group])
+                                           for group in attn.conv_groups)
         if nl:
             self._ring(attn.local_window, cache.local, position)
 
@@ -613,6 +687,8 @@ class StepTensors:
             return self.parts
         b, heads, dh, kvh, nl = proj.shape[0], self.heads, self.dim_head, self.kv_heads, self.n_local
         q_end, kv_end = self.ends[0], self.ends[1]
+        if self.dim_qk != dh:
+            return self._split_widths(proj, rotary)
         if rotary is not None:  # q and k are side by side: rotate them at once
             qk = apply_rotary(proj[:, : q_end + kvh * dh].view(b, heads + kvh, dh), rotary)
             q = qk[:, :heads]
@@ -624,9 +700,26 @@ class StepTensors:
             kv = kv.repeat_interleave(heads // kvh, dim=2)
         return q[:, :nl, None], kv[:, :, :nl], q[:, nl:], kv[:, 0, nl:], kv[:, 1, nl:]
 
+    def _split_widths(self, proj, rotary):
+        """``split`` where the global heads' q and k are dim_qk wide: each kind of head apart."""
+        b, heads, dh, dqk, kvh, nl = proj.shape[0], self.heads, self.dim_head, self.dim_qk, self.kv_heads, self.n_local
+        group, q_end, kv_end = heads // kvh, self.ends[0], self.ends[1]
+        k_end = kv_end - kvh * dh
+        q_local, q_global = proj[:, : nl * dh].view(b, nl, dh), proj[:, nl * dh: q_end].view(b, heads - nl, dqk)
+        k_local = proj[:, q_end: q_end + nl // group * dh].view(b, nl // group, dh)
+        k_global = proj[:, q_end + nl // group * dh: k_end].view(b, (heads - nl) // group, dqk)
+        v = proj[:, k_end:kv_end].view(b, kvh, dh)
+        if rotary is not None:
+            local_tables, global_tables = self.rotary_by_kind(rotary)
+            q_local, k_local = apply_rotary(q_local, local_tables), apply_rotary(k_local, local_tables)
+            q_global, k_global = apply_rotary(q_global, global_tables), apply_rotary(k_global, global_tables)
+        if kvh != heads:
+            k_local, k_global, v = (t.repeat_interleave(group, dim=1) for t in (k_local, k_global, v))
+        return q_local[:, :, None], torch.stack((k_local, v[:, :nl]), dim=1), q_global, k_global, v[:, nl:]
+
     def tensors(self):
         """The tensors made here that a traced step reads (a CUDA graph's static inputs)."""
-        found = [self.weight, self.bias, self.conv_taps, self.zero, self.steady, self.table]
+        found = [self.weight, self.bias, *(self.conv_taps or ()), self.zero, self.steady, self.table]
         found += [getattr(self, "hidden", None), getattr(self, "ring_zero", None), getattr(self, "ring_hidden", None)]
         return [t for t in found if t is not None]
 
@@ -648,6 +741,17 @@ def _local_window(size, look_backward, look_forward, exact, causal):
     return Window(size, look_backward, look_forward, causal, exact)
 
 
+def _split_heads(t, local_heads, global_heads, local_width, global_width):
+    """(b, n, local_heads * local_width + global_heads * global_width) -> (local (b, local_heads,
+    n, local_width), global (b, global_heads, n, global_width)), None for a kind without heads."""
+    counts, widths = (local_heads, global_heads), (local_width, global_width)
+    if all(counts):
+        parts = t.split([c * w for c, w in zip(counts, widths)], dim=-1)
+    else:  # (one kind: no split, whose backward would copy for nothing)
+        parts = [t if c else None for c in counts]
+    return [None if p is None else rearrange(p, "b n (h d) -> b h n d", h=c) for p, c in zip(parts, counts)]
+
+
 def _given(**settings):
     """The settings that are not None: the others keep the defaults of the module they go to."""
     return {name: value for name, value in settings.items() if value is not None}
@@ -656,15 +760,17 @@ def _given(**settings):
 class LinearSelfAttention(Attention):
     """Global linear self-attention on its own, to drop into any model (``linear-attention``'s layer).
 
-    Arguments as ``Attention``'s; ``psi_fn`` (the ``linear-attention`` package's name for a
-    callable feature map) is accepted as ``feature_map``, and ``dropout`` is ``attn_dropout``.
+    Arguments as ``Attention``'s (``dim_qk``: the width of q and k, values keeping dim_head);
+    ``psi_fn`` (the ``linear-attention`` package's name for a callable feature map) is accepted
+    as ``feature_map``, and ``dropout`` is ``attn_dropout``.
     ``**improvements``: ``use_gate``, ``use_local_conv`` and their settings.
     Shapes: x (b, n, dim), input_mask (b, n) bool -> (b, n, dim).
     """
 
     def __init__(
         self, dim, heads=HEADS, causal=False, dim_head=None, kv_heads=None, one_kv_head=False,
-        feature_map="softmax", psi_fn=None, dropout=0.0, blindspot_size=None, chunk_size=None, **improvements,
+        feature_map="softmax", psi_fn=None, dropout=0.0, blindspot_size=None, chunk_size=None, dim_qk=None,
+        **improvements,
     ):
         if psi_fn is not None:
             if feature_map != "softmax":
@@ -675,5 +781,5 @@ class LinearSelfAttention(Attention):
         super().__init__(
             dim, heads=heads, dim_head=dim_head, causal=causal, kv_heads=kv_heads, one_kv_head=one_kv_head,
             feature_map=feature_map, attn_dropout=dropout, blindspot_size=blindspot_size, chunk_size=chunk_size,
-            **improvements,
+            dim_qk=dim_qk, **improvements,
         )

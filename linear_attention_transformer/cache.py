@@ -124,8 +124,9 @@ class LocalCache(_Cache):
 
 class GlobalCache(_Cache):
     """Global heads: their ``CausalState`` (running KᵀV, normaliser, references, blindspot
-    block) and the local convolution's last inputs of q, k and v, conv (b, 3, h, kernel - 1,
-    d), or None."""
+    block) and the local convolution's last inputs of q, k and v, conv: one (b, 3, h, kernel -
+    1, d) tensor, or with q and k of another width than v (``dim_qk``) two, (b, 2, h, kernel -
+    1, dim_qk) and (b, 1, h, kernel - 1, dim_head) (``Attention.conv_groups``); or None."""
 
     __slots__ = ("state", "conv")
 

@@ -25,16 +25,17 @@ class ForgetGate(nn.Module):
     """Log forget gates log a_t = logsigmoid(x W_down W_up + b) / tau, all <= 0.
 
     Args:
-        dim: input width. heads, dim_head: the heads it decays and their key width.
+        dim: input width. heads, key_features: the heads it decays and their keys' features
+            (the rows of their state: the feature map's, of dim_qk query/key dimensions).
         rank: width of the low-rank projection. temperature: tau.
         granularity: ``'head'`` (the default), one scalar decay per head and position
             (Mamba-2, Gated DeltaNet); or ``'feature'``, one per head and key feature (GLA).
             The default by measurement: the same validation BPC at equal steps on real
             text, and a cheaper step (examples/README.md).
-    Shapes: x (b, n, dim) -> (b, heads, n, dim_head), or (b, heads, n) per head.
+    Shapes: x (b, n, dim) -> (b, heads, n, key_features), or (b, heads, n) per head.
     """
 
-    def __init__(self, dim, heads, dim_head, rank=16, temperature=16.0, granularity="head"):
+    def __init__(self, dim, heads, key_features, rank=16, temperature=16.0, granularity="head"):
         super().__init__()
         check_int("gate_rank", rank)
         if not temperature > 0:
@@ -42,7 +43,7 @@ class ForgetGate(nn.Module):
         if granularity not in GATE_GRANULARITIES:
             raise ValueError(f"gate_granularity must be one of {GATE_GRANULARITIES}, got {granularity!r}")
         self.heads, self.temperature, self.granularity = heads, float(temperature), granularity
-        per_head = 1 if granularity == "head" else dim_head
+        per_head = 1 if granularity == "head" else key_features
         self.gate_down = nn.Linear(dim, rank, bias=False)
         self.gate_up = nn.Linear(rank, heads * per_head)
         # start near 1, the long memory of ungated linear attention (sigmoid(0) ** (1/16) would
@@ -50,7 +51,7 @@ class ForgetGate(nn.Module):
         # tokens over each head's features, or over the heads (longest first)
         with torch.no_grad():
             self.gate_up.weight.mul_(0.1)
-            spread = torch.linspace(6.0, 1.0, heads) if granularity == "head" else torch.linspace(1.0, 6.0, dim_head).repeat(heads)
+            spread = torch.linspace(6.0, 1.0, heads) if granularity == "head" else torch.linspace(1.0, 6.0, key_features).repeat(heads)
             self.gate_up.bias.copy_(spread)
 
     def forward(self, x):
@@ -58,7 +59,7 @@ class ForgetGate(nn.Module):
 
     def log_gates(self, down):
         """The gates from the low-rank projection ``down`` (…, rank) (also what a decoder's
-        fused projection gives): (…, heads), or (…, heads, dim_head) per feature."""
+        fused projection gives): (…, heads), or (…, heads, key_features) per feature."""
         logits = F.linear(down, self.gate_up.weight, self.gate_up.bias)
         # logsigmoid, never log(sigmoid): stays finite and exact for pre-activations of +-50 and beyond
         log_a = F.logsigmoid(logits.to(torch.promote_types(logits.dtype, torch.float32))) / self.temperature
@@ -80,7 +81,7 @@ class LocalConv(nn.Module):
     """Depthwise 1-d convolution along the sequence, one filter per channel.
 
     Args:
-        channels: heads * dim_head of the tensors it convolves.
+        channels: heads * d of the tensors it convolves (d: dim_qk for q and k, dim_head for v).
         kernel_size: taps. causal: pad kernel_size - 1 on the left (position t sees t-k+1..t);
             otherwise centred, which needs an odd kernel.
     Starts as the identity (the current token's tap 1, the others 0). Shapes: x (b, h, n, d) with h * d == channels, mask (b, n) bool, segments (b, n) run

@@ -52,7 +52,9 @@ class AxialPositionalEmbedding(nn.Module):
 
 
 class RotaryEmbedding(nn.Module):
-    """Rotary position embedding (RoFormer) for heads of size ``dim``.
+    """Rotary position embedding (RoFormer) for heads of size ``dim``; with a ``dim_qk`` other
+    than dim, the tables of the two widths side by side, (…, dim + dim_qk): heads of dim (the
+    local heads) read the first dim angles, the global heads' dim_qk-wide q and k the rest.
 
     Angles are computed in float32 from integer positions, so positions past 2048 keep
     their precision under float16 autocast (a float16 position is already wrong at 2049).
@@ -60,18 +62,20 @@ class RotaryEmbedding(nn.Module):
     (float64 for a float64 model).
     """
 
-    def __init__(self, dim, base=10000):
+    def __init__(self, dim, base=10000, dim_qk=None):
         super().__init__()
-        if dim % 2:
-            raise ValueError(f"rotary embeddings need an even dim_head, got {dim}")
-        inv_freq = 1.0 / base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim)
-        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        widths = {"dim_head": dim} if dim_qk in (None, dim) else {"dim_head": dim, "dim_qk": dim_qk}
+        for name, width in widths.items():
+            if width % 2:
+                raise ValueError(f"rotary embeddings need an even {name}, got {width}")
+        # each width's angles, halves repeated: (cos, sin) of one width is cat(angles, angles)
+        inv_freq = [1.0 / base ** (torch.arange(0, width, 2, dtype=torch.float32) / width) for width in widths.values()]
+        self.register_buffer("inv_freq", torch.cat([f.repeat(2) for f in inv_freq]), persistent=False)
 
     def forward(self, positions):
         with torch.autocast(positions.device.type, enabled=False):
             inv_freq = self.inv_freq.to(torch.promote_types(self.inv_freq.dtype, torch.float32))
             angles = positions.to(inv_freq.dtype)[..., None] * inv_freq
-            angles = torch.cat((angles, angles), dim=-1)
             return angles.cos(), angles.sin()
 
 

@@ -17,7 +17,7 @@ from einops import rearrange
 from product_key_memory import PKM
 from torch import nn
 
-from .attention import HEADS, LOCAL_WINDOW_SIZE, Attention, pad_to_multiple, resolve_heads
+from .attention import HEADS, LOCAL_WINDOW_SIZE, Attention, pad_to_multiple, resolve_dim_qk, resolve_heads
 from .cache import AxialCache, BranchCache, DecodingCache, Position, copy_rows, for_call, map_tensors
 from .context_parallel import exchange_boundaries
 from .feedforward import FeedForward
@@ -258,7 +258,9 @@ class LinearAttentionTransformer(nn.Module):
 
     Args:
         dim, depth, max_seq_len: width, number of layers, longest accepted sequence.
-        heads, dim_head: heads of every attention layer and their size (default dim // heads).
+        heads, dim_head: heads of every attention layer and their size (default dim // heads);
+            the attention option ``dim_qk`` sizes the global heads' queries and keys apart
+            (``Attention``), rotary embeddings included.
         causal: each position sees only itself and the past.
         local_attn_window_size: w of the local heads, and the stride of ``attend_axially``
             (default ``attention.LOCAL_WINDOW_SIZE``); refused when the model has neither.
@@ -379,7 +381,11 @@ class LinearAttentionTransformer(nn.Module):
                 blocks.append((attention_branch(cross, "context", "context_mask", shifts=None), feedforward_branch(layer)))
 
         self.layers = ReversibleSequence(blocks) if reversible else SequentialSequence(blocks, checkpoint=checkpoint)
-        self.rotary = RotaryEmbedding(resolve_heads(dim, heads, dim_head)[0]) if use_rotary_emb else None
+        if use_rotary_emb:
+            dim_head = resolve_heads(dim, heads, dim_head)[0]
+            self.rotary = RotaryEmbedding(dim_head, dim_qk=resolve_dim_qk(options.given.get("dim_qk"), dim_head))
+        else:
+            self.rotary = None
 
     @classmethod
     def option_names(cls):

@@ -33,6 +33,14 @@ CONFIGS = {
         feature_map="elu", use_gate=True, gate_granularity="feature", blindspot_size=3, use_local_conv=True, local_conv_kernel=4,
         n_local_attn_heads=(2, 0), local_attn_window_size=5,
     ),
+    # global heads' q/k narrower (2) or wider (6) than their values and the local heads (dim_head 4)
+    "dim_qk 2+taylor+gate per feature+conv 3+rotary+local+blindspot 3": dict(
+        dim_qk=2, feature_map="taylor", use_gate=True, gate_granularity="feature", use_local_conv=True,
+        use_rotary_emb=True, n_local_attn_heads=1, local_attn_window_size=4, blindspot_size=3,
+    ),
+    "dim_qk 6+kv_heads+local+rotary+context": dict(
+        dim_qk=6, kv_heads=2, n_local_attn_heads=2, local_attn_window_size=4, use_rotary_emb=True, receives_context=True,
+    ),
 }
 
 

@@ -68,6 +68,16 @@ ATTENTION_CONFIGS = {
                                      1.0, True),
     "noncausal_local_conv_4": (4, 32, dict(n_local_attn_heads=1, local_attn_window_size=4, use_local_conv=True,
                                            local_conv_kernel=5), 1.0, True),
+    # the global heads' q and k narrower (2) or wider (6) than dim_head (4)
+    "causal_dim_qk_taylor_gate_feature_conv": (2, 20, dict(causal=True, chunk_size=4, dim_qk=2, feature_map="taylor",
+                                                           use_gate=True, gate_granularity="feature",
+                                                           use_local_conv=True), 1.0, True),
+    "causal_dim_qk_softmax_blindspot_kv_heads_4": (4, 24, dict(causal=True, chunk_size=4, dim_qk=6, blindspot_size=2,
+                                                               kv_heads=1), 1.0, True),
+    "noncausal_dim_qk_elu_local_gate_conv": (2, 16, dict(dim_qk=6, feature_map="elu", n_local_attn_heads=1,
+                                                         local_attn_window_size=4, use_gate=True,
+                                                         use_local_conv=True), 1.0, True),
+    "noncausal_dim_qk_softmax_gate": (2, 20, dict(dim_qk=2, use_gate=True), 1.0, False),
 }
 NUM_TOKENS = 11
 MODEL = dict(dim=DIM, heads=HEADS, depth=2)
@@ -86,6 +96,10 @@ MODEL_CONFIGS = {
                                                                       n_local_attn_heads=(1, 0),
                                                                       local_attn_window_size=4, shift_tokens=True),
                                                     False),
+    "lm_dim_qk_rotary_local_gate_feature": ("lm", 2, 16, dict(causal=True, dim_qk=2, use_rotary_emb=True,
+                                                             n_local_attn_heads=1, local_attn_window_size=4,
+                                                             use_gate=True, gate_granularity="feature",
+                                                             chunk_size=4), True),
     "lm_checkpoint_conv_absolute": ("lm", 2, 16, dict(causal=True, checkpoint=True, use_local_conv=True,
                                                       use_axial_pos_emb=False, chunk_size=4), True),
     # what AutoregressiveWrapper's loss reads: the features before the output layer

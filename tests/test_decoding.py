@@ -244,6 +244,9 @@ LONG_CONFIGS = {  # for hundreds of steps: max_seq_len 256 (the decoder's state 
         local_attn_window_size=3, local_attn_exact_windowsize=True, kv_heads=2),
     "elu+blindspot 4+reversible": dict(feature_map="elu", blindspot_size=4, reversible=True, n_local_attn_heads=2,
                                        local_attn_window_size=5),
+    "dim_qk 6+elu+gate per feature+conv+rotary+kv_heads+local": dict(
+        dim_qk=6, feature_map="elu", use_gate=True, gate_granularity="feature", use_local_conv=True,
+        use_rotary_emb=True, kv_heads=2, n_local_attn_heads=2, local_attn_window_size=3),
 }
 
 

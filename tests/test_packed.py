@@ -30,6 +30,9 @@ CAUSAL = {
     "reversible, rotary, shift, gate": dict(reversible=True, use_rotary_emb=True, shift_tokens=True, use_gate=True),
     "checkpoint, absolute positions, relu": dict(checkpoint=True, use_axial_pos_emb=False, feature_map="relu",
                                                  n_local_attn_heads=1, **WINDOW),
+    "dim_qk 2, taylor, blindspot, local, gate, conv, rotary": dict(
+        dim_qk=2, feature_map="taylor", n_local_attn_heads=1, blindspot_size=4, use_gate=True, use_local_conv=True,
+        use_rotary_emb=True, **WINDOW),
 }
 NONCAUSAL = {
     "plain": dict(),
@@ -38,6 +41,8 @@ NONCAUSAL = {
     "local look 2+2, reversible, rotary": dict(n_local_attn_heads=1, local_attn_look_backward=2,
                                                local_attn_look_forward=2, reversible=True, use_rotary_emb=True,
                                                **WINDOW),
+    "dim_qk 6, local, gate, conv, rotary": dict(dim_qk=6, n_local_attn_heads=2, use_gate=True, use_local_conv=True,
+                                                use_rotary_emb=True, **WINDOW),
 }
 # segment lengths per row: a length-1 segment, boundaries on and off the chunk (4) and
 # window (5) grid, a long segment over several chunks

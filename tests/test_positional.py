@@ -1,5 +1,6 @@
 """Positions: rotary angles stay exact past 2048 under float16 autocast; embeddings by position."""
 
+import pytest
 import torch
 from axial_positional_embedding import AxialPositionalEmbedding as UpstreamAxial
 
@@ -57,3 +58,18 @@ def test_lm_position_scheme_by_option():
     assert isinstance(lm(use_axial_pos_emb=True).pos_emb, AxialPositionalEmbedding)
     assert lm(use_rotary_emb=True).pos_emb is None
     assert isinstance(lm(use_axial_pos_emb=False).pos_emb, AbsolutePositionalEmbedding)
+
+
+def test_rotary_tables_for_a_dim_qk_are_the_two_widths_side_by_side():
+    """RotaryEmbedding(dim_head, dim_qk=...) gives the dim_head tables, then the dim_qk ones
+    (what the global heads of that width read); dim_qk equal to dim_head or None: one table."""
+    positions = torch.arange(37)
+    both = RotaryEmbedding(6, dim_qk=10)(positions)
+    for got, local, wide in zip(both, RotaryEmbedding(6)(positions), RotaryEmbedding(10)(positions)):
+        assert got.shape == (37, 16)
+        assert torch.equal(got[:, :6], local) and torch.equal(got[:, 6:], wide)
+    for dim_qk in (None, 6):
+        assert all(torch.equal(a, b) for a, b in zip(RotaryEmbedding(6, dim_qk=dim_qk)(positions),
+                                                     RotaryEmbedding(6)(positions)))
+    with pytest.raises(ValueError, match="even dim_qk"):
+        RotaryEmbedding(6, dim_qk=5)

@@ -129,3 +129,25 @@ def test_blindspot_hides_the_own_block_and_first_block_gets_zero(exp_features, h
     out3 = causal_linear_attention(q, k3, v, blindspot_size=B, exp_features=exp_features)
     assert (out3[:, :, 8:] - out[:, :, 8:]).abs().max() > 1e-3
     helpers.assert_matches(out3[:, :, :8], out[:, :, :8], rtol=1e-12, what="blocks before the change")
+
+
+@pytest.mark.parametrize("exp_features", EXP, ids=ids)
+@pytest.mark.parametrize("d, e", [(8, 32), (32, 8)], ids=["keys narrower", "keys wider"])
+@pytest.mark.parametrize("n", [16, 21])
+@pytest.mark.parametrize("decay, blindspot", [(None, 1), ("scalar", 4), ("per_feature", 1)])
+def test_key_features_of_another_width_than_the_values(exp_features, d, e, n, decay, blindspot, helpers):
+    """Queries and keys of d features, values of e (a layer's dim_qk beside its dim_head): the
+    chunked form (chunks of 8: 16 is a multiple, 21 not) and the recurrence equal the naive form
+    with a key mask, and the state one row per key feature."""
+    b, h = 2, 2
+    q, k, v = helpers.kernel_inputs(b, h, n, d, e, seed=n + d, exp_features=exp_features)
+    log_decay = helpers.random_log_decay(decay, b, h, n, d, seed=n + d, strength=0.3)
+    mask = helpers.random_mask(b, n, seed=n + d)
+    ref = naive_causal_linear_attention(q, k, v, log_decay, mask, blindspot, exp_features=exp_features)
+    chunked, state = causal_linear_attention(q, k, v, log_decay, mask, blindspot, chunk_size=8,
+                                             exp_features=exp_features, return_state=True)
+    recurrent, _ = recurrent_causal_linear_attention(q, k, v, log_decay, mask, blindspot, exp_features=exp_features)
+    assert ref.shape == (b, h, n, e)
+    helpers.assert_matches(chunked, ref, what="chunked")
+    helpers.assert_matches(recurrent, ref, what="recurrent")
+    assert state.kv.shape[-2] == d

@@ -150,13 +150,15 @@ CONFIGS = [  # (exp_features, logit scale, feature map, decay)
 @pytest.mark.parametrize("exp_features, scale, feature_map, decay", CONFIGS)
 @pytest.mark.parametrize("masked, packed", [(False, False), (True, True)])
 @pytest.mark.parametrize("blindspot_size", [1, 5])
+@pytest.mark.parametrize("d, e", [(4, 3), (3, 8)], ids=["keys wider", "keys narrower"])
 def test_adapter_equals_the_naive_form(recurrences, exp_features, scale, feature_map, decay, masked, packed,
-                                       blindspot_size):
+                                       blindspot_size, d, e):
     """Output and gradients (q, k, v, log_decay) equal the float64 judge, for given features
     (elu + 1, relu, a callable's), exponential features at logits x1 ... x1000, no / per-head /
     per-feature decay, with a mask (queries that see nothing included) and segments, with and
-    without a blindspot (blocks of 5 in 23 tokens); and the kernel is the one the decay calls for."""
-    b, h, n, d, e = 2, 2, 23, 4, 3
+    without a blindspot (blocks of 5 in 23 tokens), keys of more or fewer features than the
+    values have; and the kernel is the one the decay calls for."""
+    b, h, n = 2, 2, 23
     leaves = inputs(b, h, n, d, e, 7, exp_features, scale, feature_map, decay)
     mask, segments = mask_and_segments(b, n, 7, masked, packed)
     options = dict(mask=mask, exp_features=exp_features, segments=segments, blindspot_size=blindspot_size)
@@ -405,17 +407,19 @@ def interpreter_cases():
     with a margin; at logits x1000 that of logits of that size (measured 2026-11-25: the fla
     form 3.3e-5 output / 5.3e-5 gradients, the sequential form 1.5e-5 / 3.1e-5 on the same case)."""
     cases = []
-    for name, n, exp_features, scale, decay, masked, packed, split, blindspot_size in [
-        ("features, per-head decay, mask, segments", 100, False, 1.0, "head", True, True, None, 1),
-        ("features, per-feature decay", 64, False, 1.0, "feature", False, False, None, 1),
-        ("logits x1000, per-feature decay, mask, segments", 100, True, 1000.0, "feature", True, True, None, 1),
-        ("logits x1, no decay, state in and out", 100, True, 1.0, None, True, False, 64, 1),
-        ("logits x1, per-head decay, blindspot 16, mask, segments", 100, True, 1.0, "head", True, True, None, 16),
+    for name, n, exp_features, scale, decay, masked, packed, split, blindspot_size, d, e in [
+        ("features, per-head decay, mask, segments", 100, False, 1.0, "head", True, True, None, 1, 16, 16),
+        ("features, per-feature decay", 64, False, 1.0, "feature", False, False, None, 1, 16, 16),
+        ("logits x1000, per-feature decay, mask, segments", 100, True, 1000.0, "feature", True, True, None, 1, 16, 16),
+        ("logits x1, no decay, state in and out", 100, True, 1.0, None, True, False, 64, 1, 16, 16),
+        ("logits x1, per-head decay, blindspot 16, mask, segments", 100, True, 1.0, "head", True, True, None, 16, 16, 16),
+        # a layer's dim_qk (16) beside its dim_head (32): keys narrower than the values
+        ("features, keys 16 values 32, per-feature decay, mask", 100, False, 1.0, "feature", True, False, None, 1, 16, 32),
     ]:
         q, k, v, log_decay = (t if t is None else t.detach().float()
-                              for t in inputs(1, 2, n, 16, 16, n, exp_features, scale, "elu", decay, torch.float32))
+                              for t in inputs(1, 2, n, d, e, n, exp_features, scale, "elu", decay, torch.float32))
         mask, segments = mask_and_segments(1, n, n, masked, packed)
-        weight = torch.randn(1, 2, n, 16, generator=torch.Generator().manual_seed(5))
+        weight = torch.randn(1, 2, n, e, generator=torch.Generator().manual_seed(5))
         cases.append(dict(name=name, q=q, k=k, v=v, log_decay=log_decay, mask=mask, segments=segments,
                           exp_features=exp_features, split=split, weight=weight, blindspot_size=blindspot_size,
                           rtol=1e-5 if scale == 1 else 3e-4))
@@ -446,7 +450,7 @@ def interpreted(tmp_path_factory):
     return cases, results, dict(lm, tokens=tokens), compiled
 
 
-@pytest.mark.parametrize("index", range(5), ids=[c["name"] for c in interpreter_cases()])
+@pytest.mark.parametrize("index", range(6), ids=[c["name"] for c in interpreter_cases()])
 @pytest.mark.requires("fla", "triton")
 def test_flas_kernels_interpreted_equal_the_naive_form(interpreted, index):
     """fla's Triton kernels (float32, in Triton's interpreter) against the float64 judge of the
