@@ -34,7 +34,6 @@ trains in a fresh subprocess; ``--out`` writes every result (the held-out curve 
 JSON after each model, so a cut run keeps what it finished.
 
 Usage:  python benchmarks/bench_recall.py --threads 1 --sizes 128:16 --variants softmax+conv gate --seeds 0 --out r.json
-        python benchmarks/bench_recall.py --list
 See docs/layers.md ("Recall") for the figures and what they mean.
 """
 
@@ -152,10 +151,10 @@ class SoftmaxBlock(nn.Module):
 
 class SoftmaxTransformer(nn.Module):
     """A standard causal softmax LM: token embedding plus learned absolute positions (GPT-2's
-    recipe; ``positions="rotary"`` rotates q and k instead), pre-norm ``SoftmaxBlock``s, a
-    final LayerNorm and an output layer tied to the token embedding. ``output_features`` / ``output_layer`` split
-    the logits as ``LinearAttentionTransformerLM`` does, so the loss can read only some
-    positions."""
+    recipe; ``positions="rotary"`` rotates q and k instead), pre-norm ``SoftmaxBlock``s (with
+    ``short_conv``, Zoology's attention blocks), a final LayerNorm, an output layer tied to the
+    embedding. ``output_features`` / ``output_layer`` split the logits as the library's LM
+    does, so the loss can read only some positions."""
 
     def __init__(self, num_tokens, dim, depth, heads, max_seq_len, positions="learned", short_conv=False):
         super().__init__()
@@ -333,7 +332,7 @@ def main():
     parser.add_argument("--threads", type=int, default=None, help="torch threads per model (1 on a shared CPU)")
     parser.add_argument("--out", help="write every result as JSON here")
     parser.add_argument("--progress", help="append each held-out measurement to this file as it is made")
-    parser.add_argument("--list", action="store_true", help="print the variants and exit")
+    parser.add_argument("--list", action="store_true", help="print the models and exit")
     parser.add_argument("--worker", nargs=3, metavar=("SIZE", "VARIANT", "SEED"), help=argparse.SUPPRESS)
     args = parser.parse_args()
 
