@@ -1,43 +1,39 @@
 #!/usr/bin/env python
-"""Associative recall (MQAR) of the linear-attention LM against a same-size softmax transformer.
+"""Associative recall (MQAR) of the linear-attention LM against same-size softmax transformers.
 
 Multi-query associative recall as Zoology (Arora et al. 2023) lays it out, written from its
-description: a sequence opens with ``pairs`` key-value pairs ``k1 v1 k2 v2 ...``; the rest of
-the sequence is cut into two-token slots and every key is asked once, at the first token of a
-slot. The slot of each query is drawn without replacement with probability proportional to
-g ** (power_a - 1), g = 1, 2, ... counting slots from the pairs, so most queries come soon
-after the pairs and a few far (gaps between repeated bigrams in text follow such a power law;
-``power_a=1`` makes the slots uniform). Every other position after the pairs holds a token
-drawn uniformly from the whole vocabulary: the filler carries no information, but it is not a
-constant the model could learn to skip. Keys are distinct within a sequence and come from
-[1, vocab/2), values are distinct too and come from [vocab/2, vocab). The answer is never
-written into the sequence: the model reads causally and is scored only where it stands on a
-query key, where its next-token prediction must be the value bound to that key.
+description: a sequence opens with ``pairs`` key-value pairs ``k1 v1 k2 v2 ...``; the rest is
+cut into two-token slots and every key is asked once, at the first token of a slot drawn
+without replacement with probability proportional to g ** (power_a - 1), g = 1, 2, ...
+counting slots from the pairs (most queries come soon after the pairs, a few far; ``power_a=1``
+is uniform). Every other position after the pairs holds a token drawn uniformly from the whole
+vocabulary. Keys are distinct within a sequence and come from [1, vocab/2), values are
+distinct too and come from [vocab/2, vocab). The model reads causally and is scored only where
+it stands on a query key: its next-token prediction must be the value bound to that key.
 
 Each training step draws a fresh batch from a generator fixed by (seed, step), so every model
-of one seed sees the same data; the held-out set comes from its own generator seed, which no
-training batch uses. Held-out accuracy is measured every ``--eval-every`` steps: the figures
-are the first step at which it reached 90 % (how fast recall is learned) and the accuracy at
-the end of the run: the end of the budget, or with ``--stop-at`` the second measurement in a
-row at that accuracy or more.
+of one seed sees the same data; the held-out set comes from a generator seed no training batch
+uses. Held-out accuracy is measured every ``--eval-every`` steps: the figures are the first
+step at which it reached 90 % (how fast recall is learned) and the accuracy at the end of the
+run (the budget, or with ``--stop-at`` the second measurement in a row at that accuracy).
 
 Models (dim 64, depth 2, 2 heads, vocabulary 512 by default):
-    softmax   ``SoftmaxTransformer``: a standard pre-norm transformer (causal
-              scaled_dot_product_attention, learned absolute positions, biases, GELU MLP
-              of 4 x dim, output layer tied to the embedding), the reference;
-              ``softmax+rotary`` rotates q and k instead of adding positions.
-    the rest  ``LinearAttentionTransformerLM(causal=True, ...)`` with the options of VARIANTS.
+    softmax       ``SoftmaxTransformer``: a standard pre-norm transformer (causal SDPA, learned
+                  absolute positions, biases, GELU MLP of 4 x dim, tied output layer);
+                  ``softmax+rotary`` rotates q and k instead of adding positions.
+    softmax+conv  the same with Zoology's attention block: a short causal convolution
+                  (``ShortConv``, Zoology's BaseConv) before attention in every block, which
+                  hands each position its previous tokens; the reference, as Zoology's
+                  attention model is the one that recalls at every size in its paper.
+    the rest      ``LinearAttentionTransformerLM(causal=True, ...)`` with the options of VARIANTS.
 
-Training: AdamW (lr 1e-3, linear warm-up over 100 steps, then constant), batch 32, cross
-entropy at the query positions only (the logits are computed only there), gradient norm
-clipped to 1. Every model ties its output layer to its token embedding, as Zoology's LM does.
+Training, the same for every model: AdamW (lr 1e-3, linear warm-up over 100 steps, then
+constant), batch 32, cross entropy at the query positions only, gradient norm clipped to 1;
+every model ties its output layer to its token embedding, as Zoology's LM does. Each model
+trains in a fresh subprocess; ``--out`` writes every result (the held-out curve included) as
+JSON after each model, so a cut run keeps what it finished.
 
-Every model trains in a fresh subprocess, one after another; ``--out`` writes every result
-(the held-out curve included) as JSON, rewritten after each model so a cut run keeps what
-it finished.
-
-Usage:  python benchmarks/bench_recall.py --threads 1 --sizes 128:16 --variants softmax default --seeds 0 --out r.json
-        python benchmarks/bench_recall.py --list
+Usage:  python benchmarks/bench_recall.py --threads 1 --sizes 128:16 --variants softmax+conv gate --seeds 0 --out r.json
 See docs/layers.md ("Recall") for the figures and what they mean.
 """
 
@@ -114,13 +110,28 @@ HELD_OUT = (10_000, -1)
 # --------------------------------------------------------------------- softmax reference
 
 
+class ShortConv(nn.Module):
+    """Zoology's BaseConv, which precedes attention in every block of its attention model: a
+    projection of LN(x) times a causal depthwise convolution of 3 taps over it, added to x."""
+
+    def __init__(self, dim, taps=3):
+        super().__init__()
+        self.norm, self.proj = nn.LayerNorm(dim), nn.Linear(dim, dim)
+        self.conv = nn.Conv1d(dim, dim, taps, groups=dim, padding=taps - 1)
+
+    def forward(self, x):
+        u = self.norm(x)
+        return x + self.proj(u) * self.conv(u.transpose(1, 2))[..., : x.shape[1]].transpose(1, 2)
+
+
 class SoftmaxBlock(nn.Module):
     """Pre-norm block: x + attn(LN(x)), then x + MLP(LN(x)); causal SDPA, rotary q, k when
-    given ``rotary``."""
+    given ``rotary``; with ``short_conv`` a ``ShortConv`` first."""
 
-    def __init__(self, dim, heads):
+    def __init__(self, dim, heads, short_conv=False):
         super().__init__()
         self.heads = heads
+        self.short_conv = ShortConv(dim) if short_conv else nn.Identity()
         self.attn_norm, self.mlp_norm = nn.LayerNorm(dim), nn.LayerNorm(dim)
         self.to_qkv = nn.Linear(dim, 3 * dim)
         self.to_out = nn.Linear(dim, dim)
@@ -129,6 +140,7 @@ class SoftmaxBlock(nn.Module):
     def forward(self, x, rotary=None):
         from linear_attention_transformer.positional import apply_rotary
 
+        x = self.short_conv(x)
         q, k, v = rearrange(self.to_qkv(self.attn_norm(x)), "b n (three h d) -> three b h n d", three=3, h=self.heads)
         if rotary is not None:
             q, k = apply_rotary(q, rotary), apply_rotary(k, rotary)
@@ -139,12 +151,12 @@ class SoftmaxBlock(nn.Module):
 
 class SoftmaxTransformer(nn.Module):
     """A standard causal softmax LM: token embedding plus learned absolute positions (GPT-2's
-    recipe; ``positions="rotary"`` rotates q and k instead), pre-norm ``SoftmaxBlock``s, a
-    final LayerNorm and an output layer tied to the token embedding. ``output_features`` / ``output_layer`` split
-    the logits as ``LinearAttentionTransformerLM`` does, so the loss can read only some
-    positions."""
+    recipe; ``positions="rotary"`` rotates q and k instead), pre-norm ``SoftmaxBlock``s (with
+    ``short_conv``, Zoology's attention blocks), a final LayerNorm, an output layer tied to the
+    embedding. ``output_features`` / ``output_layer`` split the logits as the library's LM
+    does, so the loss can read only some positions."""
 
-    def __init__(self, num_tokens, dim, depth, heads, max_seq_len, positions="learned"):
+    def __init__(self, num_tokens, dim, depth, heads, max_seq_len, positions="learned", short_conv=False):
         super().__init__()
         from linear_attention_transformer.positional import RotaryEmbedding
 
@@ -158,7 +170,7 @@ class SoftmaxTransformer(nn.Module):
             nn.init.normal_(self.pos_emb.weight, std=0.02)
         else:
             self.rotary = RotaryEmbedding(dim // heads)
-        self.blocks = nn.ModuleList([SoftmaxBlock(dim, heads) for _ in range(depth)])
+        self.blocks = nn.ModuleList([SoftmaxBlock(dim, heads, short_conv) for _ in range(depth)])
         self.norm = nn.LayerNorm(dim)
         self.output_layer = nn.Linear(dim, num_tokens)
         self.output_layer.weight = self.token_emb.weight  # tied, as in GPT-2 and Zoology's LM
@@ -181,21 +193,15 @@ class SoftmaxTransformer(nn.Module):
 
 # ------------------------------------------------------------------------------ variants
 
-REFERENCE = "softmax"
-# softmax references: name -> SoftmaxTransformer options
-SOFTMAX = {REFERENCE: {}, "softmax+rotary": dict(positions="rotary")}
+# softmax transformers: name -> SoftmaxTransformer options
+SOFTMAX = {"softmax": {}, "softmax+conv": dict(short_conv=True), "softmax+rotary": dict(positions="rotary")}
 # name -> LinearAttentionTransformerLM options on top of the shape (dim, depth, heads); an
 # entry may override the shape (depth, dim_head).
 VARIANTS = {
-    "default": {},
-    "rotary": dict(use_rotary_emb=True),
-    "gate": dict(use_gate=True),
-    "conv": dict(use_local_conv=True),
-    "shift": dict(shift_tokens=True),
-    "gate+conv": dict(use_gate=True, use_local_conv=True),
-    "conv+dh16": dict(use_local_conv=True, dim_head=16),
-    "taylor": dict(feature_map="taylor"),
-    "taylor+conv": dict(feature_map="taylor", use_local_conv=True),
+    "default": {}, "rotary": dict(use_rotary_emb=True), "gate": dict(use_gate=True),
+    "conv": dict(use_local_conv=True), "shift": dict(shift_tokens=True),
+    "gate+conv": dict(use_gate=True, use_local_conv=True), "conv+dh16": dict(use_local_conv=True, dim_head=16),
+    "taylor": dict(feature_map="taylor"), "taylor+conv": dict(feature_map="taylor", use_local_conv=True),
     "taylor+conv+dh16": dict(feature_map="taylor", use_local_conv=True, dim_head=16),
     "gate+taylor+conv+dh16": dict(use_gate=True, feature_map="taylor", use_local_conv=True, dim_head=16),
 }
@@ -305,7 +311,7 @@ def main():
     parser.add_argument("--sizes", nargs="+", type=parse_size, default=[(64, 4), (128, 16), (256, 32)],
                         help="difficulties as SEQ_LEN:PAIRS (default 64:4 128:16 256:32)")
     parser.add_argument("--variants", nargs="+",
-                        default=[REFERENCE, "default", "gate", "taylor+conv+dh16", "gate+taylor+conv+dh16"],
+                        default=["softmax", "softmax+conv", "gate", "taylor+conv+dh16", "gate+taylor+conv+dh16"],
                         help=f"{', '.join(SOFTMAX)} and names of VARIANTS (--list)")
     parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1])
     parser.add_argument("--steps", type=int, default=2000)
@@ -326,16 +332,13 @@ def main():
     parser.add_argument("--threads", type=int, default=None, help="torch threads per model (1 on a shared CPU)")
     parser.add_argument("--out", help="write every result as JSON here")
     parser.add_argument("--progress", help="append each held-out measurement to this file as it is made")
-    parser.add_argument("--list", action="store_true", help="print the variants and exit")
+    parser.add_argument("--list", action="store_true", help="print the models and exit")
     parser.add_argument("--worker", nargs=3, metavar=("SIZE", "VARIANT", "SEED"), help=argparse.SUPPRESS)
     args = parser.parse_args()
 
     if args.list:
-        for name, options in SOFTMAX.items():
-            print(f"{name:22s} SoftmaxTransformer {options}")
-        for name, options in VARIANTS.items():
-            print(f"{name:22s} {options}")
-        return
+        return print("\n".join(f"{name:22s} {'SoftmaxTransformer ' * (name in SOFTMAX)}{options}"
+                               for name, options in {**SOFTMAX, **VARIANTS}.items()))
     if args.worker:
         args.size, args.variant, args.seed = parse_size(args.worker[0]), args.worker[1], int(args.worker[2])
         return train_one(args)
@@ -352,12 +355,9 @@ def main():
     shared = ["--steps", args.steps, "--eval-every", args.eval_every, "--batch", args.batch, "--lr", args.lr,
               "--warmup", args.warmup, "--held-out", args.held_out, "--dim", args.dim, "--depth", args.depth,
               "--heads", args.heads, "--vocab", args.vocab, "--power-a", args.power_a, "--device", args.device]
-    if args.stop_at is not None:
-        shared += ["--stop-at", args.stop_at]
-    if args.progress:
-        shared += ["--progress", args.progress]
-    if args.threads is not None:
-        shared += ["--threads", args.threads]
+    for flag, value in (("--stop-at", args.stop_at), ("--progress", args.progress), ("--threads", args.threads)):
+        if value is not None:
+            shared += [flag, value]
     record = dict(command=" ".join([os.path.basename(sys.executable)] + sys.argv), config=config,
                   started=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), runs=[])
 

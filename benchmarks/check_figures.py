@@ -35,6 +35,9 @@ QUOTES = [
      "blindspot {:.2f}x"),
     ("docs/kernels.md", "kernel", ["form=parallel 1,8,4096,64", "vs_first"], "exact chunks take {:.1f}x"),
     ("docs/kernels.md", "kernel", ["form=parallel 1,8,16384,64", "vs_first"], "/ {:.1f}x its time"),
+    ("README.md", "recall", ["32:4 softmax+conv seed 0", "steps_to_pass"], "| softmax + short convolution | {:,} /"),
+    ("docs/layers.md", "recall", ["64:4 softmax+conv seed 0", "steps_to_pass"],
+     "| 64, 4 | **softmax + short convolution** | `softmax+conv` | {:,} /"),
 ]
 
 

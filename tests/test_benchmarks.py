@@ -216,9 +216,9 @@ def test_bench_recall_query_slots_follow_the_power_law():
 
 
 def test_bench_recall_models_are_causal_and_read_logits_at_the_queries():
-    """bench_recall.py's softmax reference and a library variant see no later token (a change
-    at position t moves the logits at t onward only), and the loss's logits, read only at
-    the query positions, are the full forward's there."""
+    """bench_recall.py's softmax transformers (the short convolution included) and a library
+    variant see no later token (a change at position t moves the logits at t onward only),
+    and the loss's logits, read only at the query positions, are the full forward's there."""
     from bench_recall import build_model, query_logits
 
     torch.manual_seed(0)
@@ -226,7 +226,7 @@ def test_bench_recall_models_are_causal_and_read_logits_at_the_queries():
     changed = tokens.clone()
     changed[:, 6] = (changed[:, 6] + 1) % 32
     asked = torch.rand(2, 12) < 0.5
-    for name in ("softmax", "softmax+rotary", "taylor+conv+dh16"):
+    for name in ("softmax", "softmax+conv", "softmax+rotary", "taylor+conv+dh16"):
         model = build_model(name, vocab=32, dim=16, depth=2, heads=2, seq_len=12)
         with torch.no_grad():
             before, after = model(tokens), model(changed)
