@@ -196,14 +196,13 @@ class SoftmaxTransformer(nn.Module):
 # softmax transformers: name -> SoftmaxTransformer options
 SOFTMAX = {"softmax": {}, "softmax+conv": dict(short_conv=True), "softmax+rotary": dict(positions="rotary")}
 # name -> LinearAttentionTransformerLM options on top of the shape (dim, depth, heads); an
-# entry may override the shape (depth, dim_head).
+# entry may override dim_head.
 VARIANTS = {
-    "default": {}, "rotary": dict(use_rotary_emb=True), "gate": dict(use_gate=True),
-    "conv": dict(use_local_conv=True), "shift": dict(shift_tokens=True),
-    "gate+conv": dict(use_gate=True, use_local_conv=True), "conv+dh16": dict(use_local_conv=True, dim_head=16),
-    "taylor": dict(feature_map="taylor"), "taylor+conv": dict(feature_map="taylor", use_local_conv=True),
+    "default": {}, "gate": dict(use_gate=True), "conv": dict(use_local_conv=True),
     "taylor+conv+dh16": dict(feature_map="taylor", use_local_conv=True, dim_head=16),
     "gate+taylor+conv+dh16": dict(use_gate=True, feature_map="taylor", use_local_conv=True, dim_head=16),
+    "taylor+conv+qk16": dict(feature_map="taylor", use_local_conv=True, dim_qk=16),
+    "gate+taylor+conv+qk16": dict(use_gate=True, feature_map="taylor", use_local_conv=True, dim_qk=16),
 }
 
 
@@ -212,10 +211,8 @@ def build_model(variant, vocab, dim, depth, heads, seq_len):
         return SoftmaxTransformer(vocab, dim, depth, heads, seq_len, **SOFTMAX[variant])
     from linear_attention_transformer import LinearAttentionTransformerLM
 
-    options = dict(VARIANTS[variant])
-    depth = options.pop("depth", depth)
     return LinearAttentionTransformerLM(num_tokens=vocab, dim=dim, depth=depth, max_seq_len=seq_len, heads=heads,
-                                        causal=True, tie_embedding=True, **options)
+                                        causal=True, tie_embedding=True, **VARIANTS[variant])
 
 
 def parameters(model, vocab=None):

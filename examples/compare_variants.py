@@ -1,4 +1,5 @@
-"""The improvements' experiment: Baseline, Conv_Only and Full_Improved trained side by side, with a plot and a table.
+"""The improvements' experiment: Baseline, Conv_Only, Full_Improved and the recommended configuration trained side by
+side, with a plot and a table.
 
     python examples/compare_variants.py                               # built-in corpus, small models
     python examples/compare_variants.py --data /path/to/enwik8 --steps 20000 --seeds 0 1 2 \
@@ -17,6 +18,8 @@ Variants (``--variants``):
     full_improved         use_gate=True, use_local_conv=True
     gate_only             use_gate=True (an ablation)
     softmax               the reference: every head softmax attention over the whole context
+    recommended           use_gate=True, use_local_conv=True, feature_map='taylor', dim_qk=16
+    taylor_conv           recommended without the gate
     conv_v, conv_kv       conv_only with the convolution on v only / on k and v only (a design
                           probe: the others bypassed by hooks, see train_enwik8.restrict_conv)
     gate_feature          full_improved with gate_granularity='feature'  } only where the installed
@@ -49,13 +52,15 @@ VARIANTS = {
     "full_improved": {"variant": "full_improved"},
     "gate_only": {"variant": "gate_only"},
     "softmax": {"variant": "softmax"},
+    "recommended": {"variant": "recommended"},
+    "taylor_conv": {"variant": "taylor_conv"},
     "conv_v": {"variant": "conv_only", "conv_on": "v"},
     "conv_kv": {"variant": "conv_only", "conv_on": "kv"},
     "gate_feature": {"variant": "full_improved", "gate_granularity": "feature"},
     "gate_head": {"variant": "full_improved", "gate_granularity": "head"},
 }
 NEEDS_GRANULARITY = {"gate_feature", "gate_head"}
-SEED_VARIANTS = ["baseline", "conv_only", "full_improved"]
+DEFAULT_VARIANTS = ["baseline", "conv_only", "full_improved", "recommended"]  # the experiment's three and ours
 
 
 def run_options(base, name, seed):
@@ -161,8 +166,9 @@ def build_parser():
     p.add_argument("--data", default=None, help="enwik8 or any file, read as bytes (default: the built-in corpus)")
     p.add_argument("--corpus-cache", default=None,
                    help=f"where the built-in corpus is kept (default: {default_corpus_cache()})")
-    p.add_argument("--variants", nargs="+", choices=sorted(VARIANTS), default=SEED_VARIANTS,
-                   help="the variants to train (the library's three, ablations and design probes; see the docstring)")
+    p.add_argument("--variants", nargs="+", choices=sorted(VARIANTS), default=DEFAULT_VARIANTS,
+                   help="the variants to train (the experiment's three, the recommended configuration, ablations, design probes "
+                        "and the softmax reference; see the docstring)")
     p.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2], help="every variant is run once per seed")
     p.add_argument("--steps", type=int, default=600, help="steps per run")
     p.add_argument("--max-minutes", type=float, default=0.0, help="also stop every run after this much training time")

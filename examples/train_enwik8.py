@@ -98,6 +98,9 @@ VARIANTS = {
     # the reference: every head a local softmax head that sees the whole training context, that
     # is causal softmax attention in the same model (positions, feed-forward, norms)
     "softmax": {"use_gate": False, "use_local_conv": False},
+    # the recommended configuration (docs/layers.md, "Recommended"), and the same without the gate
+    "recommended": {"use_gate": True, "use_local_conv": True, "feature_map": "taylor", "dim_qk": 16},
+    "taylor_conv": {"use_gate": False, "use_local_conv": True, "feature_map": "taylor", "dim_qk": 16},
 }
 
 
@@ -774,7 +777,9 @@ def build_parser():
     t.add_argument("--variant", choices=sorted(VARIANTS), default="full_improved",
                    help="baseline: plain linear attention; conv_only: + local convolution on q, k, v; "
                         "full_improved: + forget/output gates and the convolution; gate_only: the gates alone; "
-                        "softmax: every head softmax attention over the whole context (the reference)")
+                        "softmax: every head softmax attention over the whole context (the reference); "
+                        "recommended: the gates, the convolution and Taylor features of 16-wide queries and keys; "
+                        "taylor_conv: the same without the gates")
     t.add_argument("--steps", type=int, default=1000, help="optimizer steps")
     t.add_argument("--max-minutes", type=float, default=0.0, help="stop once training took this long (0: no limit)")
     t.add_argument("--batch-size", type=int, default=8, help="windows per micro-batch and process")
