@@ -16,8 +16,6 @@ against one; the square matmul rate before and after, the drift reference.
 Usage:  python benchmarks/bench_generate.py --threads 1 [--new-tokens 1024] [--set use_gate=True,...] [--record generate]
 """
 
-from __future__ import annotations
-
 import argparse
 import os
 import sys

@@ -14,8 +14,6 @@ Usage:  python benchmarks/bench_kernel.py --threads 1 [--shapes 4,4,256,64 1,8,4
         python benchmarks/bench_kernel.py --threads 1 --forms device parallel blocked
 """
 
-from __future__ import annotations
-
 import argparse
 import functools
 import os

@@ -14,8 +14,6 @@ Usage:  python benchmarks/bench_layer.py --threads 1 --lengths 4096 16384
         python benchmarks/bench_layer.py --variants base layer=softmax --lengths 1024 4096
 """
 
-from __future__ import annotations
-
 import os
 import sys
 

@@ -17,8 +17,6 @@ Usage:  python benchmarks/bench_lm.py --threads 1 --lengths 4096 16384
             --variants loss=wrapper,ff_glu=False,ff_dropout=0.0 --upstream-path /tmp/upstream
 """
 
-from __future__ import annotations
-
 import os
 import subprocess
 import sys

@@ -19,6 +19,7 @@ RESULTS = os.path.join(ROOT, "benchmarks", "results")
 
 SAME_WORK = "loss=wrapper,ff_glu=False,ff_dropout=0.0 n=8192"
 LOCAL = "ours n_local_attn_heads=4,local_attn_window_size=128,blindspot_size=64"
+RECOMMENDED = "use_gate=True,use_local_conv=True,feature_map=taylor,dim_qk=16"
 
 # (document, result name, the figure's key path in its figures (or a pair of paths: their
 # quotient), the quoted text with the figure as {})
@@ -36,6 +37,10 @@ QUOTES = [
     ("docs/kernels.md", "kernel", ["form=parallel 1,8,4096,64", "vs_first"], "exact chunks take {:.1f}x"),
     ("docs/kernels.md", "kernel", ["form=parallel 1,8,16384,64", "vs_first"], "/ {:.1f}x its time"),
     ("README.md", "recall", ["32:4 softmax+conv seed 0", "steps_to_pass"], "| softmax + short convolution | {:,} /"),
+    ("docs/layers.md", "lm_recommended", [f"time vs first variant, {RECOMMENDED} n=4096"], "takes {:.2f}x the time"),
+    ("docs/layers.md", "lm_recommended", [f"peak vs first variant, {RECOMMENDED} n=4096"], "{:.2f}x the extra memory"),
+    ("docs/layers.md", "generate_recommended", ["ms_per_token"], "takes {:.2f} ms per token"),
+    ("docs/layers.md", "generate_gated", ["ms_per_token"], "against {:.2f} (1."),
     ("docs/layers.md", "recall", ["64:4 softmax+conv seed 0", "steps_to_pass"],
      "| 64, 4 | **softmax + short convolution** | `softmax+conv` | {:,} /"),
 ]

@@ -367,12 +367,11 @@ def trace_lm_step(kwargs, n, batch=1, precision="bf16-autocast", loss="wrapper",
 # ------------------------------------------------------------------------------- output
 
 
+_pct = "{:.0%}".format
+
+
 def _ms(seconds):
     return f"{seconds * 1e3:.2f}"
-
-
-def _pct(x):
-    return f"{100 * x:.0f}%"
 
 
 def print_report(args, hw, model_text, results, form_note):

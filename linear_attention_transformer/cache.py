@@ -25,7 +25,8 @@ class _Cache:
         for name, value in zip(self.__slots__, fields):
             setattr(self, name, value)
 
-    def _map(self, fn):
+    def map_tensors(self, fn):
+        """A cache of ``fn`` applied to each of this one's tensors."""
         return type(self)(*(map_tensors(getattr(self, name), fn) for name in self.__slots__))
 
     def clone(self):
@@ -51,7 +52,7 @@ def map_tensors(obj, fn):
     if isinstance(obj, (tuple, list)):
         return type(obj)(map_tensors(o, fn) for o in obj)
     if isinstance(obj, (_Cache, CausalState, Position)):
-        return obj._map(fn)
+        return obj.map_tensors(fn)
     return obj
 
 
@@ -191,7 +192,8 @@ class Position:
         elif self._host is not None:
             self._host += 1
 
-    def _map(self, fn):
+    def map_tensors(self, fn):
+        """A position of ``fn`` applied to its tensor (the host's count kept)."""
         return Position(int(self), None if self.tensor is None else fn(self.tensor))
 
 

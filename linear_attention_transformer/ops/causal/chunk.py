@@ -266,7 +266,7 @@ def _non_finite_state(bad, state):
     hit = (bad[1] | bad[2]).any(dim=-1)
     if bad[3] is not None:
         hit = hit | bad[3].any(dim=-1)
-    return state._map(lambda t: t.masked_fill(hit.view(*hit.shape, *(1,) * (t.ndim - 2)), float("nan")))
+    return state.map_tensors(lambda t: t.masked_fill(hit.view(*hit.shape, *(1,) * (t.ndim - 2)), float("nan")))
 
 
 def causal_linear_attention(q, k, v, log_decay=None, mask=None, blindspot_size=1, chunk_size=CHUNK_SIZE,

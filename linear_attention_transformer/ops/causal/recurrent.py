@@ -80,15 +80,16 @@ class CausalState:
         fields = [getattr(self, name) for name in self.fields]
         return fields if all_fields else [t for t in fields if t is not None]
 
-    def _map(self, fn):
+    def map_tensors(self, fn):
+        """A state of ``fn`` applied to each of this one's tensors (its position kept)."""
         kv, ref, pending, pending_ref, keys, values = (None if t is None else fn(t) for t in self.buffers(True))
         return CausalState(kv, ref, pending, pending_ref, self.position, keys, values)
 
     def to(self, *args, **kwargs):
-        return self._map(lambda t: t.to(*args, **kwargs))
+        return self.map_tensors(lambda t: t.to(*args, **kwargs))
 
     def detach(self):
-        return self._map(torch.Tensor.detach)
+        return self.map_tensors(torch.Tensor.detach)
 
     def as_causal_state(self, position):
         """New tensors: the state after ``position`` tokens without waiting slots (what
@@ -223,7 +224,7 @@ def causal_linear_attention_step(q, k, v, state: CausalState, log_decay=None, bl
     if layout != (exp_features, blindspot_size > 1, False):
         raise ValueError("state must be a CausalState of these exp_features and blindspot_size, without waiting "
                          "slots (CausalState.zeros, or a decoder's state.as_causal_state)")
-    new = state._map(torch.clone)
+    new = state.map_tensors(torch.clone)
     new.position = state.position + 1
     out_dtype, dtype = q.dtype, new.kv.dtype
     with torch.autocast(q.device.type, enabled=False):  # the state must not drop to half precision
@@ -234,7 +235,7 @@ def causal_linear_attention_step(q, k, v, state: CausalState, log_decay=None, bl
             zero = new.kv.new_zeros(())
             where = join_flags(state.position, blindspot_size, exp_features, zero, zero + NEG_INF)
             if where is not None:  # joined on copies: the read keeps its tensors for backward
-                new = new._map(torch.clone)
+                new = new.map_tensors(torch.clone)
                 new._join(*where)
     return out.to(out_dtype), new
 
