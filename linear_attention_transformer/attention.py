@@ -98,7 +98,7 @@ class Attention(nn.Module):
         use_gate: forget and output gates (``gating.py``) with ``gate_rank``,
             ``gate_temperature`` and ``gate_granularity``.
         use_local_conv: a convolution of ``local_conv_kernel`` taps on the global heads' q, k, v.
-        kernel: which kernels run (``ops/kernels.py``'s table): 'auto' (on CUDA the causal
+        kernel: which kernels run (docs/kernels.md's table): 'auto' (on CUDA the causal
             global heads on flash-linear-attention where it serves, the local heads on
             flex_attention), 'torch' (this library's kernels only) or 'fla' (the causal global
             heads on fla, the ``[cuda]`` extra; a call it cannot run raises).
@@ -245,7 +245,7 @@ class Attention(nn.Module):
 
     def local_heads(self, q, k, v, mask, segments=None):
         """Windowed softmax attention (positions come from the model, not from the window); its
-        form by the kernel and the device (``ops/kernels.py``: flex_attention on CUDA)."""
+        form by the kernel and the device (docs/kernels.md: flex_attention on CUDA)."""
         if local_form(q.device, q.dtype, self.kernel, q.shape[-1]) == "flex":
             return flex_windowed_attention(q, k, v, self.local_window, mask, segments)
         return windowed_attention(q, k, v, self.local_window, mask, segments)

@@ -15,7 +15,7 @@ the sequence), so ``non_finite.seen`` answers that from a running count of the b
 without a second pass over the window.
 
 Whether a local head's call runs here or in the blocked form is ``local_form``'s answer, the
-local heads' column of ``ops/kernels.py``'s table: on CUDA for float16 / bfloat16 / float32
+local heads' column of docs/kernels.md's table: on CUDA for float16 / bfloat16 / float32
 heads of at least ``FLEX_MIN_HEAD_DIM`` features (the Triton kernel's smallest dot) unless the
 layer's kernel is 'torch'; on the CPU never (torch has no flex backward there), except where
 a test calls ``flex_windowed_attention`` itself.
@@ -63,7 +63,7 @@ BACKEND = "inductor"  # torch.compile's backend for the kernel (the tests count 
 
 def local_form(device, dtype=torch.float32, kernel="auto", head_dim=FLEX_MIN_HEAD_DIM) -> str:
     """'flex' or 'blocked': the form of a local head's call for a layer's ``kernel`` (the local
-    heads' column of ``ops/kernels.py``'s table). device, dtype, head_dim: the inputs'."""
+    heads' column of docs/kernels.md's table). device, dtype, head_dim: the inputs'."""
     fits = device.type == "cuda" and dtype in FLEX_DTYPES and head_dim >= FLEX_MIN_HEAD_DIM
     return "flex" if check_kernel(kernel) != "torch" and fits else "blocked"
 

@@ -288,7 +288,7 @@ def causal_linear_attention(q, k, v, log_decay=None, mask=None, blindspot_size=1
         return_state: also return the ``CausalState`` after the last token.
         segments: optional (b, n) segment ids (``segments.py``): a query sees only keys of
             its own segment. Not with ``state`` / ``return_state``.
-        kernel: 'auto', 'torch' or 'fla' (``ops/kernels.py``'s table).
+        kernel: 'auto', 'torch' or 'fla' (docs/kernels.md's table).
         form: how the torch kernel runs, one of ``forms.FORM_NAMES``; None: the
             ``forms.use_form`` scope's, else by the device (``forms.pick_form``). Refused
             beside kernel='fla'. (One token from a state is the recurrence, whatever the

@@ -118,7 +118,7 @@ def device_form(device) -> str:
 def pick_form(device, compiling=False, kernel="auto", form=None, exp_features=False, blindspot_size=1,
               per_feature_decay=False, chunk_size=CHUNK_SIZE, dtype=torch.float32, gated_backward=False) -> Form:
     """The ``Form`` that runs a call on ``device``, inside torch.compile's trace or not
-    (``compiling``), for a layer's ``kernel`` (``ops/kernels.py``'s table) and, where the torch
+    (``compiling``), for a layer's ``kernel`` (docs/kernels.md's table) and, where the torch
     kernel runs, ``form`` (the module docstring's table), with these options and compute
     ``dtype`` (fla's kernels are float32). ``gated_backward``: given features with a per-head
     decay, needing gradients (a known-bad pair of fla and Triton affects it:
