@@ -18,13 +18,13 @@ step at which it reached 90 % (how fast recall is learned) and the accuracy at t
 run (the budget, or with ``--stop-at`` the second measurement in a row at that accuracy).
 
 Models (dim 64, depth 2, 2 heads, vocabulary 512 by default):
-    softmax       ``SoftmaxTransformer``: a standard pre-norm transformer (causal SDPA, learned
-                  absolute positions, biases, GELU MLP of 4 x dim, tied output layer);
+    softmax-mlp   ``SoftmaxTransformer`` as in Zoology's MQAR runs: pre-norm attention blocks
+                  alone (causal SDPA, learned absolute positions, biases, tied output layer).
+    softmax       the same with a GELU MLP of 4 x dim in every block (GPT-2's block);
                   ``softmax+rotary`` rotates q and k instead of adding positions.
-    softmax+conv  the same with Zoology's attention block: a short causal convolution
-                  (``ShortConv``, Zoology's BaseConv) before attention in every block, which
-                  hands each position its previous tokens; the reference, as Zoology's
-                  attention model is the one that recalls at every size in its paper.
+    softmax+conv  that with a short causal convolution before attention in every block
+                  (``ShortConv``, Zoology's BaseConv), which hands each position its
+                  previous tokens.
     the rest      ``LinearAttentionTransformerLM(causal=True, ...)`` with the options of VARIANTS.
 
 Training, the same for every model: AdamW (lr 1e-3, linear warm-up over 100 steps, then
@@ -125,17 +125,18 @@ class ShortConv(nn.Module):
 
 
 class SoftmaxBlock(nn.Module):
-    """Pre-norm block: x + attn(LN(x)), then x + MLP(LN(x)); causal SDPA, rotary q, k when
-    given ``rotary``; with ``short_conv`` a ``ShortConv`` first."""
+    """Pre-norm block: x + attn(LN(x)), then x + MLP(LN(x)) unless ``mlp`` is False; causal
+    SDPA, rotary q, k when given ``rotary``; with ``short_conv`` a ``ShortConv`` first."""
 
-    def __init__(self, dim, heads, short_conv=False):
+    def __init__(self, dim, heads, short_conv=False, mlp=True):
         super().__init__()
         self.heads = heads
         self.short_conv = ShortConv(dim) if short_conv else nn.Identity()
-        self.attn_norm, self.mlp_norm = nn.LayerNorm(dim), nn.LayerNorm(dim)
+        self.attn_norm = nn.LayerNorm(dim)
         self.to_qkv = nn.Linear(dim, 3 * dim)
         self.to_out = nn.Linear(dim, dim)
-        self.mlp = nn.Sequential(nn.Linear(dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, dim))
+        self.mlp_norm = nn.LayerNorm(dim) if mlp else None
+        self.mlp = nn.Sequential(nn.Linear(dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, dim)) if mlp else None
 
     def forward(self, x, rotary=None):
         from linear_attention_transformer.positional import apply_rotary
@@ -146,17 +147,17 @@ class SoftmaxBlock(nn.Module):
             q, k = apply_rotary(q, rotary), apply_rotary(k, rotary)
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         x = x + self.to_out(rearrange(out, "b h n d -> b n (h d)"))
-        return x + self.mlp(self.mlp_norm(x))
+        return x if self.mlp is None else x + self.mlp(self.mlp_norm(x))
 
 
 class SoftmaxTransformer(nn.Module):
     """A standard causal softmax LM: token embedding plus learned absolute positions (GPT-2's
     recipe; ``positions="rotary"`` rotates q and k instead), pre-norm ``SoftmaxBlock``s (with
-    ``short_conv``, Zoology's attention blocks), a final LayerNorm, an output layer tied to the
-    embedding. ``output_features`` / ``output_layer`` split the logits as the library's LM
-    does, so the loss can read only some positions."""
+    ``mlp=False`` attention alone, as in Zoology's MQAR runs), a final LayerNorm, an output
+    layer tied to the embedding. ``output_features`` / ``output_layer`` split the logits as the
+    library's LM does, so the loss can read only some positions."""
 
-    def __init__(self, num_tokens, dim, depth, heads, max_seq_len, positions="learned", short_conv=False):
+    def __init__(self, num_tokens, dim, depth, heads, max_seq_len, positions="learned", short_conv=False, mlp=True):
         super().__init__()
         from linear_attention_transformer.positional import RotaryEmbedding
 
@@ -170,7 +171,7 @@ class SoftmaxTransformer(nn.Module):
             nn.init.normal_(self.pos_emb.weight, std=0.02)
         else:
             self.rotary = RotaryEmbedding(dim // heads)
-        self.blocks = nn.ModuleList([SoftmaxBlock(dim, heads, short_conv) for _ in range(depth)])
+        self.blocks = nn.ModuleList([SoftmaxBlock(dim, heads, short_conv, mlp) for _ in range(depth)])
         self.norm = nn.LayerNorm(dim)
         self.output_layer = nn.Linear(dim, num_tokens)
         self.output_layer.weight = self.token_emb.weight  # tied, as in GPT-2 and Zoology's LM
@@ -194,11 +195,13 @@ class SoftmaxTransformer(nn.Module):
 # ------------------------------------------------------------------------------ variants
 
 # softmax transformers: name -> SoftmaxTransformer options
-SOFTMAX = {"softmax": {}, "softmax+conv": dict(short_conv=True), "softmax+rotary": dict(positions="rotary")}
+SOFTMAX = {"softmax": {}, "softmax+conv": dict(short_conv=True), "softmax+rotary": dict(positions="rotary"),
+           "softmax-mlp": dict(mlp=False)}
 # name -> LinearAttentionTransformerLM options on top of the shape (dim, depth, heads); an
 # entry may override dim_head.
 VARIANTS = {
     "default": {}, "gate": dict(use_gate=True), "conv": dict(use_local_conv=True),
+    "gate+conv": dict(use_gate=True, use_local_conv=True),
     "taylor+conv+dh16": dict(feature_map="taylor", use_local_conv=True, dim_head=16),
     "gate+taylor+conv+dh16": dict(use_gate=True, feature_map="taylor", use_local_conv=True, dim_head=16),
     "taylor+conv+qk16": dict(feature_map="taylor", use_local_conv=True, dim_qk=16),

@@ -37,6 +37,7 @@ QUOTES = [
     ("docs/kernels.md", "kernel", ["form=parallel 1,8,4096,64", "vs_first"], "exact chunks take {:.1f}x"),
     ("docs/kernels.md", "kernel", ["form=parallel 1,8,16384,64", "vs_first"], "/ {:.1f}x its time"),
     ("README.md", "recall", ["32:4 softmax+conv seed 0", "steps_to_pass"], "| softmax + short convolution | {:,} /"),
+    ("README.md", "recall", ["32:4 softmax-mlp seed 0", "steps_to_pass"], "| plain softmax, no MLP (Zoology's) | {:,} /"),
     ("docs/layers.md", "lm_recommended", [f"time vs first variant, {RECOMMENDED} n=4096"], "takes {:.2f}x the time"),
     ("docs/layers.md", "lm_recommended", [f"peak vs first variant, {RECOMMENDED} n=4096"], "{:.2f}x the extra memory"),
     ("docs/layers.md", "generate_recommended", ["ms_per_token"], "takes {:.2f} ms per token"),
