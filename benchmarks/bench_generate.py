@@ -11,7 +11,10 @@ Printed, from one run: whether the cached and the recomputing paths give the sam
 speed-up, recompute seconds over cached seconds (O(n²) against O(n) in all: it grows with the
 number of tokens); flat cost, the cached per-token time over the last three quarters of the
 tokens against the first quarter (a fixed-size cache: near 1); a batch of ``--batch`` prompts
-against one; the square matmul rate before and after, the drift reference.
+against one; the per-token time against the weights' floor, one vector times every weight
+matrix the step reads (the token embedding's one row left out), warm (passes back to back:
+the weights stay in cache) and cold (after writing a buffer larger than the caches: read from
+memory, as a step that finds its weights evicted); the square matmul rate before and after.
 
 Usage:  python benchmarks/bench_generate.py --threads 1 [--new-tokens 1024] [--set use_gate=True,...] [--record generate]
 """
@@ -42,6 +45,20 @@ def generation_seconds(wrapper, prompts, tokens, use_cache, device):
         return common.timed(lambda: wrapper.generate(prompts, tokens, temperature=0, use_cache=use_cache), device)
 
 
+def weight_floors(model, device, reps=20):
+    """(warm, cold) seconds of one pass of a vector through every weight matrix (docstring)."""
+    weights = [p.detach() for name, p in model.named_parameters() if p.ndim == 2 and name != "token_emb.weight"]
+    vectors = [torch.randn(1, w.shape[1], device=device) for w in weights]
+    flush = torch.zeros(64 << 18, device=device)  # 64 MiB: more than the caches
+
+    def one_pass(cold=False):
+        if cold:
+            flush.add_(1.0)
+        return common.timed(lambda: [torch.mm(x, w.t()) for x, w in zip(vectors, weights)], device)[1]
+
+    return min(one_pass() for _ in range(reps)), sorted(one_pass(cold=True) for _ in range(reps))[reps // 2]
+
+
 def measure(args):
     """The figures of the module docstring, as a dict."""
     wrapper = build_wrapper(args.device, args.model)
@@ -59,13 +76,15 @@ def measure(args):
     _, first_quarter = run(one, args.new_tokens // 4, True)
     batch_tokens, batched = run(prompts, args.new_tokens, True)
     recomputed_tokens, recompute = run(one, args.new_tokens, False)
+    warm, cold = weight_floors(wrapper.net, args.device)
     quarter = args.new_tokens // 4
     return dict(
         same_tokens=same and torch.equal(cached_tokens, recomputed_tokens)
         and torch.equal(batch_tokens[:1], cached_tokens),
         cached_s=cached, recompute_s=recompute, speedup=recompute / cached,
         flat=((cached - first_quarter) / (args.new_tokens - quarter)) / (first_quarter / quarter),
-        batch_ratio=batched / cached, ms_per_token=1e3 * cached / args.new_tokens)
+        batch_ratio=batched / cached, ms_per_token=1e3 * cached / args.new_tokens,
+        warm_floor_ms=1e3 * warm, cold_floor_ms=1e3 * cold)
 
 
 def main(argv=None):
@@ -92,6 +111,9 @@ def main(argv=None):
           f"recompute: {figures['recompute_s']:.1f} s; speed-up {figures['speedup']:.1f}x")
     print(f"per-token time, last three quarters / first quarter: {figures['flat']:.2f}")
     print(f"batch of {args.batch} / batch of 1: {figures['batch_ratio']:.2f}x the time")
+    print(f"weights' floor per token: warm {figures['warm_floor_ms']:.3f} ms "
+          f"({figures['ms_per_token'] / figures['warm_floor_ms']:.1f}x), cold {figures['cold_floor_ms']:.3f} ms "
+          f"({figures['ms_per_token'] / figures['cold_floor_ms']:.1f}x)")
     print(f"matmul rate: {rate_before / 1e9:.1f} GFLOP/s before, {rate_after / 1e9:.1f} after "
           f"({common.load_average()} at the end)")
     if args.record:

@@ -20,8 +20,7 @@ run (the budget, or with ``--stop-at`` the second measurement in a row at that a
 Models (dim 64, depth 2, 2 heads, vocabulary 512 by default):
     softmax-mlp   ``SoftmaxTransformer`` as in Zoology's MQAR runs: pre-norm attention blocks
                   alone (causal SDPA, learned absolute positions, biases, tied output layer).
-    softmax       the same with a GELU MLP of 4 x dim in every block (GPT-2's block);
-                  ``softmax+rotary`` rotates q and k instead of adding positions.
+    softmax       the same with a GELU MLP of 4 x dim in every block (GPT-2's block).
     softmax+conv  that with a short causal convolution before attention in every block
                   (``ShortConv``, Zoology's BaseConv), which hands each position its
                   previous tokens.
@@ -125,8 +124,8 @@ class ShortConv(nn.Module):
 
 
 class SoftmaxBlock(nn.Module):
-    """Pre-norm block: x + attn(LN(x)), then x + MLP(LN(x)) unless ``mlp`` is False; causal
-    SDPA, rotary q, k when given ``rotary``; with ``short_conv`` a ``ShortConv`` first."""
+    """Pre-norm block: x + attn(LN(x)) (causal SDPA), then x + MLP(LN(x)) unless ``mlp`` is
+    False; with ``short_conv`` a ``ShortConv`` first."""
 
     def __init__(self, dim, heads, short_conv=False, mlp=True):
         super().__init__()
@@ -138,13 +137,9 @@ class SoftmaxBlock(nn.Module):
         self.mlp_norm = nn.LayerNorm(dim) if mlp else None
         self.mlp = nn.Sequential(nn.Linear(dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, dim)) if mlp else None
 
-    def forward(self, x, rotary=None):
-        from linear_attention_transformer.positional import apply_rotary
-
+    def forward(self, x):
         x = self.short_conv(x)
         q, k, v = rearrange(self.to_qkv(self.attn_norm(x)), "b n (three h d) -> three b h n d", three=3, h=self.heads)
-        if rotary is not None:
-            q, k = apply_rotary(q, rotary), apply_rotary(k, rotary)
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         x = x + self.to_out(rearrange(out, "b h n d -> b n (h d)"))
         return x if self.mlp is None else x + self.mlp(self.mlp_norm(x))
@@ -152,40 +147,25 @@ class SoftmaxBlock(nn.Module):
 
 class SoftmaxTransformer(nn.Module):
     """A standard causal softmax LM: token embedding plus learned absolute positions (GPT-2's
-    recipe; ``positions="rotary"`` rotates q and k instead), pre-norm ``SoftmaxBlock``s (with
-    ``mlp=False`` attention alone, as in Zoology's MQAR runs), a final LayerNorm, an output
-    layer tied to the embedding. ``output_features`` / ``output_layer`` split the logits as the
+    recipe), pre-norm ``SoftmaxBlock``s (with ``mlp=False`` attention alone, as in Zoology's
+    MQAR runs), a final LayerNorm, an output layer tied to the embedding. ``output_features`` / ``output_layer`` split the logits as the
     library's LM does, so the loss can read only some positions."""
 
-    def __init__(self, num_tokens, dim, depth, heads, max_seq_len, positions="learned", short_conv=False, mlp=True):
+    def __init__(self, num_tokens, dim, depth, heads, max_seq_len, short_conv=False, mlp=True):
         super().__init__()
-        from linear_attention_transformer.positional import RotaryEmbedding
-
-        if positions not in ("learned", "rotary"):
-            raise ValueError(f"positions must be 'learned' or 'rotary', got {positions!r}")
         self.token_emb = nn.Embedding(num_tokens, dim)
-        nn.init.normal_(self.token_emb.weight, std=0.02)
-        self.pos_emb = self.rotary = None
-        if positions == "learned":
-            self.pos_emb = nn.Embedding(max_seq_len, dim)
-            nn.init.normal_(self.pos_emb.weight, std=0.02)
-        else:
-            self.rotary = RotaryEmbedding(dim // heads)
+        nn.init.normal_(self.token_emb.weight, std=0.02)  # (in this order: the recorded runs' draws)
+        self.pos_emb = nn.Embedding(max_seq_len, dim)
+        nn.init.normal_(self.pos_emb.weight, std=0.02)
         self.blocks = nn.ModuleList([SoftmaxBlock(dim, heads, short_conv, mlp) for _ in range(depth)])
         self.norm = nn.LayerNorm(dim)
         self.output_layer = nn.Linear(dim, num_tokens)
         self.output_layer.weight = self.token_emb.weight  # tied, as in GPT-2 and Zoology's LM
 
     def output_features(self, tokens):
-        positions = torch.arange(tokens.shape[1], device=tokens.device)
-        x = self.token_emb(tokens)
-        rotary = None
-        if self.pos_emb is not None:
-            x = x + self.pos_emb(positions)
-        else:
-            rotary = self.rotary(positions)
+        x = self.token_emb(tokens) + self.pos_emb(torch.arange(tokens.shape[1], device=tokens.device))
         for block in self.blocks:
-            x = block(x, rotary)
+            x = block(x)
         return self.norm(x)
 
     def forward(self, tokens):
@@ -195,13 +175,11 @@ class SoftmaxTransformer(nn.Module):
 # ------------------------------------------------------------------------------ variants
 
 # softmax transformers: name -> SoftmaxTransformer options
-SOFTMAX = {"softmax": {}, "softmax+conv": dict(short_conv=True), "softmax+rotary": dict(positions="rotary"),
-           "softmax-mlp": dict(mlp=False)}
+SOFTMAX = {"softmax": {}, "softmax+conv": dict(short_conv=True), "softmax-mlp": dict(mlp=False)}
 # name -> LinearAttentionTransformerLM options on top of the shape (dim, depth, heads); an
 # entry may override dim_head.
 VARIANTS = {
-    "default": {}, "gate": dict(use_gate=True), "conv": dict(use_local_conv=True),
-    "gate+conv": dict(use_gate=True, use_local_conv=True),
+    "gate": dict(use_gate=True), "gate+conv": dict(use_gate=True, use_local_conv=True),
     "taylor+conv+dh16": dict(feature_map="taylor", use_local_conv=True, dim_head=16),
     "gate+taylor+conv+dh16": dict(use_gate=True, feature_map="taylor", use_local_conv=True, dim_head=16),
     "taylor+conv+qk16": dict(feature_map="taylor", use_local_conv=True, dim_qk=16),
