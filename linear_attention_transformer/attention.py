@@ -70,6 +70,14 @@ def pad_to_multiple(t, multiple, dim, value=0.0):
     return F.pad(t, widths, value=value)
 
 
+def refuse_unread_context(receives_context, context, context_mask, what):
+    """Raise ValueError when ``context`` / ``context_mask`` reach a ``what`` ('layer',
+    'model') built without ``receives_context``: it would not read them."""
+    if not receives_context and (context is not None or context_mask is not None):
+        raise ValueError(f"context / context_mask given, but this {what} was built without receives_context=True: "
+                         "build it with receives_context=True to attend to a context")
+
+
 class Attention(nn.Module):
     """Multi-head attention with global linear heads and local softmax heads (each option's
     meaning and default: docs/layers.md).
@@ -401,9 +409,7 @@ class Attention(nn.Module):
                     raise ValueError(f"{name} is not read by a cross-attention layer (receives_context=True): its keys "
                                      "come from the context (mask them with context_mask), with no positions shared "
                                      "with the queries")
-        elif context is not None or context_mask is not None:
-            raise ValueError("context / context_mask given to a self-attention layer: build it with "
-                             "receives_context=True to attend to a context")
+        refuse_unread_context(self.receives_context, context, context_mask, "layer")
 
     def _packed(self, x, mask, place):
         """Self-attention over packed segments. Blindspot blocks must start with each segment:

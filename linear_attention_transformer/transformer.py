@@ -17,7 +17,8 @@ from einops import rearrange
 from product_key_memory import PKM
 from torch import nn
 
-from .attention import HEADS, LOCAL_WINDOW_SIZE, Attention, pad_to_multiple, resolve_dim_qk, resolve_heads
+from .attention import (HEADS, LOCAL_WINDOW_SIZE, Attention, pad_to_multiple, refuse_unread_context, resolve_dim_qk,
+                        resolve_heads)
 from .cache import AxialCache, BranchCache, DecodingCache, Position, copy_rows, for_call, map_tensors
 from .context_parallel import exchange_boundaries
 from .feedforward import FeedForward
@@ -450,9 +451,7 @@ class LinearAttentionTransformer(nn.Module):
         ``place.cached`` (out, DecodingCache): ``cache`` (made when None) updated in place.
         ``positions``: the rotary embedding's (default ``place.positions``)."""
         check_mask(input_mask, *x.shape[:2], "input_mask")
-        if not self.receives_context and (context is not None or context_mask is not None):
-            raise ValueError("context / context_mask given, but this model was built without receives_context=True: "
-                             "build it with receives_context=True to attend to a context")
+        refuse_unread_context(self.receives_context, context, context_mask, "model")
         group = place.group
         if group is not None and group.world_size * group.length > self.max_seq_len:
             raise ValueError(f"sequence length {group.world_size * group.length} ({group.world_size} slices of "
