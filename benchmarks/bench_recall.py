@@ -148,8 +148,8 @@ class SoftmaxBlock(nn.Module):
 class SoftmaxTransformer(nn.Module):
     """A standard causal softmax LM: token embedding plus learned absolute positions (GPT-2's
     recipe), pre-norm ``SoftmaxBlock``s (with ``mlp=False`` attention alone, as in Zoology's
-    MQAR runs), a final LayerNorm, an output layer tied to the embedding. ``output_features`` / ``output_layer`` split the logits as the
-    library's LM does, so the loss can read only some positions."""
+    MQAR runs), a final LayerNorm, an output layer tied to the embedding; ``output_features``
+    and ``output_layer`` split the logits, so the loss reads only the query positions."""
 
     def __init__(self, num_tokens, dim, depth, heads, max_seq_len, short_conv=False, mlp=True):
         super().__init__()
