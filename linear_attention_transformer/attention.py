@@ -522,7 +522,7 @@ class Attention(nn.Module):
             keys, values, bias = self._enter_ring(kv_local, cache.local, made, at)
             outs.append(windowed_attention_step(q_local, keys, values, bias, made.out_local if eager else None))
         if self.n_local < self.heads:  # the global heads: their state stepped in place
-            log_gate = None if self.forget_gate is None else self.forget_gate.log_gates(proj[:, made.ends[1]: made.ends[2]])
+            log_gate = None if made.log_gates is None else made.log_gates(proj[:, made.ends[1]: made.ends[2]])
             out = made.out_global if eager else None
             if made.conv_taps is not None:  # each group of one width at once
                 inputs, convolved = (q, k, v), []
@@ -530,8 +530,8 @@ class Attention(nn.Module):
                     grouped = torch.stack([inputs[i] for i in group], dim=1)
                     convolved += local_conv_step(grouped, previous, taps).unbind(1)
                 q, k, v = convolved
-            if not self.feature_map.is_softmax:
-                q, k = self.feature_map.pointwise(q), self.feature_map.pointwise(k)
+            if made.pointwise is not None:  # (exponential features: None)
+                q, k = made.pointwise(q), made.pointwise(k)
             out_dtype = q.dtype
             if out_dtype != made.zero.dtype:  # (the state's dtype: float32 or wider)
                 out, dtype = None, made.zero.dtype
@@ -542,7 +542,7 @@ class Attention(nn.Module):
             where = state.where(at.position if eager else at.tensor, self.blindspot_size, made.zero, made.hidden)
             out = state.step(q, k, v, log_gate, where, seen, out=out)
             outs.append(out if out.dtype == out_dtype else out.to(out_dtype))
-        gate = None if self.output_gate is None else torch.sigmoid(proj[:, made.ends[-2]:])
+        gate = torch.sigmoid(proj[:, made.ends[-2]:]) if made.output_gate else None
         if not eager:
             out = (torch.cat(outs, dim=1) if len(outs) > 1 else outs[0]).flatten(1)
             return F.linear(out if gate is None else out * gate, self.to_out.weight, self.to_out.bias)
@@ -629,6 +629,10 @@ class StepTensors:
         self.heads, self.dim_head, self.kv_heads, self.n_local = heads, dh, kvh, nl
         self.dim_qk, self.rotary_by_kind = attn.dim_qk, attn._rotary_by_kind
         gate, out_gate = attn.forget_gate, attn.output_gate
+        # what the step calls, looked up once (a submodule's lookup costs a step ~1 us)
+        self.log_gates = None if gate is None else gate.log_gates
+        self.output_gate = out_gate is not None
+        self.pointwise = None if attn.feature_map.is_softmax else attn.feature_map.pointwise
         linears = [attn.to_q, attn.to_kv] + ([] if gate is None else [gate.gate_down])
         linears += [] if out_gate is None else [out_gate.gate_out]
         sizes = [linear.out_features for linear in linears]

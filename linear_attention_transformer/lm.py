@@ -167,8 +167,10 @@ class LinearAttentionTransformerLM(nn.Module):
                 table = self.pos_emb(torch.arange(self.max_seq_len, device=token.device)).to(token.dtype)
             rows = table.unbind(0)  # (eager steps: a row without an indexing op)
         project_in = None if isinstance(self.project_in, nn.Identity) else (self.project_in.weight, self.project_in.bias)
-        reversible = isinstance(self.transformer.layers, ReversibleSequence)
-        return StepTensors(token, table, rows, project_in, self._output_args(), layers, reversible)
+        stack = self.transformer.layers
+        blocks = tuple(tuple(pair) for pair in stack.blocks)  # (a tuple: a submodule's lookup costs a step ~1 us)
+        return StepTensors(token, table, rows, project_in, self._output_args(), layers, blocks, stack,
+                           self.transformer.rotary, isinstance(stack, ReversibleSequence))
 
     def step(self, tokens, cache, made, position=None):
         """tokens (b,) through the model on ``cache`` (a ``DecodingCache``), in place, its
@@ -178,8 +180,7 @@ class LinearAttentionTransformerLM(nn.Module):
         Each ``Branch.step`` of a plain stack's eager step adds its output into h in place."""
         counter = cache.counter
         p = counter.tensor
-        rotary = self.transformer.rotary
-        at = Place(position, True, rotary=None if rotary is None else rotary(p[None]), tensor=p)
+        at = Place(position, True, rotary=None if made.rotary is None else made.rotary(p[None]), tensor=p)
         h = F.embedding(tokens, made.token)
         if made.table is not None:
             # (a tensor index is an embedding lookup: indexing with it would read it back)
@@ -188,10 +189,9 @@ class LinearAttentionTransformerLM(nn.Module):
             h = h + self.pos_emb(p[None]).to(h.dtype)
         if made.project_in is not None:
             h = F.linear(h, *made.project_in)
-        layers = self.transformer.layers
-        blocks = zip(layers.blocks, cache.layers, made.layers)
+        blocks = zip(made.blocks, cache.layers, made.layers)
         if position is None or made.reversible:
-            h = layers.compose(h, [[functools.partial(branch.step, cache=c, made=m, at=at)
+            h = made.stack.compose(h, [[functools.partial(branch.step, cache=c, made=m, at=at)
                                     for branch, c, m in zip(pair, caches, mades)] for pair, caches, mades in blocks])
         else:
             for (f, g), (fc, gc), (fm, gm) in blocks:
@@ -272,7 +272,8 @@ POSITION_TABLE_ELEMENTS = 2 ** 23
 class StepTensors(NamedTuple):
     """What ``LinearAttentionTransformerLM.step`` reads besides its cache, made once per decoder:
     the token embedding, the position table (or None) and its rows, project_in's (weight,
-    bias) or None, ``_output_args``, per block the branches' ``prepare_step``, and whether the
+    bias) or None, ``_output_args``, per block the branches' ``prepare_step`` and the branches
+    themselves, the stack (its ``compose``), its rotary embedding or None, and whether the
     stack is reversible."""
 
     token: torch.Tensor
@@ -281,6 +282,9 @@ class StepTensors(NamedTuple):
     project_in: Optional[tuple]
     output_args: tuple
     layers: list
+    blocks: tuple
+    stack: nn.Module
+    rotary: Optional[nn.Module]
     reversible: bool
 
 

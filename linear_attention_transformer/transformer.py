@@ -74,9 +74,9 @@ class Branch(nn.Module):
 
     def prepare_step(self, cache, batch, position, first_real=None):
         """What ``step`` reads besides its ``BranchCache``, made once per decoder: the norm's
-        arguments and what the module's ``prepare_step`` makes (None for a module without)."""
+        arguments, the module, and what its ``prepare_step`` makes (None for a module without)."""
         norm, prepare = self.norm, getattr(self.fn, "prepare_step", None)
-        return ((norm.normalized_shape, norm.weight, norm.bias, norm.eps),
+        return ((norm.normalized_shape, norm.weight, norm.bias, norm.eps), self.fn,
                 None if prepare is None else prepare(cache.fn, batch, position, first_real))
 
     def step(self, x, cache, made, at, into=None):
@@ -84,11 +84,11 @@ class Branch(nn.Module):
         ``BranchCache`` updated in place: LayerNorm, token shift (``shift_step``), then the
         module's ``step``. With ``into`` (eager steps of a stack that is not reversible) the
         output is added to ``into`` in place. ``made``: ``prepare_step``'s."""
-        norm_args, fn_made = made
+        norm_args, fn, fn_made = made
         h = torch.layer_norm(x, *norm_args)
         if cache.shift is not None:  # (a causal model's shifts: (1, 0))
             h = shift_step(h, cache.shift)
-        return self.fn.step(h, cache.fn, fn_made, at, into)
+        return fn.step(h, cache.fn, fn_made, at, into)
 
 
 def _shift_tokens_context_parallel(h, shifts, mask, group):

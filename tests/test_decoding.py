@@ -324,7 +324,7 @@ def test_the_step_reads_tensors_made_once_and_marked_static():
     _, decoder = model.start_decoding(x, input_mask=mask)
     static = decoder.static_tensors()
     layout = [(t.data_ptr(), tuple(t.shape)) for t in static]
-    weights = [made.weight for pair in decoder.made.layers for _, made in pair if hasattr(made, "weight")]
+    weights = [made.weight for pair in decoder.made.layers for _, _, made in pair if hasattr(made, "weight")]
     assert len(weights) == 2 and all(any(w is t for t in static) for w in weights)
     inputs = []
 
