@@ -1,7 +1,8 @@
 #!/usr/bin/env python
 """Checks that each figure README.md and docs/ quote from a benchmark is the one its latest run
 recorded (with ``--record NAME``, in ``benchmarks/results/NAME.json``), and that the run's date
-stands in the document too. Each entry of ``QUOTES`` names a document, a recorded result, the
+stands in the document too (each row of benchmarks/README.md's table of latest figures bears
+its record's date). Each entry of ``QUOTES`` names a document, a recorded result, the
 figure's key in it, and the quoted text with the figure as a format field. After a new run,
 update the quoting documents: this script says which.
 
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -78,6 +80,10 @@ def problems(quotes=QUOTES, root=ROOT, results=RESULTS):
             found.append(f"{document}: should quote {quoted!r} ({name}, {entry['date']}: {entry['command']})")
         elif entry["date"][:10] not in content:
             found.append(f"{document}: quotes {quoted!r} without its run's date {entry['date'][:10]}")
+    table = os.path.join(root, "benchmarks", "README.md")  # its latest figures: each row dated as its record
+    rows = re.findall(r"\| `(\w+)` \| (\d{4}-\d\d-\d\d \d\d:\d\d UTC) \|", open(table).read()) if os.path.exists(table) else []
+    found += [f"benchmarks/README.md: a row of {name} dated {date}, its latest run {recorded(name, results)['date']}"
+              for name, date in rows if recorded(name, results)["date"] != date]
     return found
 
 
@@ -85,7 +91,7 @@ def main():
     found = problems()
     for line in found:
         print(line)
-    print(f"{len(QUOTES) - len(found)} of {len(QUOTES)} quoted figures match their latest recorded run")
+    print(f"{len(found)} to update" if found else f"all {len(QUOTES)} quotes and the table of latest figures match")
     return 1 if found else 0
 
 

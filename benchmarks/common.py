@@ -146,10 +146,6 @@ def default_matmul_size(device):
     return 8192 if torch.device(device).type == "cuda" else 2048
 
 
-def square_matmul_desc(size):
-    return f"square matmul ({size} x {size}) @ ({size} x {size})"
-
-
 def square_matmul_rate(device, size=None, reps=5):
     """fp32 FLOP/s of a (size x size) @ (size x size) matmul, best of ``reps``."""
     size = size or default_matmul_size(device)

@@ -316,11 +316,8 @@ def loss_chunks(form):
     """The wrapper loss's default chunk of logits for the trace: with 'gpu', what it holds on a
     CUDA device (fewer, larger chunks than on the CPU); otherwise as it runs on the CPU. Yields a
     note saying what was done."""
-    try:
-        loss_module = importlib.import_module("linear_attention_transformer.autoregressive")
-    except ImportError:
-        loss_module = None
-    if form != "gpu" or loss_module is None or not hasattr(loss_module, "loss_chunk_elements"):
+    loss_module = importlib.import_module("linear_attention_transformer.autoregressive")
+    if form != "gpu":
         yield "loss chunks as on the CPU"
         return
     saved = loss_module.LOSS_CHUNK_ELEMENTS
