@@ -21,9 +21,10 @@ has a time budget, rows past it are recorded as skipped):
                  compiled (CUDA graphs: ``mode='reduce-overhead'``), against its full forward.
 ``timing``       n = 4096 and 16384, forward + backward: one attention layer and one LM
                  training step, each in the torch form, the fla form, with fla's ``chunk_gla``
-                 alone in place of the attention (and in the layer also with v one column wider,
-                 as the fla form feeds it: the normaliser's column), and with
-                 ``scaled_dot_product_attention`` (flash): tokens per second and peak memory.
+                 alone in place of the attention (in the layer also with the normaliser: v one
+                 column wider, as the fla form feeds it, or the keys' decayed sum apart, by fla's
+                 ``chunk_hgrn``), and with ``scaled_dot_product_attention`` (flash): tokens per
+                 second and peak memory.
 
 Writes ``DIR/gpu_check.json`` and ``DIR/gpu_check.md`` after every row. Status per row: ok,
 fail (over tolerance), error (an exception), unavailable (the form refuses this machine and
@@ -42,6 +43,7 @@ import sys
 import time
 import traceback
 import warnings
+from importlib import metadata
 
 import torch
 import torch.nn.functional as F
@@ -51,14 +53,14 @@ from linear_attention_transformer import Attention, LinearAttentionTransformerLM
 from linear_attention_transformer.ops.causal.fla import fla_missing
 
 SECTIONS = dict(correctness=0.3, decoding=0.2, timing=0.45)  # each section's share of the budget
-FULL = dict(budget=420, lengths=(4096, 16384), batch=1,
-            heads=8, dim_head=128, window=128, blindspot=64, check_n=512, lm_dim=1024, lm_depth=2,
-            num_tokens=20000, steps=5, warmup=2)
+FULL = dict(budget=420, lengths=(4096, 16384), batch=1, heads=8, dim_head=128, window=128, blindspot=64, check_n=512,
+            lm_dim=1024, lm_depth=2, num_tokens=20000, steps=5, warmup=2)
 DRY = dict(budget=55, lengths=(64,), batch=1, heads=2,
            dim_head=16, window=8, blindspot=8, check_n=40, lm_dim=32, lm_depth=1, num_tokens=50, steps=1, warmup=0)
 # relative tolerances (max |error| / max |reference|): float32 under TF32 (fla, flex), float32
 # (the torch form: PyTorch's float32 matmuls are not TF32 by default), bf16 autocast; gradients x2
 TOLERANCE = {("fp32", "torch"): 1e-3, ("fp32", "fla"): 5e-3, ("fp32", "flex"): 5e-3, "bf16": 5e-2}
+NORMALISERS = ("fla, v + 1 column", "fla, normaliser apart")  # fla's kernel timed with the normaliser two ways
 
 
 class Report:
@@ -91,11 +93,11 @@ class Report:
             except Exception as error:  # one row failing must not stop the check
                 record.update(status="error", note=_message(error), where=traceback.format_exc(limit=-2)[-600:])
             record["seconds"] = round(time.monotonic() - t0, 2)
-            _free()
+            if torch.cuda.is_available():  # (each row's memory its own)
+                torch.cuda.empty_cache()
         self.rows.append(record)
-        print(f"  {record['status']:<11} {name}  " + "  ".join(f"{k}={v}" for k, v in record.items()
-                                                            if k not in ("section", "name", "status", "where")),
-              flush=True)
+        fields = "  ".join(f"{k}={v}" for k, v in record.items() if k not in ("section", "name", "status", "where"))
+        print(f"  {record['status']:<11} {name}  {fields}", flush=True)
         self.write()
         return record
 
@@ -120,11 +122,6 @@ def _message(error):
     return f"{type(error).__name__}: {text[0][:300] if text else ''}"
 
 
-def _free():
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
-
-
 def synchronize(device):
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -133,8 +130,6 @@ def synchronize(device):
 def versions(device):
     info = dict(torch=torch.__version__, cuda=torch.version.cuda, python=platform.python_version(),
                 device=torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu")
-    from importlib import metadata
-
     for name in ("triton", "fla-core"):
         try:
             info[name] = metadata.version(name)
@@ -155,8 +150,7 @@ def layer_configs(s):
     h, d = s["heads"], s["dim_head"]
     base = dict(heads=h, dim_head=d, causal=True)
     return {
-        "default": base,
-        "gated": dict(base, use_gate=True),
+        "default": base, "gated": dict(base, use_gate=True),
         "given-feature": dict(base, use_gate=True, feature_map="elu"),
         "seed-like": dict(base, blindspot_size=s["blindspot"], n_local_attn_heads=h // 2,
                           local_attn_window_size=s["window"], use_gate=True),
@@ -268,10 +262,14 @@ class PlainLayer(nn.Module):
         if self.attend == "sdpa":
             q, k, v = (t.transpose(1, 2) for t in (q, k, v))
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2)
-        else:
-            extra = 1 if self.attend == "fla, v + 1 column" else 0
-            v = F.pad(v.float(), (0, extra), value=1.0)
-            out = fla_alone(q.float() * 0.1, k.float() * 0.1, v)[..., :self.dim_head]
+        else:  # the normaliser: none (fla alone), as a ones column of v (the fla form's way), or apart
+            q, k, column = q.float() * 0.1, k.float() * 0.1, self.attend == "fla, v + 1 column"
+            out = fla_alone(q, k, F.pad(v.float(), (0, 1), value=1.0) if column else v.float())
+            out = out[..., :-1] / out[..., -1:] if column else out
+            if self.attend == "fla, normaliser apart":  # the keys' decayed sum (fla's hgrn), read by q
+                from fla.ops.hgrn import chunk_hgrn
+                keys = chunk_hgrn(k.exp().flatten(2), F.logsigmoid(k).flatten(2))[0].view_as(k)
+                out = out / (q.exp() * keys).sum(-1, keepdim=True)
         return self.to_out(out.reshape(b, n, -1).to(x.dtype))
 
 
@@ -316,7 +314,7 @@ def timing_row(kind, name, n, device, s):
     torch.manual_seed(0)
     h, d = s["heads"], s["dim_head"]
     dim = h * d
-    plain = name in ("sdpa", "fla alone", "fla, v + 1 column")
+    plain = name in ("sdpa", "fla alone", *NORMALISERS)
     if plain and name != "sdpa" and fla_missing(device) is not None:
         raise ValueError(f"fla alone cannot run this call: {fla_missing(device)}")
     kernel = dict(torch="torch", fla="fla").get(name, "auto")
@@ -388,7 +386,7 @@ def main(argv=None):
 
     report.begin("timing")
     for kind in ("layer", "lm"):
-        names = ("torch", "fla", "fla alone", "sdpa") + (("fla, v + 1 column",) if kind == "layer" else ())
+        names = ("torch", "fla", "fla alone", "sdpa", *(NORMALISERS if kind == "layer" else ()))
         for n in s["lengths"]:
             for name in names:
                 report.row(f"{kind}, {name}, n={n}", lambda: timing_row(kind, name, n, device, s))

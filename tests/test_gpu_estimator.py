@@ -5,6 +5,7 @@ LM step costs the same as a real one; the command line refuses bad input."""
 
 import math
 import os
+import subprocess
 import sys
 
 import pytest
@@ -237,6 +238,34 @@ def test_gpu_check_dry_run_on_the_cpu(tmp_path, capsys):
     assert float(rows["layer, torch, n=64"]["tokens_per_s"].replace(",", "")) > 0
     assert rows["lm, sdpa, n=64"]["status"] == "ok"
     assert "| default, kernel=torch, fp32 | ok |" in (tmp_path / "gpu_check.md").read_text()
+
+
+@pytest.mark.requires("fla", "triton")
+def test_gpu_check_times_the_same_normalised_attention_both_ways():
+    """The timing rows that weigh the normaliser's column against the normaliser apart time the
+    same function: on fla's real kernels (in Triton's interpreter), the layer with v one column
+    wider equals the layer with the keys' decayed sum apart (fla's chunk_hgrn), and both differ
+    from fla alone (no normaliser)."""
+    script = (
+        "import os, sys, torch\n"
+        "os.environ['TRITON_INTERPRET'] = '1'\n"
+        "from triton.runtime import autotuner\n"
+        "autotuner.Autotuner.do_bench = property(lambda self: lambda call, quantiles=None, **_: [0.0] * len(quantiles))\n"
+        "import gpu_check\n"
+        "outs = []\n"
+        "for name in ('fla, v + 1 column', 'fla, normaliser apart', 'fla alone'):\n"
+        "    torch.manual_seed(0)\n"
+        "    outs.append(gpu_check.PlainLayer(32, 2, 16, name)(torch.randn(1, 70, 32)))\n"
+        "column, apart, alone = outs\n"
+        "print((column - apart).abs().max().item() / column.abs().max().item(), (column - alone).abs().max().item())\n"
+    )
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    path = os.pathsep.join(filter(None, (root, os.path.join(root, "benchmarks"), os.environ.get("PYTHONPATH"))))
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
+                            env={**os.environ, "PYTHONPATH": path})
+    assert result.returncode == 0, result.stderr[-3000:]
+    apart_error, without = map(float, result.stdout.split()[-2:])
+    assert apart_error < 1e-5 and without > 1e-2
 
 
 def test_gpu_check_guards_each_row(tmp_path):
