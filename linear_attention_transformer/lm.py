@@ -34,7 +34,7 @@ from .cache import for_call, tensors_of
 from .ops.common import check_int
 from .ops.segments import check_integer_ids
 from .place import Place
-from .positional import AbsolutePositionalEmbedding, AxialPositionalEmbedding
+from .positional import AbsolutePositionalEmbedding, AxialPositionalEmbedding, PositionRows
 from .reversible import ReversibleSequence
 from .transformer import LinearAttentionTransformer, keyword_names, refuse_unknown_keywords
 
@@ -154,22 +154,17 @@ class LinearAttentionTransformerLM(nn.Module):
 
     def prepare_step(self, cache, batch, first_real=None):
         """What ``step`` reads besides ``cache`` (a ``DecodingCache`` of ``batch`` rows), made
-        once per decoder: the position embeddings of every position as one table (when it
-        has at most ``POSITION_TABLE_ELEMENTS`` entries) and each branch's ``prepare_step``
+        once per decoder: the position embedding's ``rows`` and each branch's ``prepare_step``
         (``first_real``: see ``attention.StepTensors``)."""
         position = cache.position
         layers = [(f.prepare_step(fc, batch, position, first_real), g.prepare_step(gc, batch, position, first_real))
                   for (f, g), (fc, gc) in zip(self.transformer.layers.blocks, cache.layers)]
-        table = rows = None
         token = self.token_emb.weight
-        if self.pos_emb is not None and self.max_seq_len * token.shape[1] <= POSITION_TABLE_ELEMENTS:
-            with torch.no_grad():
-                table = self.pos_emb(torch.arange(self.max_seq_len, device=token.device)).to(token.dtype)
-            rows = table.unbind(0)  # (eager steps: a row without an indexing op)
+        rows = None if self.pos_emb is None else self.pos_emb.rows()
         project_in = None if isinstance(self.project_in, nn.Identity) else (self.project_in.weight, self.project_in.bias)
         stack = self.transformer.layers
         blocks = tuple(tuple(pair) for pair in stack.blocks)  # (a tuple: a submodule's lookup costs a step ~1 us)
-        return StepTensors(token, table, rows, project_in, self._output_args(), layers, blocks, stack,
+        return StepTensors(token, rows, project_in, self._output_args(), layers, blocks, stack,
                            self.transformer.rotary, isinstance(stack, ReversibleSequence))
 
     def step(self, tokens, cache, made, position=None):
@@ -182,11 +177,8 @@ class LinearAttentionTransformerLM(nn.Module):
         p = counter.tensor
         at = Place(position, True, rotary=None if made.rotary is None else made.rotary(p[None]), tensor=p)
         h = F.embedding(tokens, made.token)
-        if made.table is not None:
-            # (a tensor index is an embedding lookup: indexing with it would read it back)
-            h = h + (F.embedding(p, made.table) if position is None else made.rows[position])
-        elif self.pos_emb is not None:
-            h = h + self.pos_emb(p[None]).to(h.dtype)
+        if made.rows is not None:  # (an eager step's int position: views, no gather)
+            h = h + made.rows[p if position is None else position]
         if made.project_in is not None:
             h = F.linear(h, *made.project_in)
         blocks = zip(made.blocks, cache.layers, made.layers)
@@ -265,20 +257,15 @@ def _logits(out, norm_args, project_out, to_logits):
     return F.linear(out, *to_logits)
 
 
-# a decoder keeps the position embeddings of every position when they are at most this many numbers
-POSITION_TABLE_ELEMENTS = 2 ** 23
-
-
 class StepTensors(NamedTuple):
     """What ``LinearAttentionTransformerLM.step`` reads besides its cache, made once per decoder:
-    the token embedding, the position table (or None) and its rows, project_in's (weight,
-    bias) or None, ``_output_args``, per block the branches' ``prepare_step`` and the branches
-    themselves, the stack (its ``compose``), its rotary embedding or None, and whether the
-    stack is reversible."""
+    the token embedding, the position embedding's ``rows`` (``PositionRows``) or None,
+    project_in's (weight, bias) or None, ``_output_args``, per block the branches'
+    ``prepare_step`` and the branches themselves, the stack (its ``compose``), its rotary
+    embedding or None, and whether the stack is reversible."""
 
     token: torch.Tensor
-    table: Optional[torch.Tensor]
-    rows: Optional[tuple]
+    rows: Optional[PositionRows]
     project_in: Optional[tuple]
     output_args: tuple
     layers: list
@@ -332,7 +319,7 @@ class Decoder:
     def static_tensors(self):
         """Every tensor a traced step reads or writes other than the model's parameters: the
         cache's buffers and what ``prepare_step`` made (the inputs a CUDA graph keeps)."""
-        return self.buffers() + _made_tensors(self.made._replace(rows=None))  # (the rows: eager steps' views)
+        return self.buffers() + _made_tensors(self.made)
 
     def mark_static(self):
         """Mark ``static_tensors`` as static addresses (``torch._dynamo.mark_static_address``):

@@ -397,6 +397,26 @@ def test_compiled_step_equals_eager_steps(name):
     assert graphs(counter) == 1
 
 
+@pytest.mark.parametrize("use_axial_pos_emb", [True, False], ids=["axial", "absolute"])
+def test_steps_look_positions_up_as_the_full_forward_float64(use_axial_pos_emb):
+    """Steps look each position's embedding up (``PositionRows``: by an int on eager steps, by
+    the position's tensor on compiled ones) and give the full forward's logits: axial and
+    absolute embeddings, positions past one axial row."""
+    model = make_long(dict(use_axial_pos_emb=use_axial_pos_emb, n_local_attn_heads=2, local_attn_window_size=4,
+                           blindspot_size=3))
+    x, mask = padded_prompt()
+    tokens = torch.cat((x, torch.randint(0, 20, (2, 12), generator=torch.Generator().manual_seed(4))), dim=1)
+    full = model(tokens, input_mask=torch.cat((mask, torch.ones(2, 12, dtype=torch.bool)), dim=1))
+    _, eager = model.start_decoding(x, input_mask=mask)
+    _, traced = model.start_decoding(x, input_mask=mask)
+    torch._dynamo.reset()
+    step = torch.compile(traced.step, backend="aot_eager", fullgraph=True)
+    for t in range(x.shape[1], tokens.shape[1]):
+        want = full[:, t]
+        torch.testing.assert_close(eager.step(tokens[:, t]), want, rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(step(tokens[:, t]), want, rtol=1e-12, atol=1e-12)
+
+
 def test_compiled_step_checks_max_seq_len_on_the_device():
     model = make_long(LONG_CONFIGS["local+blindspot+gate+shift"], torch.float32)
     _, decoder = model.start_decoding(torch.randint(0, 20, (1, 254)))
