@@ -80,8 +80,10 @@ def problems(quotes=QUOTES, root=ROOT, results=RESULTS):
             found.append(f"{document}: should quote {quoted!r} ({name}, {entry['date']}: {entry['command']})")
         elif entry["date"][:10] not in content:
             found.append(f"{document}: quotes {quoted!r} without its run's date {entry['date'][:10]}")
-    table = os.path.join(root, "benchmarks", "README.md")  # its latest figures: each row dated as its record
-    rows = re.findall(r"\| `(\w+)` \| (\d{4}-\d\d-\d\d \d\d:\d\d UTC) \|", open(table).read()) if os.path.exists(table) else []
+    table, rows = os.path.join(root, "benchmarks", "README.md"), []  # its latest figures: each row dated as its record
+    if os.path.exists(table):
+        with open(table) as f:
+            rows = re.findall(r"\| `(\w+)` \| (\d{4}-\d\d-\d\d \d\d:\d\d UTC) \|", f.read())
     found += [f"benchmarks/README.md: a row of {name} dated {date}, its latest run {recorded(name, results)['date']}"
               for name, date in rows if recorded(name, results)["date"] != date]
     return found
