@@ -285,8 +285,9 @@ class Decoder:
     the prompt's).
 
     It owns and steps its prompt's ``DecodingCache`` (``decoder.cache``: clone it to keep a
-    copy); what the steps read besides it is made when the decoder is built, so parameters
-    changed afterwards are not seen. ``step(tokens (b,) integer) -> logits (b, num_tokens)``;
+    copy); what the steps read besides it is made when the decoder is built (the attention
+    layers' weights copied, the others read where they are), so build a new decoder after
+    changing parameters. ``step(tokens (b,) integer) -> logits (b, num_tokens)``;
     ``max_seq_len`` is checked on the host eagerly, on the device compiled. ``position``:
     tokens consumed (prompt included; the cache's). ``step_threads``: the torch thread count
     of an eager step (None: torch's own); on a CPU 1 for at most ``ONE_THREAD_MAX_BATCH`` rows:
