@@ -164,8 +164,7 @@ class LinearAttentionTransformerLM(nn.Module):
         project_in = None if isinstance(self.project_in, nn.Identity) else (self.project_in.weight, self.project_in.bias)
         stack = self.transformer.layers
         blocks = tuple(tuple(pair) for pair in stack.blocks)  # (a tuple: a submodule's lookup costs a step ~1 us)
-        return StepTensors(token, rows, project_in, self._output_args(), layers, blocks, stack,
-                           self.transformer.rotary, isinstance(stack, ReversibleSequence))
+        return StepTensors(token, rows, project_in, self._output_args(), layers, blocks, stack, self.transformer.rotary)
 
     def step(self, tokens, cache, made, position=None):
         """tokens (b,) through the model on ``cache`` (a ``DecodingCache``), in place, its
@@ -182,7 +181,7 @@ class LinearAttentionTransformerLM(nn.Module):
         if made.project_in is not None:
             h = F.linear(h, *made.project_in)
         blocks = zip(made.blocks, cache.layers, made.layers)
-        if position is None or made.reversible:
+        if position is None or isinstance(made.stack, ReversibleSequence):
             h = made.stack.compose(h, [[functools.partial(branch.step, cache=c, made=m, at=at)
                                     for branch, c, m in zip(pair, caches, mades)] for pair, caches, mades in blocks])
         else:
@@ -261,8 +260,8 @@ class StepTensors(NamedTuple):
     """What ``LinearAttentionTransformerLM.step`` reads besides its cache, made once per decoder:
     the token embedding, the position embedding's ``rows`` (``PositionRows``) or None,
     project_in's (weight, bias) or None, ``_output_args``, per block the branches'
-    ``prepare_step`` and the branches themselves, the stack (its ``compose``), its rotary
-    embedding or None, and whether the stack is reversible."""
+    ``prepare_step`` and the branches themselves, the stack (its ``compose``), and its rotary
+    embedding or None."""
 
     token: torch.Tensor
     rows: Optional[PositionRows]
@@ -272,7 +271,6 @@ class StepTensors(NamedTuple):
     blocks: tuple
     stack: nn.Module
     rotary: Optional[nn.Module]
-    reversible: bool
 
 
 # eager steps on a CPU for at most this many rows run on one thread (Decoder.step_threads)

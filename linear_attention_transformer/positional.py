@@ -80,8 +80,7 @@ class PositionRows:
         t = t[None]
         if self.width is None:
             return F.embedding(t, self.table)[0]
-        return (F.embedding(torch.div(t, self.width, rounding_mode="floor"), self.table)
-                + F.embedding(torch.remainder(t, self.width), self.columns))[0]
+        return (F.embedding(t // self.width, self.table) + F.embedding(t % self.width, self.columns))[0]
 
     def tensors(self):
         """The tensors a traced step reads (a CUDA graph's static inputs)."""
