@@ -6,7 +6,8 @@ The wrapped ``net`` is any language model with the call signature
 
 with ``x`` a (b, n) integer tensor, ``input_mask`` an optional (b, n) bool tensor
 (True for real tokens) and ``logits`` a (b, n, num_tokens) float tensor, and with an
-int attribute ``max_seq_len``: the longest sequence it accepts.
+int attribute ``max_seq_len``: the longest sequence it accepts, unless it also has an attribute
+``length_limit``, which is then that length (None: any length).
 
 A net whose logits are a final ``nn.Linear`` of some features may expose both,
 
@@ -304,6 +305,9 @@ class AutoregressiveWrapper(nn.Module):
                 raise TypeError(f"{name} must be an int, got {value!r}")
         self.net = net
         self.max_seq_len = int(max_seq_len)
+        limit = getattr(net, "length_limit", self.max_seq_len)
+        # the longest window generate feeds the net (None: the whole sequence, streamed through the cache)
+        self.length_limit = None if limit is None else int(limit)
         self.ignore_index = int(ignore_index)
         self.pad_value = int(pad_value)
 
@@ -422,8 +426,8 @@ class AutoregressiveWrapper(nn.Module):
         sequence (``mask``: its input mask or None). ``cache_state``: None to recompute; else a
         dict this updates: ``cache`` (the net's cache or decoder, None at first), ``length``
         (the tokens of ``seq`` it covers), ``compile`` (compile_step's options) and ``step``."""
-        window = self.max_seq_len
         n = seq.shape[1]
+        window = n if self.length_limit is None else self.length_limit
         step = None if cache_state is None or cache_state["cache"] is None else cache_state.get("step")
         if step is not None and n <= window and cache_state["length"] == n - 1:
             # the decoder's step: the newest token is real, no mask to pass (contiguous: the
@@ -447,7 +451,7 @@ class AutoregressiveWrapper(nn.Module):
         start = n - 1 if incremental else max(n - window, 0)
         if mask is not None:
             net_kwargs["input_mask"] = mask[:, start:]
-        if decoding and n >= window:  # the next step rebuilds from its own window: no decoder to keep
+        if decoding and self.length_limit is not None and n >= window:  # the next step rebuilds from its own window: no decoder to keep
             logits, cache = self.net(seq[:, start:], **net_kwargs)[:, -1], None
         elif decoding:
             logits, cache = self.net.start_decoding(seq[:, start:], **net_kwargs)
@@ -493,8 +497,10 @@ class AutoregressiveWrapper(nn.Module):
                 including its first ``eos_token`` (all of them if it has none).
             use_cache: None uses the net's cache (or its ``start_decoding``, see the module
                 docstring) when it declares ``supports_cache = True``; True requires it; False
-                recomputes the window every step. Once the sequence outgrows ``max_seq_len``
-                the cache is rebuilt from the last ``max_seq_len`` tokens at every step.
+                recomputes the window every step. A net with a ``length_limit`` (a position
+                table) reads the last ``length_limit`` tokens: once the sequence outgrows it
+                the cache is rebuilt from them at every step. Without one (rotary or no
+                positions) the cache streams on at a constant cost per token.
             compile_step: False runs the decoder's step eagerly; True, or a dict of
                 ``torch.compile`` keyword arguments, runs ``torch.compile(decoder.step,
                 fullgraph=True, **options)`` (one graph for every position; on CUDA with

@@ -64,9 +64,15 @@ class LinearAttentionTransformerLM(nn.Module):
             shape (ceil(max_seq_len / w), w), w = local_attn_window_size.
         use_rotary_emb: rotary embeddings in attention instead (not with use_axial_pos_emb).
             With both off, a learned absolute embedding is added.
+        use_pos_emb: False: no position information at all (neither of the above); order then
+            comes from causality, the gates, the convolution, token shift and the local heads'
+            windows (refused for a non-causal model without use_local_conv or shift_tokens).
+        max_seq_len: the training length. An axial or absolute table holds max_seq_len
+            positions, and the model refuses longer sequences (``length_limit``); with rotary or
+            no positions it reads any length, and its cache streams without end.
         **kwargs: every other ``LinearAttentionTransformer`` option.
     Shapes:
-        x (b, n) integer tokens, n <= max_seq_len; input_mask (b, n) bool; context
+        x (b, n) integer tokens, n <= ``length_limit``; input_mask (b, n) bool; context
         (b, m, dim) and context_mask (b, m) for a decoder; segment_ids (b, n) integer for
         packed sequences. Returns logits (b, n, num_tokens), or (b, n, dim) with
         return_embeddings. Parameters: token_emb (num_tokens, emb_dim), project_in (dim,
@@ -76,7 +82,7 @@ class LinearAttentionTransformerLM(nn.Module):
 
     def __init__(
         self, num_tokens, dim, depth, max_seq_len, heads=HEADS, emb_dim=None, tie_embedding=False,
-        return_embeddings=False, use_axial_pos_emb=None, use_rotary_emb=False, **kwargs
+        return_embeddings=False, use_axial_pos_emb=None, use_rotary_emb=False, use_pos_emb=True, **kwargs
     ):
         super().__init__()
         refuse_unknown_keywords(type(self).__name__, kwargs, self.option_names())
@@ -92,16 +98,25 @@ class LinearAttentionTransformerLM(nn.Module):
         nn.init.normal_(self.token_emb.weight, std=0.02)
         if use_rotary_emb and use_axial_pos_emb:
             raise ValueError("use_axial_pos_emb and use_rotary_emb are two position schemes: choose one")
+        if not isinstance(use_pos_emb, bool):
+            raise TypeError(f"use_pos_emb must be True or False, got {use_pos_emb!r}")
+        if not use_pos_emb:
+            if use_rotary_emb or use_axial_pos_emb:
+                raise ValueError("use_pos_emb=False means no position embedding: leave use_rotary_emb and "
+                                 "use_axial_pos_emb unset")
+            if not kwargs.get("causal", False) and not (kwargs.get("use_local_conv") or kwargs.get("shift_tokens")):
+                raise ValueError("use_pos_emb=False: a non-causal model without use_local_conv or shift_tokens has "
+                                 "nothing that tells one position from another")
         window = kwargs.pop("local_attn_window_size", None)
         transformer_uses_window = LinearAttentionTransformer.uses_local_window(kwargs.get("n_local_attn_heads", 0),
                                                                                kwargs.get("attend_axially", False))
         if transformer_uses_window:
             kwargs["local_attn_window_size"] = window
-        axial = not use_rotary_emb and (use_axial_pos_emb is None or use_axial_pos_emb)  # None: the default, axial
+        axial = use_pos_emb and not use_rotary_emb and (use_axial_pos_emb is None or use_axial_pos_emb)  # None: default
         if window is not None and not (transformer_uses_window or axial):
             raise ValueError("local_attn_window_size shapes local heads, attend_axially and the axial position "
                              "embedding: this model has none of them")
-        if use_rotary_emb:
+        if use_rotary_emb or not use_pos_emb:
             self.pos_emb = None
         elif axial:
             self.pos_emb = AxialPositionalEmbedding(emb_dim, max_seq_len, LOCAL_WINDOW_SIZE if window is None else window)
@@ -110,6 +125,9 @@ class LinearAttentionTransformerLM(nn.Module):
         self.project_in = nn.Linear(emb_dim, dim) if emb_dim != dim else nn.Identity()
         self.transformer = LinearAttentionTransformer(dim, depth, max_seq_len, heads=heads,
                                                       use_rotary_emb=use_rotary_emb, **kwargs)
+        if self.pos_emb is not None:
+            self.transformer.limit_length(f"the length of the {'axial' if axial else 'absolute'} position table "
+                                          "(use_rotary_emb=True or use_pos_emb=False read any length)")
         self.norm = nn.LayerNorm(dim)
         self.return_embeddings = return_embeddings
         self.project_out = self.to_logits = None
@@ -123,6 +141,12 @@ class LinearAttentionTransformerLM(nn.Module):
     def option_names(cls):
         """Every keyword the constructor accepts: its own and ``LinearAttentionTransformer``'s."""
         return keyword_names(cls) | LinearAttentionTransformer.option_names()
+
+    @property
+    def length_limit(self):
+        """The longest sequence the model reads: ``max_seq_len`` with a position table or
+        Linformer, else None (any length; the cache streams without end)."""
+        return self.transformer.length_limit
 
     @property
     def supports_cache(self):
@@ -286,7 +310,7 @@ class Decoder:
     copy); what the steps read besides it is made when the decoder is built (the attention
     layers' weights copied, the others read where they are), so build a new decoder after
     changing parameters. ``step(tokens (b,) integer) -> logits (b, num_tokens)``;
-    ``max_seq_len`` is checked on the host eagerly, on the device compiled. ``position``:
+    ``length_limit`` is checked on the host eagerly, on the device compiled. ``position``:
     tokens consumed (prompt included; the cache's). ``step_threads``: the torch thread count
     of an eager step (None: torch's own); on a CPU 1 for at most ``ONE_THREAD_MAX_BATCH`` rows:
     a step's small operations gain nothing from a second thread and wait for it when another
@@ -295,7 +319,7 @@ class Decoder:
     """
 
     def __init__(self, model, cache, batch, input_mask=None):
-        self.model, self.cache, self.batch, self.max_seq_len = model, cache, batch, model.max_seq_len
+        self.model, self.cache, self.batch, self.length_limit = model, cache, batch, model.length_limit
         self.device = device = model.token_emb.weight.device
         self.step_threads = 1 if device.type == "cpu" and batch <= ONE_THREAD_MAX_BATCH else None
         self.compilable = not model.transformer.attend_axially
@@ -340,13 +364,13 @@ class Decoder:
         if torch.compiler.is_compiling():
             # no host count under compile (a Python int that changes would recompile): the
             # device checks, and an eager step after this reads the position back
-            torch._assert_async(counter.tensor < self.max_seq_len,
-                                "decoder step past max_seq_len: sequence length exceeds max_seq_len")
+            if self.length_limit is not None:
+                torch._assert_async(counter.tensor < self.length_limit,
+                                    "decoder step past max_seq_len: sequence length exceeds max_seq_len")
             with torch.no_grad():
                 return self.model.step(tokens, self.cache, self.made)
         p = int(counter)
-        if p >= self.max_seq_len:
-            raise ValueError(f"sequence length {p + 1} exceeds max_seq_len={self.max_seq_len}")
+        self.model.transformer.check_length(p + 1)
         threads, saved = self.step_threads, None
         if threads is not None and torch.get_num_threads() != threads:
             saved = torch.get_num_threads()

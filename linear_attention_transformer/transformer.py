@@ -258,7 +258,10 @@ class LinearAttentionTransformer(nn.Module):
     """A stack of linear-attention layers on continuous inputs (every option: docs/layers.md).
 
     Args:
-        dim, depth, max_seq_len: width, number of layers, longest accepted sequence.
+        dim, depth: width and number of layers. max_seq_len: the training length; it limits the
+            sequence only where something is sized by it (``length_limit``: Linformer's
+            projections), so a model without Linformer reads, and streams through its cache,
+            sequences of any length.
         heads, dim_head: heads of every attention layer and their size (default dim // heads);
             the attention option ``dim_qk`` sizes the global heads' queries and keys apart
             (``Attention``), rotary embeddings included.
@@ -281,7 +284,7 @@ class LinearAttentionTransformer(nn.Module):
             n_local_attn_heads per layer allowed), each handed to the layer kinds that honour
             it. An unknown keyword raises TypeError; one that no layer can honour ValueError.
     Shapes:
-        x (b, n, dim) with n <= max_seq_len; input_mask (b, n) bool; context (b, m, dim);
+        x (b, n, dim) (n <= max_seq_len with Linformer); input_mask (b, n) bool; context (b, m, dim);
         context_mask (b, m) bool; segment_ids (b, n) integer (packed sequences, see
         ``forward``). Returns (b, n, dim).
     """
@@ -317,6 +320,10 @@ class LinearAttentionTransformer(nn.Module):
 
         self.dim, self.max_seq_len, self.causal = dim, max_seq_len, causal
         self.linformer = linformer_settings is not None
+        # the longest sequence the model can read (None: any), and what sizes it
+        self.length_limit, self.limited_by = None, None
+        if self.linformer:
+            self.limit_length("the length Linformer's projections are sized for")
         self.receives_context, self.attend_axially = receives_context, attend_axially
         shifts = token_shifts(causal) if shift_tokens else None
         refuse_unknown_keywords(type(self).__name__, options, self.option_names())
@@ -430,8 +437,8 @@ class LinearAttentionTransformer(nn.Module):
         tokens (one rank's slice when ``parallel``), as ``Attention.check_place``."""
         if place.cached:
             self.check_cacheable()
-        if not parallel and place.position + length > self.max_seq_len:
-            raise ValueError(f"sequence length {place.position + length} exceeds max_seq_len={self.max_seq_len}")
+        if not parallel:
+            self.check_length(place.position + length)
         whole = {"segment_ids": place.segments is not None, "context_parallel": parallel}
         for option in (name for name, given in whole.items() if given):
             for refused, what in ((self.linformer, "Linformer self-attention (linformer_settings) projects the whole "
@@ -453,9 +460,8 @@ class LinearAttentionTransformer(nn.Module):
         check_mask(input_mask, *x.shape[:2], "input_mask")
         refuse_unread_context(self.receives_context, context, context_mask, "model")
         group = place.group
-        if group is not None and group.world_size * group.length > self.max_seq_len:
-            raise ValueError(f"sequence length {group.world_size * group.length} ({group.world_size} slices of "
-                             f"{group.length}) exceeds max_seq_len={self.max_seq_len}")
+        if group is not None:
+            self.check_length(group.world_size * group.length, f" ({group.world_size} slices of {group.length})")
         if self.receives_context and cache is None and context is None:  # (each layer checks its shape)
             raise ValueError("this model has receives_context=True: pass context=(batch, ctx_len, dim)")
         if self.rotary is not None:
@@ -482,6 +488,17 @@ class LinearAttentionTransformer(nn.Module):
                                       for (f, g), pair in zip(self.layers.blocks, cache.layers)])
         cache.position += x.shape[1]
         return out, cache
+
+    def limit_length(self, limited_by):
+        """Make ``max_seq_len`` the longest sequence the model reads; ``limited_by`` says what
+        is sized by it (a position table, Linformer's projections), for the error."""
+        self.length_limit, self.limited_by = self.max_seq_len, limited_by
+
+    def check_length(self, length, detail=""):
+        """ValueError when a sequence of ``length`` tokens is longer than ``length_limit``."""
+        if self.length_limit is not None and length > self.length_limit:
+            raise ValueError(f"sequence length {length}{detail} exceeds max_seq_len={self.max_seq_len}, "
+                             f"{self.limited_by}")
 
     @property
     def supports_cache(self):

@@ -1,0 +1,89 @@
+"""Past max_seq_len: a model with rotary or no positions reads, and streams through its cache,
+sequences of any length; a model with a position table refuses them, naming what lifts the limit.
+
+The reference is the same weights in a model whose max_seq_len covers the whole sequence.
+"""
+
+import pytest
+import torch
+
+from linear_attention_transformer import AutoregressiveWrapper, LinearAttentionTransformerLM
+
+D = torch.float64
+TRAINED_AT, WHOLE = 16, 80
+# the recommended heads, local heads with a window that does not divide the chunks, the
+# convolution and token shift: every buffer a cache keeps
+OPTIONS = dict(num_tokens=20, dim=16, depth=2, heads=4, causal=True, n_local_attn_heads=2, local_attn_window_size=4,
+               use_gate=True, use_local_conv=True, shift_tokens=True, feature_map="taylor", dim_qk=4)
+POSITIONS = {"rotary": dict(use_rotary_emb=True), "none": dict(use_pos_emb=False)}
+
+
+def pair(positions):
+    """(a model trained at TRAINED_AT, the same weights with max_seq_len = WHOLE)."""
+    torch.manual_seed(0)
+    short = LinearAttentionTransformerLM(max_seq_len=TRAINED_AT, **OPTIONS, **POSITIONS[positions]).to(D).eval()
+    whole = LinearAttentionTransformerLM(max_seq_len=WHOLE, **OPTIONS, **POSITIONS[positions]).to(D).eval()
+    whole.load_state_dict(short.state_dict())
+    return short, whole
+
+
+@pytest.mark.parametrize("positions", POSITIONS)
+def test_forward_prefill_and_decode_past_max_seq_len_equal_one_full_forward(positions):
+    short, whole = pair(positions)
+    assert short.length_limit is None
+    x = torch.randint(0, 20, (2, WHOLE), generator=torch.Generator().manual_seed(1))
+    expected = whole(x)
+    torch.testing.assert_close(short(x), expected, rtol=0, atol=1e-12)
+    # a prompt longer than max_seq_len, chunks of 7 (not a multiple of the window), then single tokens
+    logits, cache = short(x[:, :20], return_cache=True)
+    outs = [logits]
+    for start in range(20, 62, 7):
+        logits, cache = short(x[:, start:start + 7], cache=cache, return_cache=True)
+        outs.append(logits)
+    for t in range(62, WHOLE):
+        logits, cache = short(x[:, t:t + 1], cache=cache, return_cache=True)
+        outs.append(logits)
+    assert cache.position == WHOLE
+    torch.testing.assert_close(torch.cat(outs, dim=1), expected, rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("positions", POSITIONS)
+def test_generation_past_max_seq_len_equals_a_model_that_covers_it(positions):
+    short, whole = pair(positions)
+    prompt = torch.randint(0, 20, (2, 5), generator=torch.Generator().manual_seed(2))
+    steps = WHOLE - 5
+    streamed = AutoregressiveWrapper(short).generate(prompt, steps, temperature=0)
+    assert torch.equal(streamed, AutoregressiveWrapper(whole).generate(prompt, steps, temperature=0))
+    assert torch.equal(streamed, AutoregressiveWrapper(short).generate(prompt, steps, temperature=0, use_cache=False))
+    # the logits of the last step, read from the full forward of what was generated
+    sequence = torch.cat((prompt, streamed), dim=1)
+    torch.testing.assert_close(short(sequence[:, :-1])[:, -1], whole(sequence[:, :-1])[:, -1], rtol=0, atol=1e-12)
+    picked = whole(sequence[:, :-1]).argmax(dim=-1)[:, 4:]
+    assert torch.equal(picked, streamed)
+
+
+@pytest.mark.parametrize("table, lifted", [(dict(), "axial"), (dict(use_axial_pos_emb=False), "absolute")])
+def test_a_position_table_keeps_max_seq_len_and_names_what_lifts_it(table, lifted):
+    model = LinearAttentionTransformerLM(num_tokens=20, dim=16, depth=1, heads=4, max_seq_len=16, causal=True,
+                                         **table).eval()
+    assert model.length_limit == 16
+    with pytest.raises(ValueError, match=f"max_seq_len=16, the length of the {lifted} position table.*use_pos_emb=False"):
+        model(torch.zeros(1, 17, dtype=torch.long))
+    _, cache = model(torch.zeros(1, 16, dtype=torch.long), return_cache=True)
+    with pytest.raises(ValueError, match="sequence length 17 exceeds max_seq_len=16"):
+        model(torch.zeros(1, 1, dtype=torch.long), cache=cache)
+
+
+def test_no_positions_is_refused_where_nothing_carries_order():
+    with pytest.raises(ValueError, match="use_pos_emb=False: a non-causal model"):
+        LinearAttentionTransformerLM(num_tokens=20, dim=16, depth=1, heads=4, max_seq_len=16, use_pos_emb=False)
+    with pytest.raises(ValueError, match="leave use_rotary_emb"):
+        LinearAttentionTransformerLM(num_tokens=20, dim=16, depth=1, heads=4, max_seq_len=16, causal=True,
+                                     use_pos_emb=False, use_rotary_emb=True)
+    with pytest.raises(TypeError, match="use_pos_emb"):
+        LinearAttentionTransformerLM(num_tokens=20, dim=16, depth=1, heads=4, max_seq_len=16, use_pos_emb=None)
+    # a non-causal model whose convolution carries order, and a causal one: no position parameters
+    for options in (dict(use_local_conv=True), dict(causal=True)):
+        model = LinearAttentionTransformerLM(num_tokens=20, dim=16, depth=1, heads=4, max_seq_len=16,
+                                             use_pos_emb=False, **options)
+        assert model.pos_emb is None and not any("pos" in name for name, _ in model.named_parameters())
