@@ -17,7 +17,7 @@ has a time budget, rows past it are recorded as skipped):
                  (blindspot, local heads) configurations; float32, with tolerances that hold
                  under TF32 (fla's and flex's float32 dots run as TF32 on NVIDIA), and under
                  bf16 autocast.
-``decoding``     an LM's cached decoding (``start_decoding``, then one token a step), eager and
+``decoding``     an LM's cached decoding (the prompt, then a one-token forward a step), eager and
                  compiled (CUDA graphs: ``mode='reduce-overhead'``), against its full forward.
 ``timing``       n = 4096 and 16384, forward + backward: one attention layer and one LM
                  training step, each in the torch form, the fla form, with fla's ``chunk_gla``
@@ -216,18 +216,26 @@ def check_decoding(device, s, compiled):
     tokens = torch.randint(0, s["num_tokens"], (2, n), generator=torch.Generator().manual_seed(2)).to(device)
     with torch.no_grad():
         full = model(tokens)
-    logits, decoder = model.start_decoding(tokens[:, :prompt])
-    step = decoder.step
+    with torch.no_grad():
+        logits, cache = model(tokens[:, :prompt], return_cache=True)
+
+    def step(x):
+        return model(x, cache=cache, return_cache=True)[0][:, -1]
+
     if compiled:
-        if not getattr(decoder, "compilable", False):
-            raise ValueError(f"{type(decoder).__name__} cannot run this call: no step that compiles as one graph")
+        if not model.step_compiles:
+            raise ValueError(f"{type(model).__name__} cannot run this call: no one-token forward that compiles as one graph")
         options = dict(mode="reduce-overhead") if device.type == "cuda" else dict(backend="eager")
-        step = torch.compile(decoder.step, fullgraph=True, **options)
-    got, times = [logits], []
+        if device.type == "cuda":
+            for tensor in cache.static_tensors():
+                torch._dynamo.mark_static_address(tensor)
+        step = torch.compile(step, fullgraph=True, **options)
+    got, times = [logits[:, -1]], []
     for i in range(prompt, n):
         synchronize(device)
         t0 = time.perf_counter()
-        out = step(tokens[:, i].contiguous())
+        with torch.no_grad():
+            out = step(tokens[:, i:i + 1].contiguous())
         got.append(out.clone())
         synchronize(device)
         times.append(time.perf_counter() - t0)

@@ -346,6 +346,10 @@ class Attention(nn.Module):
         of ``length`` tokens (one rank's slice when ``parallel``)."""
         if place.cached:
             self.check_cacheable()
+            if place.row_starts is not None and self._blindspot_blocks():
+                raise ValueError(f"blindspot_size={self.blindspot_size} with rows padded on the left (input_mask) in a "
+                                 "cache: each row's blocks would start at another column; run the rows apart, pad on "
+                                 "the right, or use blindspot_size=1")
         if place.segments is not None and self.receives_context:
             raise ValueError("segment_ids is not supported in a cross-attention layer (receives_context=True)")
         if not parallel:
@@ -397,6 +401,9 @@ class Attention(nn.Module):
             out = self._cross_attention(x, context, context_mask, cache)
         elif place.segments is not None:
             out = self._packed(x, input_mask, place)
+        elif place.row_starts is not None and not place.cached and self._blindspot_blocks():
+            # rows padded on the left: each row's blocks start at its first real token
+            out = self._packed(x, input_mask, place.but(segments=place.row_runs(x.shape[1], x.device)))
         else:
             out = self._self_attention(x, input_mask, place, cache)
         return out
@@ -410,6 +417,10 @@ class Attention(nn.Module):
                                      "come from the context (mask them with context_mask), with no positions shared "
                                      "with the queries")
         refuse_unread_context(self.receives_context, context, context_mask, "layer")
+
+    def _blindspot_blocks(self):
+        """Whether causal global heads see keys by blocks of blindspot_size > 1 tokens."""
+        return self.blindspot_size > 1 and self.causal and self.n_local < self.heads
 
     def _packed(self, x, mask, place):
         """Self-attention over packed segments. Blindspot blocks must start with each segment:
@@ -443,11 +454,13 @@ class Attention(nn.Module):
             if group is not None:
                 outs.append(self._local_heads_context_parallel(ql, kl, vl, input_mask, group))
             elif cache is None or position == 0:
-                outs.append(self.local_heads(ql, kl, vl, input_mask, segments))
+                # (rows padded on the left: each row's windows start at its first real token)
+                runs = segments if segments is not None else place.row_runs(x.shape[1], x.device)
+                outs.append(self.local_heads(ql, kl, vl, input_mask, runs))
             else:
-                outs.append(self._local_heads_cached(ql, kl, vl, input_mask, cache.local, position))
+                outs.append(self._local_heads_cached(ql, kl, vl, input_mask, cache.local, position, place.row_starts))
             if cache is not None:
-                cache.local.write(kl, vl, position, input_mask)
+                cache.local.write(kl, vl, position, input_mask, place.row_starts)
         if self.n_local < self.heads:
             outs.append(self.global_heads(qg, kg, vg, input_mask, x, None if cache is None else cache.global_, position,
                                           segments, group))
@@ -461,11 +474,14 @@ class Attention(nn.Module):
         out = self.attn_dropout(out)
         return self.dropout(self.to_out(out))
 
-    def _local_heads_cached(self, q, k, v, mask, cache, position):
-        """The new queries over the ring's keys and their own (before they are written)."""
+    def _local_heads_cached(self, q, k, v, mask, cache, position, row_starts=None):
+        """The new queries over the ring's keys and their own (before they are written);
+        positions count from each row's first real column when ``row_starts`` (b,) is given."""
         n = q.shape[2]
         keys, values = (torch.cat((stored, new.to(stored.dtype)), dim=2) for stored, new in zip(cache.kv.unbind(1), (k, v)))
         q_positions = torch.arange(position, position + n, device=q.device)
+        if row_starts is not None:
+            q_positions = q_positions - row_starts[:, None]
         new_positions = q_positions.expand(q.shape[0], n) if mask is None else torch.where(mask, q_positions, NO_KEY)
         k_positions = torch.cat((cache.positions, new_positions), dim=1)  # NO_KEY: before every window
         return windowed_attention_by_position(q, keys, values, q_positions, k_positions, self.local_window)
@@ -492,11 +508,11 @@ class Attention(nn.Module):
         q = rearrange(self.to_q(x), "b n (h d) -> b h n d", h=self.heads)
         return self._combine([linear_attention_readout(self.feature_map.queries(q), summary)], x)
 
-    def prepare_step(self, cache, batch, position, first_real=None):
+    def prepare_step(self, cache, batch, position, first_real=None, ragged=False):
         """What ``step`` reads besides ``cache`` (this layer's ``AttentionCache`` of ``batch``
-        rows after ``position`` tokens), made once per decoder: ``StepTensors`` (None for a
-        cross-attention layer). Parameters changed afterwards are not seen."""
-        return None if self.receives_context else StepTensors(self, cache, batch, position, first_real)
+        rows after ``position`` tokens), made once per cache: ``StepTensors`` (None for a
+        cross-attention layer); ``ragged``: positions count from each row's first real column."""
+        return None if self.receives_context else StepTensors(self, cache, batch, position, first_real, ragged)
 
     def step(self, h, cache, made, at, into=None):
         """One token h (b, dim) at ``at`` (a step's ``Place``: ``position`` an int on eager
@@ -561,19 +577,21 @@ class Attention(nn.Module):
         (b, h, slots, dh), bias (b or 1, 1, slots): 0 on the slots from the query's first key
         on, -inf elsewhere); once every slot holds a real key, a row of ``made``'s table."""
         p, host = at.tensor, at.position
+        # the query's position: the column, or per row from its first real column (b, 1)
+        q = None if at.row_starts is None else (p - at.row_starts)[:, None]
         if host is not None:  # eager: the slot, and from steady on the bias, from the host
             slot = host % made.slots
             made.kv_slots[slot].copy_(kv)
-            made.position_slots[slot].copy_(p)
+            made.position_slots[slot].copy_(p if q is None else q[:, 0])
             if made.steady_from is not None and host >= made.steady_from:
                 return made.keys, made.values, made.table_rows[slot]
-            keys, values, first = made.keys, made.values, self.local_window.first_key(host)
+            keys, values, first = made.keys, made.values, self.local_window.first_key(host if q is None else q)
         else:  # (views of the buffer made here: a compiled step's inputs do not alias)
             slot = torch.remainder(p, made.slots)[None]
             cache.kv.index_copy_(3, slot, kv[:, :, :, None].to(cache.kv.dtype))  # (autocast: kv in half)
-            cache.positions.index_copy_(1, slot, p.expand(cache.positions.shape[0], 1))
+            cache.positions.index_copy_(1, slot, p.expand(cache.positions.shape[0], 1) if q is None else q)
             keys, values = cache.kv.unbind(1)
-            first = self.local_window.first_key(p)
+            first = self.local_window.first_key(p if q is None else q)
         bias = torch.where(cache.positions >= first, made.ring_zero, made.ring_hidden)[:, None]
         if host is None and made.steady is not None:  # (not the int: a compiled step would guard on it)
             bias = torch.where(p >= made.steady, made.table.index_select(0, slot)[0], bias)
@@ -622,9 +640,10 @@ class StepTensors:
     when known: from the blindspot block after it every query of the global heads sees a key,
     and eager steps leave out the guards for a row without one (``read_state``'s
     ``all_seen``). The local heads' ring: once every slot holds a real key (``steady_from``, read
-    from the ring once), the bias is a row of ``table``."""
+    from the ring once), the bias is a row of ``table``; not when ``ragged`` (rows padded on
+    the left count positions from their own first column, the cache's ``row_starts``)."""
 
-    def __init__(self, attn, cache, batch, position, first_real=None):
+    def __init__(self, attn, cache, batch, position, first_real=None, ragged=False):
         heads, dh, kvh, nl = attn.heads, attn.dim_head, attn.kv_heads, attn.n_local
         self.heads, self.dim_head, self.kv_heads, self.n_local = heads, dh, kvh, nl
         self.dim_qk, self.rotary_by_kind = attn.dim_qk, attn._rotary_by_kind
@@ -633,6 +652,7 @@ class StepTensors:
         self.log_gates = None if gate is None else gate.log_gates
         self.output_gate = out_gate is not None
         self.pointwise = None if attn.feature_map.is_softmax else attn.feature_map.pointwise
+        self.sources = tuple(attn.parameters())  # (what is copied here: a change makes these tensors stale)
         linears = [attn.to_q, attn.to_kv] + ([] if gate is None else [gate.gate_down])
         linears += [] if out_gate is None else [out_gate.gate_out]
         sizes = [linear.out_features for linear in linears]
@@ -669,9 +689,9 @@ class StepTensors:
                     self.conv_taps = tuple(torch.stack([attn.local_conv[i].taps(heads - nl) for i in group])
                                            for group in attn.conv_groups)
         if nl:
-            self._ring(attn.local_window, cache.local, position)
+            self._ring(attn.local_window, cache.local, position, ragged)
 
-    def _ring(self, window, ring, position):
+    def _ring(self, window, ring, position, ragged=False):
         kv, positions = ring.kv, ring.positions
         device = kv.device
         self.slots = slots = ring.slots
@@ -681,6 +701,9 @@ class StepTensors:
         # and values (b, h, slots, dh)
         self.kv_slots, self.position_slots = kv.unbind(3), positions.unbind(1)
         self.keys, self.values = kv.unbind(1)
+        if ragged:  # (the table's rows follow the columns; rows starting elsewhere take the bias each step)
+            self.steady_from = self.steady = self.table = None
+            return
         # steady from the position after the next write of each slot without a real key (a sync, once)
         empty = (positions == NO_KEY).any(dim=0).nonzero().flatten().tolist()
         self.steady_from = max([position] + [position + (s - position) % slots + 1 for s in empty])

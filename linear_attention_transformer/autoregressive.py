@@ -23,16 +23,11 @@ A net that can decode incrementally also sets ``supports_cache = True`` and acce
     net(x, cache=cache, return_cache=True, input_mask=..., **kwargs) -> (logits, cache)
 
 where ``cache=None`` means "start from nothing" and otherwise ``x`` holds only the
-tokens that follow those already in ``cache`` (see ``AutoregressiveWrapper.generate``).
-Such a net may also offer the faster one-token form,
-
-    net.start_decoding(x, input_mask=..., **kwargs) -> (logits (b, num_tokens), decoder)
-    decoder.step(tokens (b,)) -> logits (b, num_tokens)
-
-(the logits at the prompt's last position, then after each token fed); ``generate`` then
-uses it instead of the cache. A decoder whose step can be compiled as one graph sets
-``compilable = True`` (``generate(..., compile_step=...)`` compiles it, after calling its
-``mark_static()`` if it has one).
+tokens that follow those already in ``cache`` (see ``AutoregressiveWrapper.generate``):
+``generate`` reads the prompt with ``**kwargs`` and then feeds one token per row with the
+cache alone. A net whose one-token call compiles as one graph sets ``step_compiles = True``
+(``generate(..., compile_step=...)`` compiles that call; on CUDA the tensors of the cache's
+``static_tensors()``, if it has them, are marked as static addresses first).
 """
 
 from __future__ import annotations
@@ -73,7 +68,7 @@ def _check_logits(logits):
 
 
 def _check_compile_step(compile_step):
-    """None (False) or the keyword arguments for ``torch.compile`` of the decoder's step."""
+    """None (False) or the keyword arguments for ``torch.compile`` of the net's one-token call."""
     if compile_step is False or compile_step is None:
         return None
     if compile_step is True:
@@ -403,40 +398,39 @@ class AutoregressiveWrapper(nn.Module):
     def _supports_cache(self):
         return getattr(self.net, "supports_cache", False) is True
 
-    def _compiled_step(self, decoder, options):
-        """``decoder.step``, compiled as ``generate``'s compile_step says (``options``: None, or
-        keyword arguments for ``torch.compile``)."""
+    def _one_token_call(self, options, cache):
+        """f(x (b, 1), cache) -> (logits (b, num_tokens), cache): the net's call with one token per row,
+        compiled as ``generate``'s compile_step says (``options``: None, or keyword arguments
+        for ``torch.compile``); ``cache``: the first one it will step."""
+        net = self.net
+
+        def one_token(x, cache):
+            logits, cache = net(x, cache=cache, return_cache=True)
+            return logits[:, -1], cache
+
         if options is None:
-            return decoder.step
-        if getattr(decoder, "compilable", False) is not True:
-            raise ValueError(f"compile_step: the net's decoder ({type(decoder).__name__}) has no step that "
-                             f"compiles as one graph; pass compile_step=False")
+            return one_token
+        if getattr(net, "step_compiles", False) is not True:
+            raise ValueError(f"compile_step: the net ({type(net).__name__}) has no one-token call that compiles as "
+                             f"one graph; pass compile_step=False")
         options = {"fullgraph": True, **options}
-        device = getattr(decoder, "device", None)
-        if device is not None and torch.device(device).type == "cuda" and "mode" not in options \
-                and "backend" not in options:
+        device = next(iter(net.parameters()), torch.empty(0)).device
+        if device.type == "cuda" and "mode" not in options and "backend" not in options:
             options["mode"] = "reduce-overhead"
-        mark_static = getattr(decoder, "mark_static", None)
-        if mark_static is not None:  # (what the step reads keeps its address: a CUDA graph need not copy it)
-            mark_static()
-        return torch.compile(decoder.step, **options)
+        static = getattr(cache, "static_tensors", None)
+        if device.type == "cuda" and static is not None:  # (a CUDA graph then reads them where they are)
+            for tensor in static():
+                torch._dynamo.mark_static_address(tensor)
+        return torch.compile(one_token, **options)
 
     def _next_logits(self, seq, mask, cache_state, kwargs):
         """Logits (b, num_tokens) for the token that follows ``seq`` (b, n), the running
         sequence (``mask``: its input mask or None). ``cache_state``: None to recompute; else a
-        dict this updates: ``cache`` (the net's cache or decoder, None at first), ``length``
-        (the tokens of ``seq`` it covers), ``compile`` (compile_step's options) and ``step``."""
+        dict this updates: ``cache`` (the net's, None at first), ``length`` (the tokens of
+        ``seq`` it covers), ``compile`` (compile_step's options) and ``step`` (the one-token call)."""
         n = seq.shape[1]
         window = n if self.length_limit is None else self.length_limit
-        step = None if cache_state is None or cache_state["cache"] is None else cache_state.get("step")
-        if step is not None and n <= window and cache_state["length"] == n - 1:
-            # the decoder's step: the newest token is real, no mask to pass (contiguous: the
-            # column of the running buffer has its row stride, which would differ between
-            # calls and make a compiled step guard on it)
-            cache_state["length"] = n
-            return step(seq[:, -1].contiguous())
         net_kwargs = dict(kwargs)
-
         if cache_state is None:
             if mask is not None:
                 net_kwargs["input_mask"] = mask[:, -window:]
@@ -444,28 +438,23 @@ class AutoregressiveWrapper(nn.Module):
             return logits[:, -1]
 
         cache = cache_state["cache"]
-        # The cache can only grow: once the running sequence is longer than the window,
-        # dropping its oldest token means building the cache anew from the last window.
-        incremental = cache is not None and n <= window and cache_state["length"] == n - 1
-        decoding = self._starts_decoding()
-        start = n - 1 if incremental else max(n - window, 0)
+        if cache is not None and n <= window and cache_state["length"] == n - 1:
+            # the newest token is real: no mask to pass (contiguous: the column of the running
+            # buffer has its row stride, which would differ between calls and make a compiled
+            # call guard on it)
+            logits, cache_state["cache"] = cache_state["step"](seq[:, -1:].contiguous(), cache)
+            cache_state["length"] = n
+            return logits
+        # The cache can only grow: once the running sequence is longer than a net's
+        # length_limit, dropping its oldest token means building the cache anew from the last window.
+        start = max(n - window, 0)
         if mask is not None:
             net_kwargs["input_mask"] = mask[:, start:]
-        if decoding and self.length_limit is not None and n >= window:  # the next step rebuilds from its own window: no decoder to keep
-            logits, cache = self.net(seq[:, start:], **net_kwargs)[:, -1], None
-        elif decoding:
-            logits, cache = self.net.start_decoding(seq[:, start:], **net_kwargs)
-            cache_state["step"] = self._compiled_step(cache, cache_state.get("compile"))
-        else:
-            logits, cache = self.net(seq[:, start:], cache=cache if incremental else None,
-                                     return_cache=True, **net_kwargs)
-            logits = logits[:, -1]
+        logits, cache = self.net(seq[:, start:], return_cache=True, **net_kwargs)
+        if cache_state.get("step") is None:
+            cache_state["step"] = self._one_token_call(cache_state["compile"], cache)
         cache_state["cache"], cache_state["length"] = cache, n
-        return logits
-
-    def _starts_decoding(self):
-        """Whether the net offers the one-token decoder (see the module docstring)."""
-        return callable(getattr(self.net, "start_decoding", None))
+        return logits[:, -1]
 
     def generate(self, start_tokens, seq_len, eos_token=None, temperature=1.0,
                  filter_logits_fn=top_k, filter_thres=FILTER_THRES, use_cache=None, compile_step=False,
@@ -495,17 +484,17 @@ class AutoregressiveWrapper(nn.Module):
                 nucleus among the k.
             return_lengths: also return each row's length: its generated tokens up to and
                 including its first ``eos_token`` (all of them if it has none).
-            use_cache: None uses the net's cache (or its ``start_decoding``, see the module
-                docstring) when it declares ``supports_cache = True``; True requires it; False
+            use_cache: None uses the net's cache (the prompt read once, then one token per
+                row a call) when it declares ``supports_cache = True``; True requires it; False
                 recomputes the window every step. A net with a ``length_limit`` (a position
                 table) reads the last ``length_limit`` tokens: once the sequence outgrows it
                 the cache is rebuilt from them at every step. Without one (rotary or no
                 positions) the cache streams on at a constant cost per token.
-            compile_step: False runs the decoder's step eagerly; True, or a dict of
-                ``torch.compile`` keyword arguments, runs ``torch.compile(decoder.step,
-                fullgraph=True, **options)`` (one graph for every position; on CUDA with
+            compile_step: False runs the net's one-token call eagerly; True, or a dict of
+                ``torch.compile`` keyword arguments, compiles it with ``fullgraph=True`` and
+                the options (one graph for every position; on CUDA with
                 ``mode="reduce-overhead"`` unless the dict names a mode or a backend). Needs
-                the one-token decoder and the cache. On a CPU it may not pay.
+                the cache and a net with ``step_compiles``. On a CPU it may not pay.
             **kwargs: passed to the net. ``input_mask`` (b, n) (or (n,) for a 1-D
                 prompt) bool, True for real tokens, describes left-padded prompts: its
                 last column must be all True. It is extended with True for each
@@ -563,9 +552,9 @@ class AutoregressiveWrapper(nn.Module):
         if use_cache is None:
             use_cache = self._supports_cache()
         compile_options = _check_compile_step(compile_step)
-        if compile_options is not None and not (use_cache and self._starts_decoding()):
-            raise ValueError("compile_step needs the net's one-token decoder (net.start_decoding) and the cache "
-                             "(use_cache True or None); pass compile_step=False")
+        if compile_options is not None and not use_cache:
+            raise ValueError("compile_step compiles the net's one-token call with the cache: it needs use_cache True "
+                             "or None; pass compile_step=False")
 
         if kwargs.get("context_parallel") is not None:
             raise ValueError("context_parallel: generate continues one sequence on one rank; "

@@ -108,16 +108,18 @@ class LocalCache(_Cache):
         return self.kv[:, 0]
 
     @torch.no_grad()
-    def write(self, k, v, start, mask=None):
-        """Keys and values k, v (b, h, n, d) at positions start .. start + n - 1 (``mask``
-        (b, n): False where a token is padding) go to their slots; only the last ``slots``."""
+    def write(self, k, v, start, mask=None, row_starts=None):
+        """Keys and values k, v (b, h, n, d) of columns start .. start + n - 1 (``mask``
+        (b, n): False where a token is padding) go to their slots; only the last ``slots``.
+        A key's position is its column, less its row's first real column (``row_starts``
+        (b,), left padding) when given."""
         n, slots = k.shape[2], self.slots
         keep = min(n, slots)
         at = torch.arange(start + n - keep, start + n, device=k.device)
         where = at % slots
         self.kv[:, 0].index_copy_(2, where, k[:, :, n - keep:].to(self.kv.dtype))
         self.kv[:, 1].index_copy_(2, where, v[:, :, n - keep:].to(self.kv.dtype))
-        positions = at.expand(k.shape[0], keep)
+        positions = at.expand(k.shape[0], keep) if row_starts is None else at - row_starts[:, None]
         if mask is not None:
             positions = torch.where(mask[:, n - keep:], positions, NO_KEY)
         self.positions.index_copy_(1, where, positions)
@@ -200,9 +202,24 @@ class Position:
 class DecodingCache(_Cache):
     """The whole model after ``position`` tokens (an int; its one count, ``counter``, a
     ``Position``): ``layers`` holds a (BranchCache, BranchCache) pair per residual block, in
-    order."""
+    order; ``row_starts`` (b,) long, each row's first real column when the first call's rows
+    were padded on the left (positions count from there), else None; ``steps``: what a model's
+    one-token forward reads besides the buffers, made once per cache by the model (None until
+    then; a copy of the cache, ``map_tensors``, makes its own)."""
 
-    __slots__ = ("counter", "layers")
+    __slots__ = ("counter", "layers", "row_starts", "steps")
+
+    def __init__(self, counter, layers, row_starts=None, steps=None):
+        super().__init__(counter, layers, row_starts, steps)
+
+    def map_tensors(self, fn):
+        return DecodingCache(map_tensors(self.counter, fn), map_tensors(self.layers, fn), map_tensors(self.row_starts, fn))
+
+    def static_tensors(self):
+        """Every tensor a one-token step reads or writes other than the model's parameters: the
+        buffers (their shapes never change) and what ``steps`` made (a CUDA graph's inputs,
+        to mark with ``torch._dynamo.mark_static_address`` before compiling)."""
+        return tensors_of(self) + ([] if self.steps is None else self.steps.tensors())
 
     @property
     def position(self):

@@ -48,8 +48,8 @@ class FeedForward(nn.Module):
             return self._forward(x)
         return torch.cat([self._forward(part) for part in x.chunk(self.chunks, dim=1)], dim=1)
 
-    def prepare_step(self, cache=None, batch=None, position=None, first_real=None):
-        """What ``step`` reads, made once per decoder: its weights, the output's transposed."""
+    def prepare_step(self, cache=None, batch=None, position=None, first_real=None, ragged=False):
+        """What ``step`` reads, made once per cache: its weights, the output's transposed."""
         return (self.proj_in.weight, self.proj_in.bias, self.glu, self.activation), self.proj_out.weight.t(), self.proj_out.bias
 
     def step(self, h, cache, made, at=None, into=None):

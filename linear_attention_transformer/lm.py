@@ -1,23 +1,22 @@
-"""The language model: token and position embeddings around a ``LinearAttentionTransformer``,
-and its decoder.
+"""The language model: token and position embeddings around a ``LinearAttentionTransformer``.
 
-Fast decoding: ``Decoder``, the loop of ``AutoregressiveWrapper.generate``, is primed once
-with the prompt (``LinearAttentionTransformerLM.start_decoding``: the model's cached path);
-then ``step(tokens)`` feeds one token per row and returns the next logits. Each stateful
-module has one ``step`` that writes its part of the cache in place
+One forward serves training, prefill and decoding. Given a cache, x holds the tokens that
+continue the cached sequence; one token per row while no gradient is recorded is the
+decoding step: each stateful module's ``step`` writes its part of the cache in place
 (``LinearAttentionTransformerLM.step`` -> ``Branch.step`` -> ``Attention.step`` ->
-``CausalState.step``): the decoder's state *is* the cache. The decoder keeps the loop, what
-the steps read besides the cache (made once: ``prepare_step``, e.g. each attention layer's
-concatenated projection weights), the thread count of an eager step, and on CUDA the static
-addresses of both.
+``CausalState.step``). What a step reads besides the buffers (each attention layer's
+concatenated projection weights, the position embedding's rows, the thread count of an eager
+step) belongs to the cache too (``DecodingCache.steps``, ``StepTensors`` here): made by a call
+that records no gradient, and again when a parameter has changed since.
 
 The position is the cache's (``DecodingCache.counter``), kept also as a tensor on the model's
 device and advanced in place, and every choice that follows from it is a tensor operation: a
-step reads nothing back to the host, allocates nothing that lasts, and
-``torch.compile(decoder.step, fullgraph=True)`` traces one graph for every position
-(``mode="reduce-overhead"``: a CUDA graph, the cache and the made-once tensors static). Eager
-steps also know the position on the host and use it where it saves work. A model with axial
-attention (``attend_axially``) steps that layer on its cached path: eager only.
+step reads nothing back to the host, allocates nothing that lasts, and a compiled forward of
+one token (``torch.compile(model, fullgraph=True)``) traces one graph for every position (on
+CUDA with ``mode="reduce-overhead"`` a CUDA graph, ``DecodingCache.static_tensors`` at static
+addresses). Eager steps also know the position on the host and use it where it saves work. A
+model with axial attention (``attend_axially``) steps that layer on its cached path: eager
+only.
 """
 
 from __future__ import annotations
@@ -149,6 +148,11 @@ class LinearAttentionTransformerLM(nn.Module):
         return self.transformer.length_limit
 
     @property
+    def step_compiles(self):
+        """Whether the one-token forward compiles as one graph (not with attend_axially)."""
+        return not self.transformer.attend_axially
+
+    @property
     def supports_cache(self):
         """Whether ``forward(..., return_cache=True)`` works: causal models without Linformer."""
         return self.transformer.supports_cache
@@ -158,50 +162,126 @@ class LinearAttentionTransformerLM(nn.Module):
         """Logits (b, n, num_tokens) (or embeddings). With ``return_cache=True`` returns
         (logits, cache): a ``DecodingCache`` holding the state after the last token of x, used
         as docs/training.md ("The cache") says: given ``cache``, x (and ``input_mask``) hold
-        only the new tokens that continue that sequence. ``segment_ids`` and ``context_parallel``
-        (x (b, n_local): this rank's slice) as in ``LinearAttentionTransformer.forward``."""
+        only the new tokens that continue that sequence, and the cache is updated in place
+        (without ``return_cache``, a copy is). Rows padded on the left (``input_mask``) count
+        positions from their first real token. ``segment_ids`` and ``context_parallel`` (x (b,
+        n_local): this rank's slice) as in ``LinearAttentionTransformer.forward``.
+
+        One token per row (x (b, 1)) with a cache, while no gradient is recorded (``no_grad``,
+        ``inference_mode``), is the decoding step: the same numbers through each layer's
+        ``step``, reading what the cache made once."""
+        if cache is not None and self._steps(x, input_mask, context, context_mask, segment_ids, context_parallel):
+            if not return_cache:
+                cache = cache.clone()
+            logits = self._step_tokens(x[:, 0], cache)[:, None]
+            return (logits, cache) if return_cache else logits
         out = self._body(x, input_mask, context, context_mask, cache, return_cache, segment_ids, context_parallel)
         if not return_cache:
             return self._output(out)
         out, cache = out
+        cache.steps = None  # (what a step reads follows the buffers: made anew for the next step)
+        if not torch.is_grad_enabled() and not torch.compiler.is_compiling() and self.supports_cache:
+            cache.steps = self.prepare_step(cache)
         return self._output(out), cache
 
-    def start_decoding(self, x, input_mask=None, context=None, context_mask=None):
-        """Read the prompt x (b, n) and return (logits (b, num_tokens) at its last position,
-        decoder); ``decoder.step(tokens (b,))`` then feeds one token per row and returns the
-        logits after it. The fast form of ``forward(..., cache=...)`` for one token at a time
-        (``Decoder``); it runs without gradients and assumes eval mode."""
-        # not in inference mode: the buffers are then ordinary tensors, updatable in place in any mode
-        with torch.no_grad():
-            out, cache = self._body(x, input_mask, context, context_mask, None, True)
-            return self._output(out[:, -1]), Decoder(self, cache, x.shape[0], input_mask)
+    def _steps(self, x, input_mask, context, context_mask, segment_ids, context_parallel):
+        """Whether a forward with a cache is a one-token step (see ``forward``)."""
+        if torch.is_grad_enabled() or not torch.is_tensor(x) or x.ndim != 2 or x.shape[1] != 1:
+            return False
+        if context is not None or context_mask is not None or segment_ids is not None or context_parallel is not None:
+            return False  # (the general path uses or refuses them)
+        if input_mask is None:
+            return True
+        # a padding token takes the general path; under compile only an absent mask steps (no read back)
+        return not torch.compiler.is_compiling() and torch.is_tensor(input_mask) and \
+            input_mask.shape == x.shape and input_mask.dtype == torch.bool and bool(input_mask.all())
 
-    def prepare_step(self, cache, batch, first_real=None):
-        """What ``step`` reads besides ``cache`` (a ``DecodingCache`` of ``batch`` rows), made
-        once per decoder: the position embedding's ``rows`` and each branch's ``prepare_step``
-        (``first_real``: see ``attention.StepTensors``)."""
+    def _step_tokens(self, x, cache):
+        """Logits (b, num_tokens) after one token per row x (b,), the cache stepped in place."""
+        check_integer_ids(x, "x")
+        steps = cache.steps
+        if torch.compiler.is_compiling():
+            if steps is None:
+                raise ValueError("a compiled one-token forward reads the cache's step tensors: make the cache with a "
+                                 "call that records no gradient (e.g. the prompt under torch.no_grad()), or run one "
+                                 "step eagerly first")
+            # no host count under compile (a Python int that changes would recompile): the
+            # device checks, and an eager step after this reads the position back
+            if steps.length_limit is not None:
+                torch._assert_async(cache.counter.tensor < steps.length_limit,
+                                    "sequence length exceeds max_seq_len (the position table's length)")
+            return self.step(x if x.dtype == torch.int64 else x.long(), cache, steps)
+        if self.training:  # (dropout refused, as on the general path)
+            self.transformer.check_cacheable()
+        if steps is None or steps.stale():
+            steps = cache.steps = self.prepare_step(cache)
+        if x.shape[0] != steps.batch:
+            raise ValueError(f"x must have one token for each of the cache's {steps.batch} rows, got {x.shape[0]}")
+        p = int(cache.counter)
+        if steps.length_limit is not None and p >= steps.length_limit:
+            self.transformer.check_length(p + 1)
+        if x.device.type != "cpu":
+            check_token_ids(x, self.num_tokens, "x")
+        threads, saved = steps.threads, None
+        if threads is not None and torch.get_num_threads() != threads:
+            saved = torch.get_num_threads()
+            torch.set_num_threads(threads)
+        # under autocast a step takes the form a compiled step traces (its F.linear casts; the
+        # eager form writes into buffers of the model's dtype)
+        host = None if torch.is_autocast_enabled(x.device.type) else p
+        try:
+            return self.step(x if x.dtype == torch.int64 else x.long(), cache, steps, host)
+        except IndexError:
+            check_token_ids(x, self.num_tokens, "x")
+            raise
+        finally:
+            if saved is not None:
+                torch.set_num_threads(saved)
+
+    @torch.no_grad()
+    def prepare_step(self, cache):
+        """What ``step`` reads besides ``cache`` (a ``DecodingCache``), made once per cache
+        (``forward`` keeps it in ``cache.steps``): ``StepTensors``."""
+        batch = next(t for t in tensors_of(cache.layers) if t.ndim).shape[0]
         position = cache.position
-        layers = [(f.prepare_step(fc, batch, position, first_real), g.prepare_step(gc, batch, position, first_real))
+        device = self.token_emb.weight.device
+        ragged = cache.row_starts is not None
+        first_real = int(cache.row_starts.max()) if ragged else 0
+        layers = [(f.prepare_step(fc, batch, position, first_real, ragged),
+                   g.prepare_step(gc, batch, position, first_real, ragged))
                   for (f, g), (fc, gc) in zip(self.transformer.layers.blocks, cache.layers)]
-        token = self.token_emb.weight
+        cache.counter.on(device)
         rows = None if self.pos_emb is None else self.pos_emb.rows()
         project_in = None if isinstance(self.project_in, nn.Identity) else (self.project_in.weight, self.project_in.bias)
         stack = self.transformer.layers
         blocks = tuple(tuple(pair) for pair in stack.blocks)  # (a tuple: a submodule's lookup costs a step ~1 us)
-        return StepTensors(token, rows, project_in, self._output_args(), layers, blocks, stack, self.transformer.rotary)
+        # eager steps on a CPU for a few rows run on one thread: a step's small operations gain
+        # nothing from a second, and wait for it when another process holds the core
+        threads = 1 if device.type == "cpu" and batch <= ONE_THREAD_MAX_BATCH else None
+        # the parameters copied into the layers' step tensors (the others are read where they are)
+        parameters = tuple(t for pair in layers for made in pair for t in getattr(made[2], "sources", ()))
+        return StepTensors(self.token_emb.weight, rows, project_in, self._output_args(), layers, blocks, stack,
+                           self.transformer.rotary, batch, threads, parameters, tuple(t._version for t in parameters),
+                           self.length_limit)
 
     def step(self, tokens, cache, made, position=None):
-        """tokens (b,) through the model on ``cache`` (a ``DecodingCache``), in place, its
-        position advanced by one -> logits (b, num_tokens). ``made``: ``prepare_step``'s;
-        ``position``: the cache's position as an int on eager steps, None on traced ones (then
-        read from the cache's tensor only: nothing read back, one graph for every position).
-        Each ``Branch.step`` of a plain stack's eager step adds its output into h in place."""
+        """tokens (b,) int64 through the model on ``cache`` (a ``DecodingCache``), in place, its
+        position advanced by one -> logits (b, num_tokens); ``forward``'s one-token form.
+        ``made``: ``prepare_step``'s; ``position``: the cache's position as an int on eager
+        steps, None on traced ones (then read from the cache's tensor only: nothing read
+        back, one graph for every position). Each ``Branch.step`` of a plain stack's eager
+        step adds its output into h in place."""
         counter = cache.counter
         p = counter.tensor
-        at = Place(position, True, rotary=None if made.rotary is None else made.rotary(p[None]), tensor=p)
+        # rows padded on the left: each row's own position
+        row_p = None if cache.row_starts is None else (p - cache.row_starts).clamp(min=0)
+        rotary = None
+        if made.rotary is not None:
+            rotary = made.rotary(p[None] if row_p is None else row_p[:, None])
+        at = Place(position, True, rotary=rotary, tensor=p, row_starts=cache.row_starts)
         h = F.embedding(tokens, made.token)
         if made.rows is not None:  # (an eager step's int position: views, no gather)
-            h = h + made.rows[p if position is None else position]
+            h = h + made.rows[row_p if row_p is not None else p if position is None else position]
         if made.project_in is not None:
             h = F.linear(h, *made.project_in)
         blocks = zip(made.blocks, cache.layers, made.layers)
@@ -234,7 +314,8 @@ class LinearAttentionTransformerLM(nn.Module):
         check_integer_ids(x, "x")
         if x.ndim != 2 or x.shape[1] < 1:
             raise ValueError(f"x must have shape (batch, seq_len) with at least one token, got {tuple(x.shape)}")
-        place = Place.of(x, cache, return_cache, segment_ids, context_parallel, check=self.transformer.check_place)
+        place = Place.of(x, cache, return_cache, segment_ids, context_parallel, check=self.transformer.check_place,
+                         input_mask=input_mask)
         positions = place.positions(x.shape[1], x.device)
         h = self._embed(x)
         if self.pos_emb is not None:
@@ -281,11 +362,14 @@ def _logits(out, norm_args, project_out, to_logits):
 
 
 class StepTensors(NamedTuple):
-    """What ``LinearAttentionTransformerLM.step`` reads besides its cache, made once per decoder:
+    """What ``LinearAttentionTransformerLM.step`` reads besides its cache, made once per cache:
     the token embedding, the position embedding's ``rows`` (``PositionRows``) or None,
     project_in's (weight, bias) or None, ``_output_args``, per block the branches'
-    ``prepare_step`` and the branches themselves, the stack (its ``compose``), and its rotary
-    embedding or None."""
+    ``prepare_step`` and the branches themselves, the stack (its ``compose``), its rotary
+    embedding or None; the cache's rows, the torch thread count of an eager step (None:
+    torch's own), the parameters copied into the layers' tensors with their version
+    counters when made (one changed in place since makes them ``stale``), and the model's
+    ``length_limit``."""
 
     token: torch.Tensor
     rows: Optional[PositionRows]
@@ -295,97 +379,23 @@ class StepTensors(NamedTuple):
     blocks: tuple
     stack: nn.Module
     rotary: Optional[nn.Module]
+    batch: int
+    threads: Optional[int]
+    parameters: tuple
+    versions: tuple
+    length_limit: Optional[int]
+
+    def stale(self):
+        """Whether a parameter changed in place (an optimizer step, load_state_dict) since."""
+        return any(t._version != v for t, v in zip(self.parameters, self.versions))
+
+    def tensors(self):
+        """The tensors made here that a traced step reads (a CUDA graph's static inputs)."""
+        return _made_tensors((self.rows, self.layers))
 
 
-# eager steps on a CPU for at most this many rows run on one thread (Decoder.step_threads)
+# eager steps on a CPU for at most this many rows run on one thread (StepTensors.threads)
 ONE_THREAD_MAX_BATCH = 8
-
-
-class Decoder:
-    """One running sequence per row (see the module docstring), built by the model's
-    ``start_decoding`` from the ``DecodingCache`` of its prompt (``batch`` rows; ``input_mask``:
-    the prompt's).
-
-    It owns and steps its prompt's ``DecodingCache`` (``decoder.cache``: clone it to keep a
-    copy); what the steps read besides it is made when the decoder is built (the attention
-    layers' weights copied, the others read where they are), so build a new decoder after
-    changing parameters. ``step(tokens (b,) integer) -> logits (b, num_tokens)``;
-    ``length_limit`` is checked on the host eagerly, on the device compiled. ``position``:
-    tokens consumed (prompt included; the cache's). ``step_threads``: the torch thread count
-    of an eager step (None: torch's own); on a CPU 1 for at most ``ONE_THREAD_MAX_BATCH`` rows:
-    a step's small operations gain nothing from a second thread and wait for it when another
-    process holds the core (benchmarks/README.md). ``compilable``: whether the step compiles as
-    one graph (not with axial attention).
-    """
-
-    def __init__(self, model, cache, batch, input_mask=None):
-        self.model, self.cache, self.batch, self.length_limit = model, cache, batch, model.length_limit
-        self.device = device = model.token_emb.weight.device
-        self.step_threads = 1 if device.type == "cpu" and batch <= ONE_THREAD_MAX_BATCH else None
-        self.compilable = not model.transformer.attend_axially
-        # the latest first real token over the rows (prompts are padded on the left)
-        first_real = 0
-        if input_mask is not None:  # (a row without any: its first generated token; built once: a sync is fine)
-            first = torch.where(input_mask.any(dim=1), input_mask.int().argmax(dim=1), input_mask.shape[1])
-            first_real = int(first.max())
-        self.made = model.prepare_step(cache, batch, first_real)
-        cache.counter.on(device)
-        if device.type == "cuda":  # CUDA graphs: the tensors a step reads keep their addresses
-            # (only there: importing torch._dynamo takes seconds, and a CPU has no graphs to capture)
-            self.mark_static()
-
-    def buffers(self):
-        """Every tensor the steps update in place (their shapes never change): the position
-        and the cache's buffers."""
-        return tensors_of(self.cache)
-
-    def static_tensors(self):
-        """Every tensor a traced step reads or writes other than the model's parameters: the
-        cache's buffers and what ``prepare_step`` made (the inputs a CUDA graph keeps)."""
-        return self.buffers() + _made_tensors(self.made)
-
-    def mark_static(self):
-        """Mark ``static_tensors`` as static addresses (``torch._dynamo.mark_static_address``):
-        a CUDA graph of the step then reads them where they are, with no copy per replay."""
-        for tensor in self.static_tensors():
-            torch._dynamo.mark_static_address(tensor)
-
-    @property
-    def position(self):
-        return self.cache.position
-
-    def step(self, tokens):
-        check_integer_ids(tokens, "tokens")
-        if tokens.dtype != torch.int64:  # (any integer dtype: the embedding takes int64)
-            tokens = tokens.long()
-        if tuple(tokens.shape) != (self.batch,):
-            raise ValueError(f"tokens must have shape ({self.batch},): one token per row, got {tuple(tokens.shape)}")
-        counter = self.cache.counter
-        if torch.compiler.is_compiling():
-            # no host count under compile (a Python int that changes would recompile): the
-            # device checks, and an eager step after this reads the position back
-            if self.length_limit is not None:
-                torch._assert_async(counter.tensor < self.length_limit,
-                                    "decoder step past max_seq_len: sequence length exceeds max_seq_len")
-            with torch.no_grad():
-                return self.model.step(tokens, self.cache, self.made)
-        p = int(counter)
-        self.model.transformer.check_length(p + 1)
-        threads, saved = self.step_threads, None
-        if threads is not None and torch.get_num_threads() != threads:
-            saved = torch.get_num_threads()
-            torch.set_num_threads(threads)
-        # under autocast a step takes the form a compiled step traces (its F.linear casts; the
-        # eager form writes into buffers of the model's dtype)
-        host = None if torch.is_autocast_enabled(self.device.type) else p
-        try:
-            if torch.is_inference_mode_enabled():  # (generate runs in it: no context to enter)
-                return self.model.step(tokens, self.cache, self.made, host)
-            with torch.inference_mode():
-                return self.model.step(tokens, self.cache, self.made, host)
-        finally:
-            if saved is not None:
-                torch.set_num_threads(saved)
 
 
 def _made_tensors(made):

@@ -9,6 +9,11 @@ A forward runs x (b, n, …) in one of four modes:
 * context parallel: x is one rank's slice of a sequence split over ``group``
   (``context_parallel.py``), its first token at ``group.start``.
 
+Positions count per row from the row's first real token: when the first call of a sequence
+has rows padded on the left (``input_mask``), ``row_starts`` holds each row's first real
+column, so that such a row computes what it computes alone (a cache keeps it for the calls
+that continue the sequence).
+
 The modes exclude each other, and ``Place.of`` checks that once, where the object is made.
 What a given layer cannot do in a mode (Linformer with packed sequences, a window longer than
 a slice) is that layer's to refuse, in the ``check`` it hands to ``Place.of``, which runs
@@ -23,6 +28,7 @@ from typing import Callable, Optional
 import torch
 
 from .context_parallel import ContextParallel
+from .ops.common import check_mask
 from .ops.segments import check_segment_ids, positions_in_segment, segment_runs
 
 
@@ -37,8 +43,9 @@ class Place:
         segments: (b, n) long run index of packed sequences, or None.
         group: a ``ContextParallel`` when x is one rank's slice, or None.
         rotary: (cos, sin) of x's positions for rotary embeddings, or None.
-        tensor: on a decoder's step, the position as a long tensor of no dimension on the
+        tensor: on a one-token step, the position as a long tensor of no dimension on the
             model's device (the cache's ``Position``), else None.
+        row_starts: (b,) long, each row's first real column (rows padded on the left), or None.
     """
 
     position: Optional[int] = 0
@@ -47,18 +54,27 @@ class Place:
     group: Optional[ContextParallel] = None
     rotary: Optional[tuple] = None
     tensor: Optional[torch.Tensor] = None
+    row_starts: Optional[torch.Tensor] = None
 
     @classmethod
     def of(cls, x, cache=None, return_cache=False, segment_ids=None, context_parallel=None,
-           check: Optional[Callable[["Place", int, bool], None]] = None) -> "Place":
+           check: Optional[Callable[["Place", int, bool], None]] = None, input_mask=None) -> "Place":
         """The place of x (b, n, …) given a forward's arguments (``cache``: the one x continues;
-        ``return_cache``: the forward returns one), checked as the module docstring says: the
-        layer's ``check(place, n, parallel)`` runs before the group communicates."""
+        ``return_cache``: the forward returns one; ``input_mask``: x's, for ``row_starts``),
+        checked as the module docstring says: the layer's ``check(place, n, parallel)`` runs
+        before the group communicates."""
         cached = cache is not None or return_cache
         check_segment_ids(segment_ids, x.shape[:2])
         check_modes(segment_ids is not None, cached, context_parallel is not None)
+        if cache is not None:
+            row_starts = continued_row_starts(getattr(cache, "row_starts", None), cache.position, input_mask)
+        elif segment_ids is None and context_parallel is None:
+            check_mask(input_mask, *x.shape[:2], "input_mask")
+            row_starts = left_padding(input_mask)
+        else:  # (packed rows count positions per segment; a slice cannot see where its row starts)
+            row_starts = None
         place = cls(0 if cache is None else cache.position, cached,
-                    None if segment_ids is None else segment_runs(segment_ids))
+                    None if segment_ids is None else segment_runs(segment_ids), row_starts=row_starts)
         if check is not None:
             check(place, x.shape[1], context_parallel is not None)
         if context_parallel is None:
@@ -71,16 +87,51 @@ class Place:
         return self.group.start if self.group is not None else self.position
 
     def positions(self, n, device=None) -> torch.Tensor:
-        """x's positions: (n,) from ``start``, or (b, n) inside each packed segment."""
+        """x's positions: (n,) from ``start``, or (b, n) inside each packed segment or from
+        each row's first real column (padding before it at 0)."""
         if self.segments is not None:
             return positions_in_segment(self.segments)
-        return torch.arange(self.start, self.start + n, device=device)
+        columns = torch.arange(self.start, self.start + n, device=device)
+        if self.row_starts is None:
+            return columns
+        return (columns - self.row_starts[:, None]).clamp(min=0)
+
+    def row_runs(self, n, device=None) -> Optional[torch.Tensor]:
+        """(b, n) long: 0 on a row's padding before its first real column, 1 from there on
+        (segments that align each row's windows and blocks to its own start), or None."""
+        if self.row_starts is None:
+            return None
+        return (torch.arange(self.start, self.start + n, device=device) >= self.row_starts[:, None]).long()
 
     def but(self, **changes) -> "Place":
         return dataclasses.replace(self, **changes)
 
 
 PLAIN = Place()
+
+
+def continued_row_starts(row_starts, position, input_mask):
+    """A cache's ``row_starts`` after a call that continues it at column ``position``: a row
+    that has had no real token yet (its start still ``position``) starts at this call's
+    first real token (or after it)."""
+    if row_starts is None or input_mask is None:
+        return row_starts
+    first = torch.where(input_mask.any(dim=1), input_mask.int().argmax(dim=1), input_mask.shape[1])
+    return torch.where(row_starts == position, position + first, row_starts)
+
+
+def left_padding(input_mask):
+    """Each row's first real column (b,) long when some row of ``input_mask`` (b, n) starts
+    with padding, else None (one value read back; none inside ``torch.compile``, where the
+    columns are always counted per row). A row without a real token starts after the last
+    column."""
+    if input_mask is None:
+        return None
+    n = input_mask.shape[1]
+    starts = torch.where(input_mask.any(dim=1), input_mask.int().argmax(dim=1), n)
+    if not torch.compiler.is_compiling() and not bool(starts.any()):
+        return None
+    return starts
 
 
 def check_modes(packed=False, cached=False, parallel=False):

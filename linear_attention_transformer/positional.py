@@ -117,9 +117,10 @@ class RotaryEmbedding(nn.Module):
 
 def apply_rotary(x, cos_sin):
     """x (b, h, n, d) (or (..., n, d)) rotated by the angles of its positions, cos and sin
-    (n, d) or per row (b, n, d); computed in at least float32."""
+    (n, d) or per row (b, n, d) (a one-token step's x (b, h, d) takes (b, 1, d) per row);
+    computed in at least float32."""
     cos, sin = cos_sin
-    if cos.ndim == 3:  # one set of positions per row: broadcast over the heads
+    if cos.ndim == 3 and x.ndim == 4:  # one set of positions per row: broadcast over the heads
         cos, sin = cos[:, None], sin[:, None]
     dtype = x.dtype
     x = x.to(torch.promote_types(dtype, cos.dtype))

@@ -72,12 +72,12 @@ class Branch(nn.Module):
             out = self.fn.attend(h, place, cache=None if cache is None else cache.fn, **routed)
         return (self.dropout(out), cache) if place.cached else self.dropout(out)
 
-    def prepare_step(self, cache, batch, position, first_real=None):
-        """What ``step`` reads besides its ``BranchCache``, made once per decoder: the norm's
+    def prepare_step(self, cache, batch, position, first_real=None, ragged=False):
+        """What ``step`` reads besides its ``BranchCache``, made once per cache: the norm's
         arguments, the module, and what its ``prepare_step`` makes (None for a module without)."""
         norm, prepare = self.norm, getattr(self.fn, "prepare_step", None)
         return ((norm.normalized_shape, norm.weight, norm.bias, norm.eps), self.fn,
-                None if prepare is None else prepare(cache.fn, batch, position, first_real))
+                None if prepare is None else prepare(cache.fn, batch, position, first_real, ragged))
 
     def step(self, x, cache, made, at, into=None):
         """One token x (b, dim) at ``at`` (a step's ``Place``) through the branch, its
@@ -428,7 +428,8 @@ class LinearAttentionTransformer(nn.Module):
             raise ValueError(f"x must have shape (batch, seq_len >= 1, {self.dim}), got {tuple(x.shape)}")
         if positions is not None and self.rotary is None:
             raise ValueError("positions are the rotary embedding's, and this model was built without use_rotary_emb=True")
-        place = Place.of(x, cache, return_cache, segment_ids, context_parallel, check=self.check_place)
+        place = Place.of(x, cache, return_cache, segment_ids, context_parallel, check=self.check_place,
+                         input_mask=input_mask)
         out = self.attend(x, place, input_mask, context, context_mask, for_call(cache, return_cache), positions)
         return out[0] if place.cached and not return_cache else out
 
@@ -477,6 +478,7 @@ class LinearAttentionTransformer(nn.Module):
         made when None), composed by the stack's own rule (``reversible.py``)."""
         if cache is None:
             cache = DecodingCache(Position(0), [[None, None] for _ in self.layers.blocks])
+        cache.row_starts = place.row_starts  # (a row without a real token yet moves its start on)
 
         def continuing(branch, pair, i):
             def call(h):

@@ -244,9 +244,10 @@ def test_token_ids_of_any_integer_dtype(dtype):
     assert torch.equal(model(x.to(dtype)), model(x))
     wrapper = AutoregressiveWrapper(model)
     assert torch.equal(wrapper(x.to(dtype)), wrapper(x))
-    _, ours = model.start_decoding(x[:, :4].to(dtype))
-    _, want = model.start_decoding(x[:, :4])
-    assert torch.equal(ours.step(x[:, 4].to(dtype)), want.step(x[:, 4]))
+    with torch.no_grad():  # the one-token step
+        _, ours = model(x[:, :4].to(dtype), return_cache=True)
+        _, want = model(x[:, :4], return_cache=True)
+        assert torch.equal(model(x[:, 4:5].to(dtype), cache=ours), model(x[:, 4:5], cache=want))
     out = wrapper.generate(x[:, :4].to(dtype), 5, temperature=0.0)
     assert out.dtype == dtype and torch.equal(out.long(), wrapper.generate(x[:, :4], 5, temperature=0.0))
 
@@ -499,7 +500,9 @@ def test_cached_path_equals_recompute(masked):
     # then rebuilt from the last 6 tokens each step
     assert [c["x"].shape[1] for c in net.calls] == [3, 1, 1, 1, 6, 6, 6]
     assert [c["cache_in"] is None for c in net.calls] == [True, False, False, False, True, True, True]
-    assert all(c["input_mask"].shape == c["x"].shape for c in net.calls)
+    # the prompt's and the rebuilding calls take the mask; a one-token call has a real token and the cache alone
+    assert all(c["input_mask"].shape == c["x"].shape for c in net.calls if c["cache_in"] is None)
+    assert all(c["input_mask"] is None for c in net.calls if c["cache_in"] is not None)
     assert net.calls[0]["input_mask"][0, 0].item() == (not masked)
 
     torch.manual_seed(7)
@@ -785,17 +788,17 @@ def test_wrapper_return_loss_false_still_returns_logits():
     assert torch.equal(out, net(x))
 
 
-def test_generate_past_max_seq_len_builds_no_decoder_it_will_not_step(monkeypatch):
-    # past the window every step rebuilds from its own last max_seq_len tokens, so a decoder
-    # primed there would never be stepped: only the first one (primed on the prompt) is built
+def test_generate_past_max_seq_len_steps_only_within_it(monkeypatch):
+    # a position table's model: past max_seq_len (32) every call rebuilds the cache from its
+    # own last 32 tokens, so one-token steps run only while the sequence fits
     torch.manual_seed(5)
     net = small_lm(False).eval()
     wrapper = AutoregressiveWrapper(net)
     prompt = torch.randint(0, 23, (2, 10))
     recomputed = wrapper.generate(prompt, 40, temperature=0, use_cache=False)
-    primed = []
-    start_decoding = type(net).start_decoding
-    monkeypatch.setattr(type(net), "start_decoding", lambda self, *a, **k: primed.append(1) or start_decoding(self, *a, **k))
+    steps = []
+    step = type(net).step
+    monkeypatch.setattr(type(net), "step", lambda self, *a, **k: steps.append(1) or step(self, *a, **k))
     cached = wrapper.generate(prompt, 40, temperature=0, use_cache=True)
     assert torch.equal(cached, recomputed)  # 10 + 40 tokens: 18 steps beyond max_seq_len = 32
-    assert len(primed) == 1
+    assert len(steps) == 32 - 10  # the sequences of 11 to 32 tokens

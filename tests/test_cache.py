@@ -59,7 +59,10 @@ def make(cfg, dtype=D, seed=0):
 def inputs(cfg, n=23, dtype=D):
     x = torch.randint(0, 20, (2, n))
     mask = torch.ones(2, n, dtype=torch.bool)
-    mask[1, :3] = False  # a left-padded prompt
+    if cfg.get("blindspot_size", 1) > 1:
+        mask[1, 5:8] = False  # (blindspot blocks with rows padded on the left are refused in a cache)
+    else:
+        mask[1, :3] = False  # a left-padded prompt
     kw = {}
     if cfg.get("receives_context"):
         kw = dict(context=torch.randn(2, 7, 16, dtype=dtype), context_mask=torch.rand(2, 7) > 0.3)
@@ -229,6 +232,10 @@ def test_generate_cached_and_recomputed_tokens_identical(name, filter_fn):
     prompt = torch.randint(0, 20, (2, 6))
     mask = torch.ones(2, 6, dtype=torch.bool)
     mask[0, :2] = False  # left-padded batch of different prompt lengths
+    if CONFIGS[name].get("blindspot_size", 1) > 1:  # refused in a cache: each row's blocks start elsewhere
+        with pytest.raises(ValueError, match="blindspot_size=4 with rows padded on the left"):
+            wrapper.generate(prompt, 4, input_mask=mask)
+        mask[0, :2] = True
     results = []
     for use_cache in (True, False):
         torch.manual_seed(11)

@@ -1,5 +1,7 @@
-"""The one-token decoder (lm.py's ``Decoder``) equals the full forward, and the in-place recurrence
-step (``CausalState``, ops/causal/recurrent.py) equals the reference step beside it."""
+"""The one-token step (a forward with a cache and one token per row while no gradient is recorded:
+lm.py's ``LinearAttentionTransformerLM.step`` on the cache's ``steps``) equals the full forward, and
+the in-place recurrence step (``CausalState``, ops/causal/recurrent.py) equals the reference step
+beside it."""
 
 import pytest
 import torch
@@ -9,7 +11,7 @@ from torch._dynamo.testing import CompileCounterWithBackend
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from linear_attention_transformer import AutoregressiveWrapper, LinearAttentionTransformerLM
-from linear_attention_transformer.lm import Decoder
+from linear_attention_transformer.cache import tensors_of
 from linear_attention_transformer.ops import CausalState, causal_linear_attention, naive_causal_linear_attention
 from linear_attention_transformer.ops.causal.recurrent import join_flags
 
@@ -30,27 +32,76 @@ DECODER_CONFIGS = {
 }
 
 
+class StepCount:
+    """Counts ``model.step`` calls (the one-token step, not the general cached path)."""
+
+    def __init__(self, model):
+        self.model, self.calls = model, 0
+
+    def __enter__(self):
+        original = self.model.step
+
+        def counted(*args, **kwargs):
+            self.calls += 1
+            return original(*args, **kwargs)
+
+        self.model.step = counted
+        return self
+
+    def __exit__(self, *exc):
+        del self.model.step
+
+
+def prime(model, x, mask=None, **kw):
+    """The prompt x read under no_grad: (logits at its last position (b, num_tokens), cache)."""
+    with torch.no_grad():
+        logits, cache = model(x, input_mask=mask, return_cache=True, **kw)
+    return logits[:, -1], cache
+
+
+def step(model, tokens, cache):
+    """One token per row, tokens (b,), through the one-token step on ``cache`` -> logits (b, num_tokens)."""
+    with torch.no_grad():
+        logits, same = model(tokens[:, None], cache=cache, return_cache=True)
+    assert same is cache
+    return logits[:, 0]
+
+
 def decoded(model, x, mask, kw, prompt):
-    """Logits for positions prompt - 1 .. n - 1: the prompt's last, then one per step."""
-    logits, decoder = model.start_decoding(x[:, :prompt], input_mask=mask[:, :prompt], **kw)
-    steps = [logits] + [decoder.step(x[:, t]) for t in range(prompt, x.shape[1])]
-    return torch.stack(steps, dim=1), decoder
+    """Logits for positions prompt - 1 .. n - 1: the prompt's last, then one per token fed: a
+    real token in every row takes the one-token step; a column with padding (interior padding
+    of blindspot configs, ``inputs``) takes the general cached path with its mask. Returns
+    (logits, cache, the one-token steps taken, the steps expected)."""
+    logits, cache = prime(model, x[:, :prompt], mask[:, :prompt], **kw)
+    outs, expected = [logits], 0
+    with StepCount(model) as count:
+        for t in range(prompt, x.shape[1]):
+            if bool(mask[:, t].all()):
+                outs.append(step(model, x[:, t], cache))
+                expected += 1
+            else:
+                with torch.no_grad():
+                    out, cache = model(x[:, t:t + 1], input_mask=mask[:, t:t + 1], cache=cache, return_cache=True)
+                outs.append(out[:, 0])
+    return torch.stack(outs, dim=1), cache, count.calls, expected
 
 
 @pytest.mark.parametrize("name", list(DECODER_CONFIGS))
-@pytest.mark.parametrize("prompt", [3, 4, 9])  # the padding (first 3 tokens of row 1) is in the prompt
+# the padding (first 3 tokens of row 1; columns 5 .. 7 with a blindspot, ``inputs``) in the prompt or not
+@pytest.mark.parametrize("prompt", [3, 4, 9])
 def test_decoder_equals_full_forward_float64(name, prompt):
     cfg = DECODER_CONFIGS[name]
     model = make(cfg)
     x, mask, kw = inputs(cfg)
     before = {k: v.clone() for k, v in model.state_dict().items()}
     full = model(x, input_mask=mask, **kw)
-    out, decoder = decoded(model, x, mask, kw, prompt)
-    assert isinstance(decoder, Decoder)  # the lean form, not the fallback
-    assert decoder.position == x.shape[1]
+    out, cache, steps, expected = decoded(model, x, mask, kw, prompt)
+    assert steps == expected > 0  # the one-token step, not the general cached path
+    assert cache.steps is not None and not cache.steps.stale()
+    assert cache.position == x.shape[1]
     scale = full[mask].abs().max()
     assert (out - full[:, prompt - 1:])[mask[:, prompt - 1:]].abs().max() <= 1e-12 * scale
-    after = model.state_dict()  # the decoder copies weights; it never adds to or writes into the model
+    after = model.state_dict()  # the steps read the weights; they never add to or write into the model
     assert list(after) == list(before) and all(torch.equal(after[k], before[k]) for k in before)
 
 
@@ -63,13 +114,13 @@ def local_caches(cache):
                                   "elu, blindspot 3, no gate"])
 def test_the_cache_read_after_steady_steps_holds_every_key_position(name):
     """Eager steps past the point where every ring slot holds a real key read the local
-    heads' bias from a table made once, and still write each key's position: the decoder's
+    heads' bias from a table made once, and still write each key's position: the stepped
     cache equals the full forward's, and the cached path continues from it."""
     cfg = DECODER_CONFIGS[name]
     model = make(cfg)
     x, mask, kw = inputs(cfg, n=30)
-    _, decoder = decoded(model, x[:, :27], mask[:, :27], kw, prompt=4)
-    cache = decoder.cache
+    _, cache, steps, expected = decoded(model, x[:, :27], mask[:, :27], kw, prompt=4)
+    assert steps == expected >= 19
     _, full_cache = model(x[:, :27], input_mask=mask[:, :27], return_cache=True, **kw)
     ours, want = local_caches(cache), local_caches(full_cache)
     assert len(ours) == len(want) > 0
@@ -93,7 +144,8 @@ def test_decoder_exact_at_large_logits(name):
                 layer.to_kv.weight.mul_(300.0)
     x, mask, kw = inputs(cfg)
     full = model(x, input_mask=mask, **kw)
-    out, _ = decoded(model, x, mask, kw, 5)
+    out, _, steps, expected = decoded(model, x, mask, kw, 5)
+    assert steps == expected > 0
     assert torch.isfinite(out).all()
     assert (out - full[:, 4:])[mask[:, 4:]].abs().max() <= 1e-9 * full[mask].abs().max()
 
@@ -103,7 +155,8 @@ def test_decoder_float32_close_to_full_forward():
     model = make(cfg, torch.float32)
     x, mask, kw = inputs(cfg, dtype=torch.float32)
     full = model(x, input_mask=mask, **kw)
-    out, _ = decoded(model, x, mask, kw, 5)
+    out, _, steps, expected = decoded(model, x, mask, kw, 5)
+    assert steps == expected > 0
     torch.testing.assert_close(out[mask[:, 4:]], full[:, 4:][mask[:, 4:]], rtol=1e-4, atol=1e-4)
 
 
@@ -118,7 +171,8 @@ def test_decoder_under_autocast_close_to_full_forward(name):
     x, mask, kw = inputs(cfg, dtype=torch.float32)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         full = model(x, input_mask=mask, **kw)
-        out, _ = decoded(model, x, mask, kw, 5)
+        out, _, steps, expected = decoded(model, x, mask, kw, 5)
+    assert steps == expected > 0
     assert out.dtype == full.dtype == torch.bfloat16
     err = (out.float() - full[:, 4:].float())[mask[:, 4:]].abs().max()
     assert err <= 0.03 * full[mask].float().abs().max()
@@ -128,18 +182,20 @@ def test_axial_model_gets_the_general_form_behind_the_same_interface():
     cfg = CONFIGS["gate+conv+axial+rotary"]
     model = make(cfg)
     x, mask, kw = inputs(cfg)
-    out, decoder = decoded(model, x, mask, kw, 6)
-    assert isinstance(decoder, Decoder) and not decoder.compilable  # axial attention steps on its cached path
+    out, _, steps, expected = decoded(model, x, mask, kw, 6)
+    assert steps == expected > 0 and not model.step_compiles  # axial attention steps on its cached path
     full = model(x, input_mask=mask, **kw)
     assert (out - full[:, 5:])[mask[:, 5:]].abs().max() <= 1e-12 * full[mask].abs().max()
 
 
 def test_decoder_refuses_steps_beyond_max_seq_len():
     model = make(CONFIGS["exact global"])
-    _, decoder = model.start_decoding(torch.randint(0, 20, (1, 39)))
-    decoder.step(torch.tensor([3]))  # position 39: the last one of max_seq_len = 40
-    with pytest.raises(ValueError, match="max_seq_len"):
-        decoder.step(torch.tensor([3]))
+    assert model.length_limit == 40
+    _, cache = prime(model, torch.randint(0, 20, (1, 39)))
+    step(model, torch.tensor([3]), cache)  # position 39: the last one of max_seq_len = 40
+    with pytest.raises(ValueError, match="sequence length 41 exceeds max_seq_len=40"):
+        step(model, torch.tensor([3]), cache)
+    assert cache.position == 40
 
 
 def test_generate_uses_the_decoder_and_matches_recompute():
@@ -148,14 +204,55 @@ def test_generate_uses_the_decoder_and_matches_recompute():
     prompt = torch.randint(0, 20, (3, 5))
     mask = torch.ones(3, 5, dtype=torch.bool)
     mask[2, :2] = False
-    calls = []
-    original = model.start_decoding
-    model.start_decoding = lambda *a, **k: calls.append(1) or original(*a, **k)
-    cached = wrapper.generate(prompt, 30, temperature=0, input_mask=mask, use_cache=True)
-    del model.start_decoding
+    primed = []
+    hook = model.register_forward_pre_hook(lambda m, args, kwargs: primed.append(kwargs.get("cache") is None),
+                                           with_kwargs=True)
+    with StepCount(model) as count:
+        cached = wrapper.generate(prompt, 30, temperature=0, input_mask=mask, use_cache=True)
+    hook.remove()
     recomputed = wrapper.generate(prompt, 30, temperature=0, input_mask=mask, use_cache=False)
-    assert calls == [1]  # primed once, then stepped
+    assert primed == [True] + [False] * 29 and count.calls == 29  # primed once, then stepped
     assert torch.equal(cached, recomputed)
+
+
+def test_steps_are_made_again_when_a_parameter_changes_in_place():
+    """``cache.steps`` copies some weights once (each attention layer's concatenated
+    projection); a parameter changed in place between steps (an optimizer step) makes it
+    stale, and the next step makes it anew: its logits are a fresh full forward's with the new
+    weights (float64). A weight the step reads where it is (the output layer) shows at once.
+    The changed weights (the last attention layer's queries, the output layer) leave every
+    cached state as it was, so the full forward is the judge."""
+    cfg = DECODER_CONFIGS["exact global"]
+    model = make(cfg)
+    x, mask, _ = inputs(cfg, n=13)
+
+    @torch.no_grad()
+    def full(n):  # the logits at position n - 1 of a fresh full forward
+        return model(x[:, :n], input_mask=mask[:, :n])[:, -1]
+
+    _, cache = prime(model, x[:, :6], mask[:, :6])
+    for t in range(6, 9):
+        step(model, x[:, t], cache)
+    made, before = cache.steps, full(10)
+    g = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        model.to_logits.weight.add_(torch.randn(model.to_logits.weight.shape, generator=g, dtype=D))
+    got, want = step(model, x[:, 9], cache), full(10)
+    assert (want - before).abs().max() > 1e-3  # the change shows in the logits
+    assert (got - want).abs().max() <= 1e-12 * want.abs().max()
+
+    made, before = cache.steps, full(11)
+    last_attention = [m for m in model.modules() if hasattr(m, "to_q") and hasattr(m, "to_kv")][-1]
+    with torch.no_grad():
+        last_attention.to_q.weight.add_(torch.randn(last_attention.to_q.weight.shape, generator=g, dtype=D))
+    assert made.stale()
+    got, want = step(model, x[:, 10], cache), full(11)
+    assert cache.steps is not made and not cache.steps.stale()  # made anew, once
+    assert (want - before).abs().max() > 1e-3
+    assert (got - want).abs().max() <= 1e-12 * want.abs().max()
+    got = step(model, x[:, 11], cache)  # and the steps after it
+    want = full(12)
+    assert (got - want).abs().max() <= 1e-12 * want.abs().max()
 
 
 # ------------------------------------------------------------ the recurrence step alone
@@ -261,10 +358,15 @@ def make_long(cfg, dtype=D):
     return model
 
 
-def padded_prompt(n=5):
+def padded_prompt(cfg, n=5):
+    """Row 1 padded on the left (2 tokens), or with a blindspot (refused with left padding in a
+    cache) in its interior (columns 2 and 3)."""
     x = torch.randint(0, 20, (2, n), generator=torch.Generator().manual_seed(2))
     mask = torch.ones(2, n, dtype=torch.bool)
-    mask[1, :2] = False
+    if cfg.get("blindspot_size", 1) > 1:
+        mask[1, 2:4] = False
+    else:
+        mask[1, :2] = False
     return x, mask
 
 
@@ -291,41 +393,49 @@ def test_step_makes_no_sync_and_keeps_its_buffers(name):
     window): no op reads a value back, eager or in the form a compiled step traces
     (``model.step`` without the host's position), and every buffer keeps its shape and its
     memory. The traced form runs the same ops on the same shapes at every position."""
-    model = make_long(LONG_CONFIGS[name], torch.float32)
-    x, mask = padded_prompt()
-    _, decoder = model.start_decoding(x, input_mask=mask)
-    buffers = decoder.buffers()
-    layout = [(tuple(t.shape), t.data_ptr()) for t in buffers]
+    cfg = LONG_CONFIGS[name]
+    model = make_long(cfg, torch.float32)
+    x, mask = padded_prompt(cfg)
+    _, cache = prime(model, x, mask)
+    made = cache.steps
+    layout = [(tuple(t.shape), t.data_ptr()) for t in cache.static_tensors()]
     tokens = torch.tensor([3, 7])
-    with OpLog() as log:
+    column = tokens[:, None]
+    with OpLog() as log, torch.no_grad():
         for _ in range(30):
-            decoder.step(tokens)
+            model(column, cache=cache, return_cache=True)
     assert log.syncs() == []
+    assert cache.steps is made  # made once, not again per step
     per_step = []
     with torch.inference_mode():
         for _ in range(30):
             with OpLog() as log:
-                model.step(tokens, decoder.cache, decoder.made)
+                model.step(tokens, cache, cache.steps)
             assert log.syncs() == []
             per_step.append(log.ops)
     assert all(ops == per_step[0] for ops in per_step)
-    assert [(tuple(t.shape), t.data_ptr()) for t in decoder.buffers()] == layout
-    assert decoder.position == 5 + 60
+    assert [(tuple(t.shape), t.data_ptr()) for t in cache.static_tensors()] == layout
+    assert [(tuple(t.shape), t.data_ptr()) for t in tensors_of(cache)] == layout[:len(tensors_of(cache))]
+    assert cache.position == 5 + 60
 
 
 def test_the_step_reads_tensors_made_once_and_marked_static():
     """What a step reads besides the parameters and the cache (each attention layer's
-    concatenated projection, the position table, ...) is made once per decoder: those tensors
-    keep their memory over eager and compiled steps, ``mark_static`` marks every one of them
-    (``torch._dynamo.mark_static_address``: a CUDA graph then reads them where they are, with
-    no copy per replay), and a compiled step's graph takes them as its inputs."""
-    model = make_long(LONG_CONFIGS["global gate per feature+conv+rotary+exact window+kv_heads"], torch.float32)
-    x, mask = padded_prompt()
-    _, decoder = model.start_decoding(x, input_mask=mask)
-    static = decoder.static_tensors()
+    concatenated projection, the position table, ...) is made once per cache (``cache.steps``):
+    those tensors keep their memory over eager and compiled steps, ``cache.static_tensors()``
+    holds every one of them (marked with ``torch._dynamo.mark_static_address``, as generate
+    does on CUDA, a CUDA graph reads them where they are, with no copy per replay), and the
+    compiled one-token call's graph takes them as its inputs."""
+    cfg = LONG_CONFIGS["global gate per feature+conv+rotary+exact window+kv_heads"]
+    model = make_long(cfg, torch.float32)
+    x, mask = padded_prompt(cfg)
+    _, cache = prime(model, x, mask)
+    made = cache.steps
+    static = cache.static_tensors()
     layout = [(t.data_ptr(), tuple(t.shape)) for t in static]
-    weights = [made.weight for pair in decoder.made.layers for _, _, made in pair if hasattr(made, "weight")]
+    weights = [m.weight for pair in made.layers for _, _, m in pair if hasattr(m, "weight")]
     assert len(weights) == 2 and all(any(w is t for t in static) for w in weights)
+    assert all(any(t is s for s in static) for t in tensors_of(cache) + made.tensors())
     inputs = []
 
     def backend(gm, example_inputs):
@@ -333,15 +443,19 @@ def test_the_step_reads_tensors_made_once_and_marked_static():
         return gm.forward
 
     torch._dynamo.reset()
-    step = AutoregressiveWrapper(model)._compiled_step(decoder, {"backend": backend})
+    for t in static:  # (generate marks them on CUDA only: a CPU has no graphs to capture)
+        torch._dynamo.mark_static_address(t)
+    compiled = AutoregressiveWrapper(model)._one_token_call({"backend": backend}, cache)
     assert all(getattr(t, "_dynamo_static_input_type", None) == "unguarded" for t in static)
     tokens = torch.tensor([3, 7])
-    for _ in range(3):
-        decoder.step(tokens)
-        step(tokens)
+    with torch.no_grad():
+        for _ in range(3):
+            step(model, tokens, cache)
+            compiled(tokens[:, None], cache)
+    assert cache.steps is made
     read = {t.data_ptr() for t in inputs if torch.is_tensor(t)}
     assert all(w.data_ptr() in read for w in weights)
-    assert [(t.data_ptr(), tuple(t.shape)) for t in decoder.static_tensors()] == layout
+    assert [(t.data_ptr(), tuple(t.shape)) for t in cache.static_tensors()] == layout
 
 
 def graphs(counter):
@@ -352,30 +466,35 @@ def graphs(counter):
 
 @pytest.mark.parametrize("name", ["local+blindspot+gate+shift", "local+blindspot+shift"])
 def test_compiled_step_one_graph_over_200_steps_float64(name):
-    """``torch.compile(decoder.step, fullgraph=True)``: one graph, no recompile over 200 steps
-    (local heads with their ring, blindspot joins with the gate or without it, token shift); every step's logits equal the full forward in float64; a
-    second decoder of the same model reuses the graph."""
+    """``torch.compile`` of the one-token call (``model(x, cache=cache, return_cache=True)``,
+    fullgraph=True): one graph, no recompile over 200 steps (local heads with their ring,
+    blindspot joins with the gate or without it, token shift); every step's logits equal the
+    full forward in float64; a second cache of the same model reuses the graph."""
     model = make_long(LONG_CONFIGS[name])
-    x, mask = padded_prompt()
+    x, mask = padded_prompt(LONG_CONFIGS[name])
     tokens = torch.randint(0, 20, (2, 200), generator=torch.Generator().manual_seed(3))
     counter = CompileCounterWithBackend("aot_eager")
     torch._dynamo.reset()
-    with torch._dynamo.config.patch(error_on_recompile=True):
-        logits, decoder = model.start_decoding(x, input_mask=mask)
-        step = torch.compile(decoder.step, backend=counter, fullgraph=True)
-        outs = [logits] + [step(tokens[:, t]) for t in range(200)]
+
+    def one_token(x, cache):
+        return model(x, cache=cache, return_cache=True)[0]
+
+    with torch._dynamo.config.patch(error_on_recompile=True), torch.no_grad():
+        logits, cache = prime(model, x, mask)
+        compiled = torch.compile(one_token, backend=counter, fullgraph=True)
+        outs = [logits] + [compiled(tokens[:, t:t + 1], cache)[:, 0] for t in range(200)]
         assert graphs(counter) == 1
-        _, second = model.start_decoding(x, input_mask=mask)
-        again = torch.compile(second.step, backend=counter, fullgraph=True)
+        _, second = prime(model, x, mask)
+        again = torch.compile(one_token, backend=counter, fullgraph=True)
         for t in range(3):
-            torch.testing.assert_close(again(tokens[:, t]), outs[t + 1], rtol=0, atol=0)
+            torch.testing.assert_close(again(tokens[:, t:t + 1], second)[:, 0], outs[t + 1], rtol=0, atol=0)
         assert graphs(counter) == 1
     full = model(torch.cat((x, tokens), dim=1), input_mask=F.pad(mask, (0, 200), value=True))
     got = torch.stack(outs, dim=1)
     assert (got - full[:, 4:]).abs().max() <= 1e-12 * full.abs().max()
-    assert decoder.position == 205  # read back from the device after compiled steps
-    decoder.step(tokens[:, 0])  # an eager step after compiled ones continues from there
-    assert decoder.position == 206
+    assert cache.position == 205  # read back from the device after compiled steps
+    step(model, tokens[:, 0], cache)  # an eager step after compiled ones continues from there
+    assert cache.position == 206
 
 
 @pytest.mark.parametrize("name", list(LONG_CONFIGS)[2:])
@@ -383,17 +502,21 @@ def test_compiled_step_equals_eager_steps(name):
     """The other layouts (gate per feature, convolution, rotary, exact window, kv_heads; elu
     features, reversible): one graph over 40 steps, equal to eager steps in float64."""
     model = make_long(LONG_CONFIGS[name])
-    x, mask = padded_prompt()
+    x, mask = padded_prompt(LONG_CONFIGS[name])
     tokens = torch.randint(0, 20, (2, 40), generator=torch.Generator().manual_seed(4))
     counter = CompileCounterWithBackend("aot_eager")
     torch._dynamo.reset()
-    _, eager = model.start_decoding(x, input_mask=mask)
-    _, decoder = model.start_decoding(x, input_mask=mask)
-    with torch._dynamo.config.patch(error_on_recompile=True):
-        step = torch.compile(decoder.step, backend=counter, fullgraph=True)
+    _, eager = prime(model, x, mask)
+    _, cache = prime(model, x, mask)
+
+    def one_token(x, cache):
+        return model(x, cache=cache, return_cache=True)[0]
+
+    with torch._dynamo.config.patch(error_on_recompile=True), torch.no_grad():
+        compiled = torch.compile(one_token, backend=counter, fullgraph=True)
         for t in range(40):
-            want = eager.step(tokens[:, t])
-            torch.testing.assert_close(step(tokens[:, t]), want, rtol=1e-13, atol=1e-13)
+            want = step(model, tokens[:, t], eager)
+            torch.testing.assert_close(compiled(tokens[:, t:t + 1], cache)[:, 0], want, rtol=1e-13, atol=1e-13)
     assert graphs(counter) == 1
 
 
@@ -402,36 +525,41 @@ def test_steps_look_positions_up_as_the_full_forward_float64(use_axial_pos_emb):
     """Steps look each position's embedding up (``PositionRows``: by an int on eager steps, by
     the position's tensor on compiled ones) and give the full forward's logits: axial and
     absolute embeddings, positions past one axial row."""
-    model = make_long(dict(use_axial_pos_emb=use_axial_pos_emb, n_local_attn_heads=2, local_attn_window_size=4,
-                           blindspot_size=3))
-    x, mask = padded_prompt()
+    cfg = dict(use_axial_pos_emb=use_axial_pos_emb, n_local_attn_heads=2, local_attn_window_size=4, blindspot_size=3)
+    model = make_long(cfg)
+    x, mask = padded_prompt(cfg)
     tokens = torch.cat((x, torch.randint(0, 20, (2, 12), generator=torch.Generator().manual_seed(4))), dim=1)
     full = model(tokens, input_mask=torch.cat((mask, torch.ones(2, 12, dtype=torch.bool)), dim=1))
-    _, eager = model.start_decoding(x, input_mask=mask)
-    _, traced = model.start_decoding(x, input_mask=mask)
+    _, eager = prime(model, x, mask)
+    _, traced = prime(model, x, mask)
     torch._dynamo.reset()
-    step = torch.compile(traced.step, backend="aot_eager", fullgraph=True)
+    compiled = torch.compile(lambda x, cache: model(x, cache=cache, return_cache=True)[0], backend="aot_eager",
+                             fullgraph=True)
     for t in range(x.shape[1], tokens.shape[1]):
         want = full[:, t]
-        torch.testing.assert_close(eager.step(tokens[:, t]), want, rtol=1e-12, atol=1e-12)
-        torch.testing.assert_close(step(tokens[:, t]), want, rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(step(model, tokens[:, t], eager), want, rtol=1e-12, atol=1e-12)
+        with torch.no_grad():
+            torch.testing.assert_close(compiled(tokens[:, t:t + 1], traced)[:, 0], want, rtol=1e-12, atol=1e-12)
 
 
 def test_compiled_step_checks_max_seq_len_on_the_device():
     model = make_long(LONG_CONFIGS["local+blindspot+gate+shift"], torch.float32)
-    _, decoder = model.start_decoding(torch.randint(0, 20, (1, 254)))
+    _, cache = prime(model, torch.randint(0, 20, (1, 254)))
     torch._dynamo.reset()
-    step = torch.compile(decoder.step, backend="aot_eager", fullgraph=True)
-    step(torch.tensor([1]))  # position 254
-    step(torch.tensor([1]))  # 255: the last of max_seq_len = 256
-    with pytest.raises(RuntimeError, match="max_seq_len"):
-        step(torch.tensor([1]))
+    compiled = torch.compile(lambda x, cache: model(x, cache=cache, return_cache=True)[0], backend="aot_eager",
+                             fullgraph=True)
+    one = torch.tensor([[1]])
+    with torch.no_grad():
+        compiled(one, cache)  # position 254
+        compiled(one, cache)  # 255: the last of max_seq_len = 256
+        with pytest.raises(RuntimeError, match="max_seq_len"):
+            compiled(one, cache)
 
 
 def test_eager_step_runs_on_step_threads_and_restores_torch_threads():
-    """On a CPU an eager step of a few rows runs its ops on one thread (Decoder.step_threads)
-    and leaves torch's thread count as it found it; step_threads None leaves it alone; more
-    rows than ONE_THREAD_MAX_BATCH keep torch's count."""
+    """On a CPU an eager step of a few rows runs its ops (all but views) on one thread
+    (``cache.steps.threads``) and leaves torch's thread count as it found it; threads None leaves it alone; more rows
+    than ONE_THREAD_MAX_BATCH keep torch's count."""
     from linear_attention_transformer.lm import ONE_THREAD_MAX_BATCH
 
     class Threads(TorchDispatchMode):
@@ -440,27 +568,29 @@ def test_eager_step_runs_on_step_threads_and_restores_torch_threads():
             self.seen = set()
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            self.seen.add(torch.get_num_threads())
+            if not func.is_view:  # (the forward's x[:, 0] and logits[:, None] around the step: views, no work)
+                self.seen.add(torch.get_num_threads())
             return func(*args, **(kwargs or {}))
 
-    model = make_long(LONG_CONFIGS["local+blindspot+shift"], torch.float32)
-    x, _ = padded_prompt()
-    _, decoder = model.start_decoding(x)
-    _, many = model.start_decoding(x[:1].expand(ONE_THREAD_MAX_BATCH + 1, -1))
-    assert decoder.step_threads == 1 and many.step_threads is None
+    cfg = LONG_CONFIGS["local+blindspot+shift"]
+    model = make_long(cfg, torch.float32)
+    x, _ = padded_prompt(cfg)
+    _, cache = prime(model, x)
+    _, many = prime(model, x[:1].expand(ONE_THREAD_MAX_BATCH + 1, -1))
+    assert cache.steps.threads == 1 and many.steps.threads is None
     tokens, more_tokens = torch.tensor([3, 7]), torch.full((ONE_THREAD_MAX_BATCH + 1,), 3)
     before = torch.get_num_threads()
     try:
         torch.set_num_threads(2)
         with Threads() as inside:
-            decoder.step(tokens)
+            step(model, tokens, cache)
         assert inside.seen == {1} and torch.get_num_threads() == 2
-        decoder.step_threads = None
+        cache.steps = cache.steps._replace(threads=None)
         with Threads() as inside:
-            decoder.step(tokens)
+            step(model, tokens, cache)
         assert inside.seen == {2}
         with Threads() as inside:
-            many.step(more_tokens)
+            step(model, more_tokens, many)
         assert inside.seen == {2} and torch.get_num_threads() == 2
     finally:
         torch.set_num_threads(before)
@@ -468,12 +598,16 @@ def test_eager_step_runs_on_step_threads_and_restores_torch_threads():
 
 def test_step_refuses_bad_tokens():
     model = make_long(LONG_CONFIGS["local+blindspot+gate+shift"], torch.float32)
-    _, decoder = model.start_decoding(torch.randint(0, 20, (2, 4)))
-    with pytest.raises(TypeError, match="tokens"):
-        decoder.step(torch.tensor([1.0, 2.0]))
-    with pytest.raises(ValueError, match="tokens"):
-        decoder.step(torch.tensor([1, 2, 3]))
-    assert decoder.position == 4
+    _, cache = prime(model, torch.randint(0, 20, (2, 4)))
+    with pytest.raises(TypeError, match="x must be an integer tensor"):
+        step(model, torch.tensor([1.0, 2.0]), cache)
+    with pytest.raises(ValueError, match="x must have one token for each of the cache's 2 rows, got 3"):
+        step(model, torch.tensor([1, 2, 3]), cache)
+    with pytest.raises(ValueError, match="x holds token ids from 1 to 20; valid ids are 0 to 19"):
+        step(model, torch.tensor([1, 20]), cache)
+    with pytest.raises(ValueError, match="x holds token ids from -1 to 2"):
+        step(model, torch.tensor([-1, 2]), cache)
+    assert cache.position == 4
 
 
 # ------------------------------------------------------------ generate(compile_step=...)
@@ -482,9 +616,10 @@ def test_step_refuses_bad_tokens():
 def test_generate_with_a_compiled_step_equals_eager_and_compiles_once():
     """generate(compile_step={...}) picks the tokens the eager step picks (float64, greedy); a
     second call with another prompt and length reuses the graph (no recompile)."""
-    model = make_long(LONG_CONFIGS["local+blindspot+gate+shift"])
+    cfg = LONG_CONFIGS["local+blindspot+gate+shift"]
+    model = make_long(cfg)
     wrapper = AutoregressiveWrapper(model)
-    x, mask = padded_prompt()
+    x, mask = padded_prompt(cfg)
     counter = CompileCounterWithBackend("aot_eager")
     torch._dynamo.reset()
     with torch._dynamo.config.patch(error_on_recompile=True):
@@ -502,10 +637,11 @@ def test_generate_compile_step_refusals():
     for bad in ("yes", 1, {"backend": "eager", 3: 4}):
         with pytest.raises(TypeError, match="compile_step"):
             wrapper.generate(prompt, 2, compile_step=bad)
-    with pytest.raises(ValueError, match="compile_step"):
+    with pytest.raises(ValueError, match="compile_step compiles the net's one-token call with the cache"):
         wrapper.generate(prompt, 2, use_cache=False, compile_step=True)
-    axial = AutoregressiveWrapper(make(CONFIGS["gate+conv+axial+rotary"], torch.float32))  # its decoder steps eagerly only
-    with pytest.raises(ValueError, match="compile_step"):
+    axial = AutoregressiveWrapper(make(CONFIGS["gate+conv+axial+rotary"], torch.float32))  # it steps eagerly only
+    assert not axial.net.step_compiles
+    with pytest.raises(ValueError, match="compile_step: .*has no one-token call that compiles as one graph"):
         axial.generate(prompt, 2, compile_step={"backend": "eager"})
 
 

@@ -58,7 +58,7 @@ def test_context_refused_by_every_entry_of_an_lm_without_receives_context():
     with pytest.raises(ValueError, match=r"context.*receives_context=True"):
         model.output_features(x, context=context)
     with pytest.raises(ValueError, match=r"context.*receives_context=True"):
-        model.start_decoding(x, context=context)
+        model(x, context=context, return_cache=True)
     with pytest.raises(ValueError, match=r"context.*receives_context=True"):
         AutoregressiveWrapper(model).generate(x, 2, context=context)
 

@@ -108,7 +108,7 @@ def test_packed_with_padding_equals_each_segment_alone(causal):
     mask = torch.ones_like(x, dtype=torch.bool)
     mask[0, 14:17] = False  # the end of row 0's fourth segment
     mask[1, 25:26] = False  # row 1's length-1 segment, all padding
-    mask[1, 4:6] = False  # inside a segment
+    mask[1, 5:7] = False  # inside a segment (a segment's positions count from its first token, padding or not)
     packed = model(x, input_mask=mask, segment_ids=segment_ids)
     alone = each_segment_alone(model, x, LENGTHS, mask)
     assert_close(packed[mask], alone[mask])

@@ -1,6 +1,6 @@
 """feature_map='taylor' in whole models: its features are wider than the head (1 + d + d (d + 1) / 2),
-so the causal state, the cache and the decoder must all carry that width. Only public model
-APIs: forward with and without a cache, start_decoding / step."""
+so the causal state, the cache and the one-token step must all carry that width. Only public
+model APIs: forward with and without a cache, one token per row under no_grad (the step)."""
 
 import pytest
 import torch
@@ -43,8 +43,14 @@ def test_taylor_decoder_steps_equal_full_forward(name):
     x = torch.randint(0, 40, (3, 30), generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
         full = model(x)
-        logits, decoder = model.start_decoding(x[:, :7])
-        steps = [logits] + [decoder.step(x[:, t]) for t in range(7, 29)]
+        logits, cache = model(x[:, :7], return_cache=True)
+        made = cache.steps
+        steps = [logits[:, -1]]
+        for t in range(7, 29):
+            out, cache = model(x[:, t:t + 1], cache=cache, return_cache=True)
+            steps.append(out[:, 0])
+    assert made is not None and cache.steps is made  # the one-token step, on what the prompt made
+    assert cache.position == 29
     torch.testing.assert_close(torch.stack(steps, dim=1), full[:, 6:29], rtol=1e-10, atol=1e-10)
 
 
