@@ -44,6 +44,17 @@ def test_the_package_does_not_import_transformers():
     assert out.stdout.strip() == "[]"
 
 
+def test_the_hf_extra_admits_the_releases_tested_and_the_installed_one():
+    import re
+
+    import transformers
+    from packaging.specifiers import SpecifierSet
+
+    setup = (ROOT / "setup.py").read_text(encoding="utf-8")
+    admitted = SpecifierSet(re.search(r'HF_EXTRA = \["transformers([^"]+)"', setup).group(1))
+    assert all(v in admitted for v in ("4.57.6", "5.24.0", transformers.__version__)) and "4.56.2" not in admitted
+
+
 # -- config -------------------------------------------------------------------------------------
 
 def test_every_library_keyword_is_a_config_field_and_the_aliases_resolve(hf):
