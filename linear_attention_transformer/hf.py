@@ -13,6 +13,7 @@ whose interface moves between releases), and both names of the cache keyword (``
 
 from __future__ import annotations
 
+import functools
 import inspect
 
 import torch
@@ -56,6 +57,7 @@ def _library_defaults():
 _LIBRARY_DEFAULTS = _library_defaults()
 
 
+@functools.cache
 def _hf_config_keys():
     """The keywords transformers' own config takes or writes into a config.json, in this release."""
     base = PretrainedConfig()
@@ -90,7 +92,7 @@ class LinearAttentionTransformerConfig(PretrainedConfig):
     ``num_attention_heads`` (heads), ``max_position_embeddings`` (max_seq_len),
     ``tie_word_embeddings`` (tie_embedding). transformers' own keywords (``pad_token_id``,
     ``eos_token_id``, ...) pass to its config. ``model_options()``: the keywords the model is
-    built with.
+    built with; ``DEFAULTS``: every field's default.
     """
 
     model_type = MODEL_TYPE
@@ -113,6 +115,12 @@ class LinearAttentionTransformerConfig(PretrainedConfig):
         super().__init__(tie_word_embeddings=options["tie_embedding"], **kwargs)
         for name, value in options.items():
             setattr(self, name, value)
+
+    def __eq__(self, other):
+        # (transformers 5 makes configs dataclasses whose generated equality sees only its own fields)
+        return isinstance(other, type(self)) and self.to_dict() == other.to_dict()
+
+    __hash__ = None
 
     def model_options(self):
         """The keywords for ``LinearAttentionTransformerLM``: the options that differ from the
@@ -143,7 +151,7 @@ class LinearAttentionTransformerCache:
         self.state = state
 
     def get_seq_length(self, layer_idx=0):
-        """The tokens the cache has consumed (padding included), per row."""
+        """The tokens the cache has consumed (columns, padding included)."""
         return 0 if self.state is None else self.state.position
 
     def reorder_cache(self, beam_idx):

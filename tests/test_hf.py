@@ -66,6 +66,8 @@ def test_every_library_keyword_is_a_config_field_and_the_aliases_resolve(hf):
     assert config.dim == 24 and config.model_options()["dim"] == 24
     assert config.use_gate is False and config.ff_mult == 4 and config.causal is True  # the library's defaults
     assert config.model_options() == dict(num_tokens=100, dim=24, depth=3, heads=6, max_seq_len=96, causal=True)
+    same = hf.LinearAttentionTransformerConfig(**config.model_options())
+    assert same == config and hf.LinearAttentionTransformerConfig(**{**config.model_options(), "dim": 32}) != config
 
 
 def test_per_layer_tuples_survive_the_json_round_trip(hf, tmp_path):
@@ -104,6 +106,9 @@ def test_labels_give_the_loss_of_the_autoregressive_wrapper(hf):
     wrapper = AutoregressiveWrapper(model.model)
     out = model(x, labels=x)
     torch.testing.assert_close(out.loss, wrapper(x), rtol=1e-12, atol=1e-12)
+    embedding = model.model.token_emb.weight
+    grads = [torch.autograd.grad(loss, embedding)[0] for loss in (out.loss, wrapper(x))]
+    torch.testing.assert_close(grads[0], grads[1], rtol=1e-10, atol=1e-12)
     torch.testing.assert_close(out.logits, model.model(x), rtol=0, atol=0)
     # right padding: padded targets are not scored, as with the wrapper's input_mask
     mask = torch.ones_like(x, dtype=torch.bool)
@@ -254,3 +259,17 @@ def test_the_byte_tokenizer_round_trips_any_text_and_reloads(hf, tmp_path):
         assert set(batch) == {"input_ids", "attention_mask"}
         assert batch["input_ids"].tolist() == [[0, 0, 97, 98], [97, 98, 99, 100]]
         assert batch["attention_mask"].tolist() == [[0, 0, 1, 1], [1, 1, 1, 1]]
+
+
+@pytest.mark.requires("accelerate")  # (transformers' Trainer needs it)
+def test_trainer_trains_it(hf, tmp_path):
+    from transformers import Trainer, TrainingArguments
+
+    model = causal_lm(hf, torch.float32)
+    before = model.model.token_emb.weight.detach().clone()
+    rows = [{"input_ids": row, "labels": row} for row in tokens((8, 16))]
+    args = TrainingArguments(output_dir=str(tmp_path), max_steps=2, per_device_train_batch_size=4, learning_rate=1e-2,
+                             report_to="none", save_strategy="no", use_cpu=True, logging_steps=1)
+    result = Trainer(model=model, args=args, train_dataset=rows).train()
+    assert torch.isfinite(torch.tensor(result.training_loss)) and result.global_step == 2
+    assert not torch.equal(model.model.token_emb.weight, before)
