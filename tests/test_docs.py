@@ -9,6 +9,9 @@ at CPU sizes that run in a second or two; there is no marker that shrinks sizes,
 a reader sees are the sizes that ran. A block that raises fails the test of its file, and the
 traceback points at the Markdown file and line. ```bash blocks (and any other language) are
 not executed. The blocks run with one intra-op thread (torch.manual_seed(0) before each file).
+A block fenced as ```python requires=transformers,safetensors needs those optional modules:
+where one does not import, the file's other blocks run and its test then skips naming the
+module (fails under LAT_REQUIRE_OPTIONAL=1, as the ``requires`` marker does).
 
 Besides running the blocks: the README stays short and keeps the two commands CI and users
 copy, relative links in the docs point at files that exist, user-facing text names projects
@@ -16,6 +19,7 @@ rather than "seed 000", every public name has a docstring, and the changelog lea
 version setup.py declares.
 """
 
+import os
 import re
 import warnings
 from pathlib import Path
@@ -24,6 +28,7 @@ import pytest
 import torch
 
 import linear_attention_transformer
+from conftest import REQUIRE_OPTIONAL_ENV, _import_failure
 
 # the blocks build many small models: intra-op threads only wait for each other on a busy machine
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -33,37 +38,62 @@ DOC_FILES = sorted(
     [ROOT / "README.md", ROOT / "examples" / "README.md", ROOT / "benchmarks" / "README.md"]
     + list((ROOT / "docs").rglob("*.md"))
 )
-FENCE = re.compile(r"^```(\w*)[^\n]*\n(.*?)^```[ \t]*$", re.MULTILINE | re.DOTALL)
+FENCE = re.compile(r"^```(\w*)([^\n]*)\n(.*?)^```[ \t]*$", re.MULTILINE | re.DOTALL)
+REQUIRES = re.compile(r"\brequires=(\S+)")
 
 
 def python_blocks(path):
-    """[(first line number of the code, code)] of the ```python blocks of a Markdown file."""
+    """[(first line number of the code, code, the optional modules it requires)] of the
+    ```python blocks of a Markdown file."""
     text = path.read_text(encoding="utf-8")
     blocks = []
     for match in FENCE.finditer(text):
         if match.group(1) == "python":
-            first_line = text.count("\n", 0, match.start(2)) + 1
-            blocks.append((first_line, match.group(2)))
+            first_line = text.count("\n", 0, match.start(3)) + 1
+            requires = REQUIRES.search(match.group(2))
+            blocks.append((first_line, match.group(3), tuple(requires.group(1).split(",")) if requires else ()))
     return blocks
 
 
 def run_blocks(path):
-    """Execute the file's python blocks in order in one fresh namespace; returns how many ran."""
+    """Execute the file's python blocks in order in one fresh namespace; returns how many ran.
+    Blocks whose optional modules do not import are left out, then named in a skip."""
     namespace = {"__name__": f"doc:{path.name}"}
     torch.manual_seed(0)
-    blocks = python_blocks(path)
-    for first_line, code in blocks:
+    blocks, left_out = python_blocks(path), []
+    for first_line, code, requires in blocks:
+        missing = [why for why in map(_import_failure, requires) if why]
+        if missing:
+            left_out.append(f"the block at {path.name}:{first_line} ({'; '.join(missing)})")
+            continue
         # pad so that a traceback's line numbers are the Markdown file's own
         compiled = compile("\n" * (first_line - 1) + code, str(path), "exec")
         exec(compiled, namespace)
+    if left_out:
+        reason = f"not run: {', '.join(left_out)}; the other {len(blocks) - len(left_out)} ran"
+        if os.environ.get(REQUIRE_OPTIONAL_ENV) == "1":
+            pytest.fail(f"{REQUIRE_OPTIONAL_ENV}=1 and {reason}", pytrace=False)
+        pytest.skip(reason)
     return len(blocks)
 
 
 def test_fence_parser_finds_python_blocks_and_their_lines(tmp_path):
     doc = tmp_path / "doc.md"
     doc.write_text("text\n```python\nx = 1\n```\n\n```bash\nls\n```\n```python\ny = x + 1\nassert y == 2\n```\n")
-    assert python_blocks(doc) == [(3, "x = 1\n"), (10, "y = x + 1\nassert y == 2\n")]
+    assert python_blocks(doc) == [(3, "x = 1\n", ()), (10, "y = x + 1\nassert y == 2\n", ())]
     assert run_blocks(doc) == 2
+
+
+def test_a_block_that_requires_a_missing_module_is_left_out_and_named(tmp_path, monkeypatch):
+    doc = tmp_path / "doc.md"
+    doc.write_text("```python\nran = 1\n```\n\n```python requires=torch,no_such_module_here\nraise ValueError\n```\n")
+    assert python_blocks(doc)[1][2] == ("torch", "no_such_module_here")
+    monkeypatch.delenv(REQUIRE_OPTIONAL_ENV, raising=False)
+    with pytest.raises(pytest.skip.Exception, match="doc.md:6 \\(no_such_module_here does not import.*other 1 ran"):
+        run_blocks(doc)
+    monkeypatch.setenv(REQUIRE_OPTIONAL_ENV, "1")
+    with pytest.raises(pytest.fail.Exception, match="no_such_module_here"):
+        run_blocks(doc)
 
 
 def test_a_raising_block_fails_and_names_its_line(tmp_path):
@@ -100,7 +130,7 @@ def test_the_docs_hold_the_blocks_they_are_meant_to():
 
 def test_readme_is_short_and_keeps_the_commands():
     readme = (ROOT / "README.md").read_text(encoding="utf-8")
-    assert len(readme) <= 10_000, len(readme)
+    assert len(readme) <= 12_000, len(readme)
     # .ci/run runs exactly this line; users copy the other
     assert "\npython -m pytest -q tests\n" in readme
     assert "\npython examples/train_enwik8.py" in readme
