@@ -30,7 +30,9 @@ prints a sample from the cached generator every ``--sample-every`` steps and the
 end. ``--save ckpt.pt`` writes a checkpoint every ``--save-every`` steps and at the end;
 ``--resume ckpt.pt`` continues exactly where it stopped (model, optimizer, learning-rate
 schedule, step, the position in the batch order, the random state): the losses after resuming
-are those of an uninterrupted run. ``--log run.json`` writes the history, ``--plot curve.png``
+are those of an uninterrupted run. A checkpoint is plain data (tensors, numbers, strings, lists,
+dicts), read with ``torch.load(weights_only=True)``: a file holding any other object is refused,
+since unpickling it could run code. ``--log run.json`` writes the history, ``--plot curve.png``
 training and validation BPC against steps (needs matplotlib, ``pip install -e ".[examples]"``).
 
 ``--context-parallel P`` (under ``torchrun --nproc_per_node N``, N a multiple of P) splits every
@@ -56,7 +58,9 @@ import gzip
 import json
 import math
 import os
+import pickle
 import platform
+import re
 import statistics
 import sys
 import time
@@ -515,6 +519,34 @@ def plot_history(history, path, title):
     plt.close(fig)
 
 
+CHECKPOINT_KEYS = ("model", "optimizer", "scheduler", "data_rng", "random", "progress", "config")
+
+
+def load_checkpoint(path, device="cpu"):
+    """The checkpoint ``--save`` wrote at ``path``, its tensors on ``device``. Loaded with
+    ``torch.load(weights_only=True)``: a checkpoint is plain data (tensors, numbers, strings,
+    lists, tuples and dicts), so loading one runs no code from the file. A file that holds any
+    other object is refused (SystemExit naming the object) rather than unpickled, as is a file
+    that is no checkpoint of this script."""
+    if not Path(path).is_file():
+        raise SystemExit(f"--resume {path}: no such checkpoint")
+    try:
+        ckpt = torch.load(path, map_location=device, weights_only=True)
+    except pickle.UnpicklingError as e:
+        found = re.search(r"Unsupported global: GLOBAL (\S+)", str(e))
+        what = found.group(1) if found else "an object torch's weights-only loader does not accept"
+        raise SystemExit(f"--resume {path}: the checkpoint holds {what}, not only plain data (tensors, numbers, "
+                         f"strings, lists and dicts, all that this script saves); unpickling it could run code "
+                         f"from the file, so it is not loaded") from None
+    except Exception as e:  # (the unpickler fails in many ways on a file torch.save did not write)
+        raise SystemExit(f"--resume {path}: not a checkpoint written by torch.save "
+                         f"({type(e).__name__}: {e})") from None
+    missing = [k for k in CHECKPOINT_KEYS if not isinstance(ckpt, dict) or k not in ckpt]
+    if missing:
+        raise SystemExit(f"--resume {path}: not a checkpoint of this script (no {', '.join(missing)})")
+    return ckpt
+
+
 OUTPUTS = (("save", "checkpoint"), ("log", "JSON log"), ("plot", "plot"))
 
 
@@ -577,7 +609,7 @@ def train(args, quiet=False):
     data_rng = torch.Generator().manual_seed(args.seed)  # the batch order: the same for every variant
     progress = {"step": 0, "history": [], "train_losses": [], "step_times": []}
     if args.resume:
-        ckpt = torch.load(args.resume, map_location=device, weights_only=False)
+        ckpt = load_checkpoint(args.resume, device)
         differ = {k: (ckpt["config"].get(k), getattr(args, k)) for k in trajectory_keys()
                   if ckpt["config"].get(k) != getattr(args, k)}
         if differ:
@@ -890,9 +922,7 @@ def main(argv=None):
         raise SystemExit("--seq-len must be >= 2, --steps, --batch-size, --grad-accum, --eval-every, "
                          "--context-parallel >= 1 and --threads >= 0 (0: chosen)")
     if args.resume:  # the run's options and outputs from the checkpoint, unless given again
-        if not Path(args.resume).is_file():
-            raise SystemExit(f"--resume {args.resume}: no such checkpoint")
-        saved = torch.load(args.resume, map_location="cpu", weights_only=False)["config"]
+        saved = load_checkpoint(args.resume)["config"]
         given = explicit_options(argv)
         for key in vars(args):
             if key not in given and key not in INVOCATION_KEYS and key in saved:
