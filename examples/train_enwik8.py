@@ -30,10 +30,14 @@ prints a sample from the cached generator every ``--sample-every`` steps and the
 end. ``--save ckpt.pt`` writes a checkpoint every ``--save-every`` steps and at the end;
 ``--resume ckpt.pt`` continues exactly where it stopped (model, optimizer, learning-rate
 schedule, step, the position in the batch order, the random state): the losses after resuming
-are those of an uninterrupted run. A checkpoint is plain data (tensors, numbers, strings, lists,
-dicts), read with ``torch.load(weights_only=True)``: a file holding any other object is refused,
-since unpickling it could run code. ``--log run.json`` writes the history, ``--plot curve.png``
-training and validation BPC against steps (needs matplotlib, ``pip install -e ".[examples]"``).
+are those of an uninterrupted run. A checkpoint is plain data (tensors, numbers, strings,
+lists, dicts), read with ``torch.load(weights_only=True)``: a file holding any other object is
+refused, since unpickling it could run code. ``--hf-save FOLDER`` also writes, at the end, a
+Hugging Face checkpoint (``save_pretrained``: the model and ``byte_tokenizer()``) that
+``AutoModelForCausalLM`` and ``AutoTokenizer.from_pretrained`` load once
+``linear_attention_transformer.hf`` is imported (``pip install -e ".[hf]"``); ``evaluate.py``
+scores one with lm-eval. ``--log run.json`` writes the history, ``--plot curve.png`` training
+and validation BPC against steps (needs matplotlib, ``pip install -e ".[examples]"``).
 
 ``--context-parallel P`` (under ``torchrun --nproc_per_node N``, N a multiple of P) splits every
 window over P processes (``context_parallel=group``, docs/scale.md): the N ranks form N / P
@@ -259,9 +263,10 @@ def gate_granularity_supported():
     return True
 
 
-def build_model(args):
-    """The ``AutoregressiveWrapper`` around a causal byte-level ``LinearAttentionTransformerLM``
-    configured from ``args`` (see ``build_parser``)."""
+def model_options(args):
+    """The keywords of the causal byte-level ``LinearAttentionTransformerLM`` that ``args``
+    describes (see ``build_parser``), apart from what hooks change after it is built
+    (``--conv-activation``, ``--conv-on``, ``--gate-parts``)."""
     switches = VARIANTS[args.variant]
     extra = {}
     if switches["use_gate"]:
@@ -279,7 +284,7 @@ def build_model(args):
     local_heads = args.heads if softmax else args.n_local_attn_heads
     # (a window also sees the one before it: half the context covers all of it)
     window = -(-args.seq_len // 2) if softmax else args.local_attn_window_size
-    net = LinearAttentionTransformerLM(
+    return dict(
         num_tokens=256,
         dim=args.dim,
         depth=args.depth,
@@ -301,10 +306,58 @@ def build_model(args):
         **switches,
         **extra,
     )
+
+
+def build_model(args):
+    """The ``AutoregressiveWrapper`` around a causal byte-level ``LinearAttentionTransformerLM``
+    configured from ``args`` (see ``build_parser``)."""
+    net = LinearAttentionTransformerLM(**model_options(args))
     apply_conv_activation(net, args.conv_activation)
     restrict_conv(net, args.conv_on)
     keep_gate_parts(net, args.gate_parts)
     return AutoregressiveWrapper(net)
+
+
+# options whose effect hooks or edits after construction make: a config cannot describe them
+HOOKED_OPTIONS = (("conv_activation", "none"), ("conv_on", "qkv"), ("gate_parts", "both"))
+
+
+def check_hf_save(args):
+    """Before the first step: ``--hf-save`` names a folder (made when missing) that can be written,
+    ``transformers`` imports, and the model is one a config describes; else SystemExit naming
+    the option."""
+    folder = Path(args.hf_save)
+    hooked = [f"--{key.replace('_', '-')} {getattr(args, key)}" for key, plain in HOOKED_OPTIONS
+              if getattr(args, key) != plain]
+    if hooked:
+        raise SystemExit(f"--hf-save: {', '.join(hooked)} changes the model by hooks that a Hugging Face "
+                         f"config cannot describe; leave it at its default to save one")
+    if folder.exists() and not folder.is_dir():
+        raise SystemExit(f"--hf-save {folder}: a file; name the folder to write the checkpoint into")
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise SystemExit(f"--hf-save {folder}: cannot make the folder ({e})") from None
+    if not os.access(folder, os.W_OK):
+        raise SystemExit(f"--hf-save {folder}: not writable")
+    try:
+        import linear_attention_transformer.hf  # noqa: F401
+    except ImportError as e:
+        raise SystemExit(f"--hf-save needs transformers ({e}): pip install -e \".[hf]\"") from None
+
+
+def save_hf_checkpoint(net, args, folder):
+    """``net`` (the ``LinearAttentionTransformerLM`` trained as ``args`` describes) and the byte
+    tokenizer written into ``folder`` by ``save_pretrained``: ``AutoModelForCausalLM`` and
+    ``AutoTokenizer.from_pretrained(folder)`` load them once ``linear_attention_transformer.hf``
+    is imported."""
+    from linear_attention_transformer.hf import (LinearAttentionTransformerConfig,
+                                                 LinearAttentionTransformerForCausalLM, byte_tokenizer)
+
+    model = LinearAttentionTransformerForCausalLM(LinearAttentionTransformerConfig(**model_options(args)))
+    model.model.load_state_dict(net.state_dict())
+    model.save_pretrained(folder)
+    byte_tokenizer().save_pretrained(folder)
 
 
 # -------------------------------------------------------------------------- training
@@ -548,6 +601,7 @@ def load_checkpoint(path, device="cpu"):
 
 
 OUTPUTS = (("save", "checkpoint"), ("log", "JSON log"), ("plot", "plot"))
+HF_OUTPUT = ("hf_save", "Hugging Face checkpoint")
 
 
 def prepare_outputs(args):
@@ -596,6 +650,8 @@ def train(args, quiet=False):
 
     if main_process:
         prepare_outputs(args)
+        if args.hf_save:
+            check_hf_save(args)
     data_path = args.data or builtin_corpus(args.corpus_cache or default_corpus_cache(), say=say)
     data = load_bytes(data_path)
     train_split, valid_split, test_split = split_data(data)
@@ -624,9 +680,10 @@ def train(args, quiet=False):
         if progress["step"] >= args.steps:
             raise SystemExit(f"--resume {args.resume}: the run is at step {progress['step']} already; "
                              f"pass a larger --steps to train on")
-        outputs = ", ".join(f"{what} {getattr(args, key)}" for key, what in OUTPUTS if getattr(args, key))
+        outputs = ", ".join(f"{what} {getattr(args, key)}" for key, what in (*OUTPUTS, HF_OUTPUT)
+                            if getattr(args, key))
         say(f"resuming from step {progress['step']} of {args.resume}, training to step {args.steps}; "
-            f"writing {outputs or 'no files (no --save, --log or --plot)'}")
+            f"writing {outputs or 'no files (no --save, --log, --plot or --hf-save)'}")
     train_model = model
     if split is not None:  # the same start everywhere (as DDP makes it): rank 0's parameters
         import torch.distributed as dist
@@ -736,6 +793,9 @@ def train(args, quiet=False):
                                  device, split)
     if not main_process:
         return None
+    if args.hf_save:
+        save_hf_checkpoint(model.net, args, args.hf_save)
+        say(f"Hugging Face checkpoint written to {args.hf_save}")
 
     skip = min(args.timing_warmup, max(len(step_times) - 1, 0))
     timed = step_times[skip:] or [float("nan")]
@@ -831,6 +891,9 @@ def build_parser():
                         "OMP_NUM_THREADS (torchrun sets it) torch's count. The choice and why are printed")
     t.add_argument("--save", default=None, help="checkpoint file, written every --save-every steps and at the end")
     t.add_argument("--save-every", type=int, default=500, help="checkpoint interval in steps (0: only at the end)")
+    t.add_argument("--hf-save", default=None, metavar="FOLDER",
+                   help="at the end, also write a Hugging Face checkpoint here (save_pretrained: the model and "
+                        "the byte tokenizer), which AutoModelForCausalLM.from_pretrained loads; needs the hf extra")
     t.add_argument("--resume", default=None,
                    help="continue the run of this checkpoint: its options and outputs (--save, --log, --plot, "
                         "the reporting) unless given again; --steps must grow")

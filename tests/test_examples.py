@@ -157,6 +157,37 @@ def test_a_checkpoint_is_plain_data_and_one_holding_other_objects_is_refused(tex
         train_enwik8.main(["--resume", str(pickled), "--steps", "2"])
 
 
+@pytest.mark.requires("transformers")
+def test_hf_save_writes_a_checkpoint_that_from_pretrained_loads(text, tmp_path):
+    """--hf-save: AutoModelForCausalLM.from_pretrained loads the trained model (the logits of the
+    model --save holds) and AutoTokenizer the byte tokenizer; options made by hooks, which a
+    config cannot describe, are refused before training."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    import linear_attention_transformer.hf  # noqa: F401  (registers the model with the Auto classes)
+
+    ckpt, folder = tmp_path / "ckpt.pt", tmp_path / "hf"
+    argv = ["--data", str(text), *TINY, "--steps", "3", "--test-batches", "0"]
+    train_enwik8.main([*argv, "--save", str(ckpt), "--hf-save", str(folder)])
+    loaded = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    trained = train_enwik8.build_model(train_enwik8.build_parser().parse_args(argv))
+    trained.load_state_dict(torch.load(ckpt, weights_only=True)["model"])
+    fresh = train_enwik8.build_model(train_enwik8.build_parser().parse_args(argv))  # the initialisation
+    x = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        want = trained.net.eval()(x)
+        torch.testing.assert_close(loaded(input_ids=x).logits, want)
+        assert not torch.allclose(fresh.net.eval()(x), want, atol=1e-3)  # three steps did change it
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    assert tokenizer("héllo").input_ids == list("héllo".encode("utf-8"))
+    for option, value in (("--conv-activation", "silu"), ("--conv-on", "v"), ("--gate-parts", "forget")):
+        with pytest.raises(SystemExit, match=f"--hf-save: {option} {value} changes the model by hooks"):
+            train_enwik8.main([*argv, option, value, "--hf-save", str(tmp_path / "refused")])
+    with pytest.raises(SystemExit, match="--hf-save .*: a file"):
+        train_enwik8.main([*argv, "--hf-save", str(ckpt)])
+
+
 def test_load_bytes_is_the_file(tmp_path):
     path = tmp_path / "bytes.bin"
     path.write_bytes(bytes(range(256)) * 2)
