@@ -9,6 +9,9 @@ VERSION = re.search(r'^__version__ = "([^"]+)"$',
                     re.M).group(1)
 
 EXAMPLES_EXTRA = ["tqdm>=4.60", "matplotlib>=3.5"]
+# lm-evaluation-harness's HFLM (examples/evaluate.py, tests/test_hf_lm_eval.py): lm_eval imports
+# accelerate there though it lists it only under its own "hf" extra, which also pulls peft
+EVAL_EXTRA = ["lm_eval>=0.4.13,<0.5", "accelerate>=0.26", "transformers>=4.57,<5.25", "safetensors>=0.4.3"]
 
 setup(
     # the import name stays linear_attention_transformer; the distribution has a name of its own, since
@@ -32,7 +35,7 @@ setup(
     # cuda: the fla form's kernels (ops/causal/fla.py); Triton comes with CUDA builds of torch,
     # so it is never pinned here (the lines tested, 0.5 and 0.6, and how: docs/kernels.md)
     extras_require={"test": ["pytest>=7", "hypothesis>=6", *EXAMPLES_EXTRA], "examples": EXAMPLES_EXTRA,
-                    "cuda": ["fla-core>=0.5.1,<0.7"]},
+                    "cuda": ["fla-core>=0.5.1,<0.7"], "eval": EVAL_EXTRA},
     classifiers=[
         "License :: OSI Approved :: MIT License",
         "Programming Language :: Python :: 3",
