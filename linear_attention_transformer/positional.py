@@ -104,9 +104,15 @@ class RotaryEmbedding(nn.Module):
         for name, width in widths.items():
             if width % 2:
                 raise ValueError(f"rotary embeddings need an even {name}, got {width}")
-        # each width's angles, halves repeated: (cos, sin) of one width is cat(angles, angles)
-        inv_freq = [1.0 / base ** (torch.arange(0, width, 2, dtype=torch.float32) / width) for width in widths.values()]
-        self.register_buffer("inv_freq", torch.cat([f.repeat(2) for f in inv_freq]), persistent=False)
+        self.widths, self.base = tuple(widths.values()), base
+        self.register_buffer("inv_freq", self.inverse_frequencies(), persistent=False)
+
+    def inverse_frequencies(self, device=None):
+        """The ``inv_freq`` buffer's values, float32: each width's angles per position, halves
+        repeated ((cos, sin) of one width is cat(angles, angles)). Not saved with the weights:
+        a model built without values (on the meta device) refills the buffer from this."""
+        return torch.cat([(1.0 / self.base ** (torch.arange(0, width, 2, dtype=torch.float32, device=device) / width))
+                          .repeat(2) for width in self.widths])
 
     def forward(self, positions):
         with torch.autocast(positions.device.type, enabled=False):

@@ -71,6 +71,11 @@ def one_thread():
     torch.set_num_threads(threads)
 
 
+# where each optional module comes from, for the skip's reason
+INSTALLED_BY = {"fla": "the [cuda] extra installs fla-core", "triton": "torch's CUDA builds bring Triton",
+                "transformers": "the [hf] extra installs it", "safetensors": "the [hf] extra installs it"}
+
+
 def _import_failure(module):
     """Why ``module`` does not import (a phrase), or None."""
     try:
@@ -83,10 +88,11 @@ def _import_failure(module):
 @pytest.hookimpl(tryfirst=True)
 def pytest_runtest_setup(item):
     for mark in item.iter_markers("requires"):
-        missing = [why for why in map(_import_failure, mark.args) if why]
+        missing = {module: why for module in mark.args if (why := _import_failure(module))}
         if not missing:
             continue
-        reason = "; ".join(missing) + " (the [cuda] extra installs fla-core; torch's CUDA builds bring Triton)"
+        reason = "; ".join(why + (f" ({INSTALLED_BY[module]})" if module in INSTALLED_BY else "")
+                           for module, why in missing.items())
         if os.environ.get(REQUIRE_OPTIONAL_ENV) == "1":
             pytest.fail(f"{REQUIRE_OPTIONAL_ENV}=1 and {reason}", pytrace=False)
         pytest.skip(reason)

@@ -74,7 +74,7 @@ def recurrences(monkeypatch):
     return calls
 
 
-@pytest.mark.requires("fla")
+@pytest.mark.requires("fla", "triton")  # (fla's modules import Triton)
 def test_the_recurrence_is_flas_own_naive_recurrences():
     """``gla_recurrence`` (the stand-in) equals fla's naive recurrent forms (plain PyTorch, float32),
     per head and per feature, from a state and to one."""
