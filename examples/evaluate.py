@@ -94,14 +94,14 @@ def evaluate(model, tokenizer, tasks, batch_size=1, limit=None, cache_dir=None, 
 
 
 def build_parser():
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("checkpoint", help="a folder save_pretrained wrote (train_enwik8.py --hf-save)")
-    p.add_argument("--tasks", nargs="+", default=[str(t) for t in DEFAULT_TASKS], help="lm-eval task YAML files")
-    p.add_argument("--batch-size", type=int, default=1, help="requests per forward")
+    p.add_argument("--tasks", nargs="+", default=[str(t) for t in DEFAULT_TASKS],
+                   help="lm-eval task YAML files (default: the two of examples/lm_eval_tasks/)")
+    p.add_argument("--batch-size", type=int, default=1, help="requests per forward (default: 1)")
     p.add_argument("--limit", type=int, default=None, help="at most this many documents per task (default: all)")
-    p.add_argument("--device", default="cpu", help="'cpu', 'cuda', ...")
-    p.add_argument("--output", default=None, help="also write the metrics here (JSON: {task: {metric: value}})")
+    p.add_argument("--device", default="cpu", help="where the model runs: 'cpu', 'cuda', ... (default: cpu)")
+    p.add_argument("--output", default=None, help="also write the metrics here, as JSON {task: {metric: value}}")
     return p
 
 
@@ -111,6 +111,13 @@ def main(argv=None):
         raise SystemExit("--batch-size and --limit must be >= 1")
     for name in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"):  # local tasks and a local checkpoint: nothing to fetch
         os.environ.setdefault(name, "1")
+    try:
+        import lm_eval  # noqa: F401
+
+        import linear_attention_transformer.hf  # noqa: F401
+    except ImportError as e:
+        raise SystemExit(f"evaluate.py needs lm-eval, transformers and linear_attention_transformer.hf ({e}): "
+                         f"pip install -e \".[eval]\"") from None
     model, tokenizer = load_checkpoint(args.checkpoint, args.device)
     results = evaluate(model, tokenizer, args.tasks, args.batch_size, args.limit)
     from lm_eval.utils import make_table

@@ -343,7 +343,8 @@ def check_hf_save(args):
     try:
         import linear_attention_transformer.hf  # noqa: F401
     except ImportError as e:
-        raise SystemExit(f"--hf-save needs transformers ({e}): pip install -e \".[hf]\"") from None
+        raise SystemExit(f"--hf-save needs linear_attention_transformer.hf and transformers ({e}): "
+                         f"pip install -e \".[hf]\"") from None
 
 
 def save_hf_checkpoint(net, args, folder):
