@@ -9,8 +9,11 @@ VERSION = re.search(r'^__version__ = "([^"]+)"$',
                     re.M).group(1)
 
 EXAMPLES_EXTRA = ["tqdm>=4.60", "matplotlib>=3.5"]
-# hf: linear_attention_transformer/hf.py, tested on transformers 4.57.6 and 5.24.0 (.ci/run); eval: lm-eval on it
+# hf: linear_attention_transformer/hf.py, tested on transformers 4.57.6 and 5.24.0 (.ci/run)
 HF_EXTRA = ["transformers>=4.57,<5.25", "safetensors>=0.4.3"]
+# eval: lm-evaluation-harness's HFLM (examples/evaluate.py, tests/test_hf_lm_eval.py); lm_eval imports
+# accelerate there though it lists it only under its own "hf" extra, which also pulls peft
+EVAL_EXTRA = ["lm_eval>=0.4.13,<0.5", "accelerate>=0.26", *HF_EXTRA]
 
 setup(
     # the import name stays linear_attention_transformer; the distribution has a name of its own, since
@@ -34,7 +37,7 @@ setup(
     # cuda: the fla form's kernels (ops/causal/fla.py); Triton comes with CUDA builds of torch,
     # so it is never pinned here (the lines tested, 0.5 and 0.6, and how: docs/kernels.md)
     extras_require={"test": ["pytest>=7", "hypothesis>=6", *EXAMPLES_EXTRA], "examples": EXAMPLES_EXTRA,
-                    "cuda": ["fla-core>=0.5.1,<0.7"], "hf": HF_EXTRA, "eval": ["lm_eval[hf]>=0.4.13", *HF_EXTRA]},
+                    "cuda": ["fla-core>=0.5.1,<0.7"], "hf": HF_EXTRA, "eval": EVAL_EXTRA},
     classifiers=[
         "License :: OSI Approved :: MIT License",
         "Programming Language :: Python :: 3",

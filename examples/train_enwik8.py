@@ -30,8 +30,14 @@ prints a sample from the cached generator every ``--sample-every`` steps and the
 end. ``--save ckpt.pt`` writes a checkpoint every ``--save-every`` steps and at the end;
 ``--resume ckpt.pt`` continues exactly where it stopped (model, optimizer, learning-rate
 schedule, step, the position in the batch order, the random state): the losses after resuming
-are those of an uninterrupted run. ``--log run.json`` writes the history, ``--plot curve.png``
-training and validation BPC against steps (needs matplotlib, ``pip install -e ".[examples]"``).
+are those of an uninterrupted run. A checkpoint is plain data (tensors, numbers, strings,
+lists, dicts), read with ``torch.load(weights_only=True)``: a file holding any other object is
+refused, since unpickling it could run code. ``--hf-save FOLDER`` also writes, at the end, a
+Hugging Face checkpoint (``save_pretrained``: the model and ``byte_tokenizer()``) that
+``AutoModelForCausalLM`` and ``AutoTokenizer.from_pretrained`` load once
+``linear_attention_transformer.hf`` is imported (``pip install -e ".[hf]"``); ``evaluate.py``
+scores one with lm-eval. ``--log run.json`` writes the history, ``--plot curve.png`` training
+and validation BPC against steps (needs matplotlib, ``pip install -e ".[examples]"``).
 
 ``--context-parallel P`` (under ``torchrun --nproc_per_node N``, N a multiple of P) splits every
 window over P processes (``context_parallel=group``, docs/scale.md): the N ranks form N / P
@@ -56,7 +62,9 @@ import gzip
 import json
 import math
 import os
+import pickle
 import platform
+import re
 import statistics
 import sys
 import time
@@ -255,9 +263,10 @@ def gate_granularity_supported():
     return True
 
 
-def build_model(args):
-    """The ``AutoregressiveWrapper`` around a causal byte-level ``LinearAttentionTransformerLM``
-    configured from ``args`` (see ``build_parser``)."""
+def model_options(args):
+    """The keywords of the causal byte-level ``LinearAttentionTransformerLM`` that ``args``
+    describes (see ``build_parser``), apart from what hooks change after it is built
+    (``--conv-activation``, ``--conv-on``, ``--gate-parts``)."""
     switches = VARIANTS[args.variant]
     extra = {}
     if switches["use_gate"]:
@@ -275,7 +284,7 @@ def build_model(args):
     local_heads = args.heads if softmax else args.n_local_attn_heads
     # (a window also sees the one before it: half the context covers all of it)
     window = -(-args.seq_len // 2) if softmax else args.local_attn_window_size
-    net = LinearAttentionTransformerLM(
+    return dict(
         num_tokens=256,
         dim=args.dim,
         depth=args.depth,
@@ -297,10 +306,59 @@ def build_model(args):
         **switches,
         **extra,
     )
+
+
+def build_model(args):
+    """The ``AutoregressiveWrapper`` around a causal byte-level ``LinearAttentionTransformerLM``
+    configured from ``args`` (see ``build_parser``)."""
+    net = LinearAttentionTransformerLM(**model_options(args))
     apply_conv_activation(net, args.conv_activation)
     restrict_conv(net, args.conv_on)
     keep_gate_parts(net, args.gate_parts)
     return AutoregressiveWrapper(net)
+
+
+# options whose effect hooks or edits after construction make: a config cannot describe them
+HOOKED_OPTIONS = (("conv_activation", "none"), ("conv_on", "qkv"), ("gate_parts", "both"))
+
+
+def check_hf_save(args):
+    """Before the first step: ``--hf-save`` names a folder (made when missing) that can be written,
+    ``transformers`` imports, and the model is one a config describes; else SystemExit naming
+    the option."""
+    folder = Path(args.hf_save)
+    hooked = [f"--{key.replace('_', '-')} {getattr(args, key)}" for key, plain in HOOKED_OPTIONS
+              if getattr(args, key) != plain]
+    if hooked:
+        raise SystemExit(f"--hf-save: {', '.join(hooked)} changes the model by hooks that a Hugging Face "
+                         f"config cannot describe; leave it at its default to save one")
+    if folder.exists() and not folder.is_dir():
+        raise SystemExit(f"--hf-save {folder}: a file; name the folder to write the checkpoint into")
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise SystemExit(f"--hf-save {folder}: cannot make the folder ({e})") from None
+    if not os.access(folder, os.W_OK):
+        raise SystemExit(f"--hf-save {folder}: not writable")
+    try:
+        import linear_attention_transformer.hf  # noqa: F401
+    except ImportError as e:
+        raise SystemExit(f"--hf-save needs linear_attention_transformer.hf and transformers ({e}): "
+                         f"pip install -e \".[hf]\"") from None
+
+
+def save_hf_checkpoint(net, args, folder):
+    """``net`` (the ``LinearAttentionTransformerLM`` trained as ``args`` describes) and the byte
+    tokenizer written into ``folder`` by ``save_pretrained``: ``AutoModelForCausalLM`` and
+    ``AutoTokenizer.from_pretrained(folder)`` load them once ``linear_attention_transformer.hf``
+    is imported."""
+    from linear_attention_transformer.hf import (LinearAttentionTransformerConfig,
+                                                 LinearAttentionTransformerForCausalLM, byte_tokenizer)
+
+    model = LinearAttentionTransformerForCausalLM(LinearAttentionTransformerConfig(**model_options(args)))
+    model.model.load_state_dict(net.state_dict())
+    model.save_pretrained(folder)
+    byte_tokenizer().save_pretrained(folder)
 
 
 # -------------------------------------------------------------------------- training
@@ -515,7 +573,36 @@ def plot_history(history, path, title):
     plt.close(fig)
 
 
+CHECKPOINT_KEYS = ("model", "optimizer", "scheduler", "data_rng", "random", "progress", "config")
+
+
+def load_checkpoint(path, device="cpu"):
+    """The checkpoint ``--save`` wrote at ``path``, its tensors on ``device``. Loaded with
+    ``torch.load(weights_only=True)``: a checkpoint is plain data (tensors, numbers, strings,
+    lists, tuples and dicts), so loading one runs no code from the file. A file that holds any
+    other object is refused (SystemExit naming the object) rather than unpickled, as is a file
+    that is no checkpoint of this script."""
+    if not Path(path).is_file():
+        raise SystemExit(f"--resume {path}: no such checkpoint")
+    try:
+        ckpt = torch.load(path, map_location=device, weights_only=True)
+    except pickle.UnpicklingError as e:
+        found = re.search(r"Unsupported global: GLOBAL (\S+)", str(e))
+        what = found.group(1) if found else "an object torch's weights-only loader does not accept"
+        raise SystemExit(f"--resume {path}: the checkpoint holds {what}, not only plain data (tensors, numbers, "
+                         f"strings, lists and dicts, all that this script saves); unpickling it could run code "
+                         f"from the file, so it is not loaded") from None
+    except Exception as e:  # (the unpickler fails in many ways on a file torch.save did not write)
+        raise SystemExit(f"--resume {path}: not a checkpoint written by torch.save "
+                         f"({type(e).__name__}: {e})") from None
+    missing = [k for k in CHECKPOINT_KEYS if not isinstance(ckpt, dict) or k not in ckpt]
+    if missing:
+        raise SystemExit(f"--resume {path}: not a checkpoint of this script (no {', '.join(missing)})")
+    return ckpt
+
+
 OUTPUTS = (("save", "checkpoint"), ("log", "JSON log"), ("plot", "plot"))
+HF_OUTPUT = ("hf_save", "Hugging Face checkpoint")
 
 
 def prepare_outputs(args):
@@ -564,6 +651,8 @@ def train(args, quiet=False):
 
     if main_process:
         prepare_outputs(args)
+        if args.hf_save:
+            check_hf_save(args)
     data_path = args.data or builtin_corpus(args.corpus_cache or default_corpus_cache(), say=say)
     data = load_bytes(data_path)
     train_split, valid_split, test_split = split_data(data)
@@ -577,7 +666,7 @@ def train(args, quiet=False):
     data_rng = torch.Generator().manual_seed(args.seed)  # the batch order: the same for every variant
     progress = {"step": 0, "history": [], "train_losses": [], "step_times": []}
     if args.resume:
-        ckpt = torch.load(args.resume, map_location=device, weights_only=False)
+        ckpt = load_checkpoint(args.resume, device)
         differ = {k: (ckpt["config"].get(k), getattr(args, k)) for k in trajectory_keys()
                   if ckpt["config"].get(k) != getattr(args, k)}
         if differ:
@@ -592,9 +681,10 @@ def train(args, quiet=False):
         if progress["step"] >= args.steps:
             raise SystemExit(f"--resume {args.resume}: the run is at step {progress['step']} already; "
                              f"pass a larger --steps to train on")
-        outputs = ", ".join(f"{what} {getattr(args, key)}" for key, what in OUTPUTS if getattr(args, key))
+        outputs = ", ".join(f"{what} {getattr(args, key)}" for key, what in (*OUTPUTS, HF_OUTPUT)
+                            if getattr(args, key))
         say(f"resuming from step {progress['step']} of {args.resume}, training to step {args.steps}; "
-            f"writing {outputs or 'no files (no --save, --log or --plot)'}")
+            f"writing {outputs or 'no files (no --save, --log, --plot or --hf-save)'}")
     train_model = model
     if split is not None:  # the same start everywhere (as DDP makes it): rank 0's parameters
         import torch.distributed as dist
@@ -704,6 +794,9 @@ def train(args, quiet=False):
                                  device, split)
     if not main_process:
         return None
+    if args.hf_save:
+        save_hf_checkpoint(model.net, args, args.hf_save)
+        say(f"Hugging Face checkpoint written to {args.hf_save}")
 
     skip = min(args.timing_warmup, max(len(step_times) - 1, 0))
     timed = step_times[skip:] or [float("nan")]
@@ -799,6 +892,9 @@ def build_parser():
                         "OMP_NUM_THREADS (torchrun sets it) torch's count. The choice and why are printed")
     t.add_argument("--save", default=None, help="checkpoint file, written every --save-every steps and at the end")
     t.add_argument("--save-every", type=int, default=500, help="checkpoint interval in steps (0: only at the end)")
+    t.add_argument("--hf-save", default=None, metavar="FOLDER",
+                   help="at the end, also write a Hugging Face checkpoint here (save_pretrained: the model and "
+                        "the byte tokenizer), which AutoModelForCausalLM.from_pretrained loads; needs the hf extra")
     t.add_argument("--resume", default=None,
                    help="continue the run of this checkpoint: its options and outputs (--save, --log, --plot, "
                         "the reporting) unless given again; --steps must grow")
@@ -890,9 +986,7 @@ def main(argv=None):
         raise SystemExit("--seq-len must be >= 2, --steps, --batch-size, --grad-accum, --eval-every, "
                          "--context-parallel >= 1 and --threads >= 0 (0: chosen)")
     if args.resume:  # the run's options and outputs from the checkpoint, unless given again
-        if not Path(args.resume).is_file():
-            raise SystemExit(f"--resume {args.resume}: no such checkpoint")
-        saved = torch.load(args.resume, map_location="cpu", weights_only=False)["config"]
+        saved = load_checkpoint(args.resume)["config"]
         given = explicit_options(argv)
         for key in vars(args):
             if key not in given and key not in INVOCATION_KEYS and key in saved:

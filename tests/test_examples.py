@@ -122,6 +122,72 @@ def test_resume_refuses_a_different_model(text, tmp_path):
         train_enwik8.main(["--resume", str(ckpt), "--steps", "2", "--dim", "64"])
 
 
+def test_a_checkpoint_is_plain_data_and_one_holding_other_objects_is_refused(text, tmp_path):
+    """--resume loads with torch.load(weights_only=True): what --save writes is tensors, numbers,
+    strings, lists and dicts alone; a file holding another pickled object (here a Path) is refused,
+    naming it, and so is a file torch.save did not write."""
+    import torch
+
+    ckpt, pickled = tmp_path / "ckpt.pt", tmp_path / "pickled.pt"
+    train_enwik8.main(["--data", str(text), *TINY, "--steps", "1", "--test-batches", "0", "--save", str(ckpt)])
+    saved = torch.load(ckpt, weights_only=True)
+
+    def leaves(value):
+        if isinstance(value, dict):
+            for key, item in value.items():
+                yield key
+                yield from leaves(item)
+        elif isinstance(value, (list, tuple)):
+            for item in value:
+                yield from leaves(item)
+        else:
+            yield value
+
+    kinds = {type(leaf) for leaf in leaves(saved)}
+    assert kinds <= {torch.Tensor, int, float, str, bool, type(None)}, kinds
+    assert torch.Tensor in kinds and float in kinds
+    saved["config"]["data"] = Path(saved["config"]["data"])
+    torch.save(saved, pickled)
+    with pytest.raises(SystemExit, match=r"holds pathlib\.\w*Path, not only plain data.*not loaded"):
+        train_enwik8.main(["--resume", str(pickled), "--steps", "2"])
+    with pytest.raises(SystemExit, match="not a checkpoint written by torch.save"):
+        train_enwik8.main(["--resume", str(text), "--steps", "2"])
+    torch.save({"model": saved["model"]}, pickled)
+    with pytest.raises(SystemExit, match="not a checkpoint of this script .no optimizer, scheduler"):
+        train_enwik8.main(["--resume", str(pickled), "--steps", "2"])
+
+
+@pytest.mark.requires("transformers")
+def test_hf_save_writes_a_checkpoint_that_from_pretrained_loads(text, tmp_path):
+    """--hf-save: AutoModelForCausalLM.from_pretrained loads the trained model (the logits of the
+    model --save holds) and AutoTokenizer the byte tokenizer; options made by hooks, which a
+    config cannot describe, are refused before training."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    import linear_attention_transformer.hf  # noqa: F401  (registers the model with the Auto classes)
+
+    ckpt, folder = tmp_path / "ckpt.pt", tmp_path / "hf"
+    argv = ["--data", str(text), *TINY, "--steps", "3", "--test-batches", "0"]
+    train_enwik8.main([*argv, "--save", str(ckpt), "--hf-save", str(folder)])
+    loaded = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    trained = train_enwik8.build_model(train_enwik8.build_parser().parse_args(argv))
+    trained.load_state_dict(torch.load(ckpt, weights_only=True)["model"])
+    fresh = train_enwik8.build_model(train_enwik8.build_parser().parse_args(argv))  # the initialisation
+    x = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        want = trained.net.eval()(x)
+        torch.testing.assert_close(loaded(input_ids=x).logits, want)
+        assert not torch.allclose(fresh.net.eval()(x), want, atol=1e-3)  # three steps did change it
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    assert tokenizer("héllo").input_ids == list("héllo".encode("utf-8"))
+    for option, value in (("--conv-activation", "silu"), ("--conv-on", "v"), ("--gate-parts", "forget")):
+        with pytest.raises(SystemExit, match=f"--hf-save: {option} {value} changes the model by hooks"):
+            train_enwik8.main([*argv, option, value, "--hf-save", str(tmp_path / "refused")])
+    with pytest.raises(SystemExit, match="--hf-save .*: a file"):
+        train_enwik8.main([*argv, "--hf-save", str(ckpt)])
+
+
 def test_load_bytes_is_the_file(tmp_path):
     path = tmp_path / "bytes.bin"
     path.write_bytes(bytes(range(256)) * 2)
@@ -248,7 +314,7 @@ def test_resume_keeps_the_runs_outputs_and_says_where_it_resumes(text, tmp_path,
     train_enwik8.main(["--resume", str(ckpt), "--steps", "4"])
     out = capsys.readouterr().out
     assert f"resuming from step 2 of {ckpt}" in out
-    assert torch.load(ckpt, weights_only=False)["progress"]["step"] == 4
+    assert torch.load(ckpt, weights_only=True)["progress"]["step"] == 4
     resumed = json.loads(log.read_text())
     assert resumed["steps_done"] == 4 and [h["step"] for h in resumed["history"]] == [1, 2, 3, 4]
     assert resumed["config"]["eval_every"] == 1  # the reporting too, not the default 100
