@@ -229,8 +229,15 @@ class LinearAttentionTransformerLM(nn.Module):
         # under autocast a step takes the form a compiled step traces (its F.linear casts; the
         # eager form writes into buffers of the model's dtype)
         host = None if torch.is_autocast_enabled(x.device.type) else p
+        tokens = x if x.dtype == torch.int64 else x.long()
         try:
-            return self.step(x if x.dtype == torch.int64 else x.long(), cache, steps, host)
+            if torch.is_inference_mode_enabled():
+                return self.step(tokens, cache, steps, host)
+            # inference mode costs a step less than no_grad (no version counts, no view tracking);
+            # the logits leave it as an ordinary tensor (a caller may change them in place)
+            with torch.inference_mode():
+                logits = self.step(tokens, cache, steps, host)
+            return logits.clone()
         except IndexError:
             check_token_ids(x, self.num_tokens, "x")
             raise
