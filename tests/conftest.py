@@ -11,14 +11,13 @@ changes: the suite runs on the CPU exactly as before. Tests that name ``device="
 CPU generators stay on the CPU (or fail on a mismatch, which the run then reports).
 """
 
-import importlib
 import os
 
 import pytest
 import torch
+from optional_modules import REQUIRE_OPTIONAL_ENV, import_failure
 
 DEVICE_ENV = "LAT_TEST_DEVICE"
-REQUIRE_OPTIONAL_ENV = "LAT_REQUIRE_OPTIONAL"
 
 
 def pytest_addoption(parser):
@@ -77,19 +76,10 @@ INSTALLED_BY = {"fla": "the [cuda] extra installs fla-core", "triton": "torch's 
                 "accelerate": "the [eval] extra installs it"}
 
 
-def _import_failure(module):
-    """Why ``module`` does not import (a phrase), or None."""
-    try:
-        importlib.import_module(module)
-    except Exception as error:  # (a package built for another Triton fails on import, not always ImportError)
-        return f"{module} does not import ({type(error).__name__}: {error})"
-    return None
-
-
 @pytest.hookimpl(tryfirst=True)
 def pytest_runtest_setup(item):
     for mark in item.iter_markers("requires"):
-        missing = {module: why for module in mark.args if (why := _import_failure(module))}
+        missing = {module: why for module in mark.args if (why := import_failure(module))}
         if not missing:
             continue
         reason = "; ".join(why + (f" ({INSTALLED_BY[module]})" if module in INSTALLED_BY else "")

@@ -28,7 +28,7 @@ import pytest
 import torch
 
 import linear_attention_transformer
-from conftest import REQUIRE_OPTIONAL_ENV, _import_failure
+from optional_modules import REQUIRE_OPTIONAL_ENV, import_failure
 
 # the blocks build many small models: intra-op threads only wait for each other on a busy machine
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -62,7 +62,7 @@ def run_blocks(path):
     torch.manual_seed(0)
     blocks, left_out = python_blocks(path), []
     for first_line, code, requires in blocks:
-        missing = [why for why in map(_import_failure, requires) if why]
+        missing = [why for why in map(import_failure, requires) if why]
         if missing:
             left_out.append(f"the block at {path.name}:{first_line} ({'; '.join(missing)})")
             continue
