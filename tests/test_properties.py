@@ -153,6 +153,11 @@ def test_cached_decoding_equals_the_full_forward(options, data, split):
     model = LinearAttentionTransformerLM(num_tokens=16, max_seq_len=n, **options).double().eval()
     x = torch.randint(0, 16, (b, n), generator=torch.Generator().manual_seed(seed))
     cut = lambda m, i, j: None if m is None else m[:, i:j]  # noqa: E731
+    if options.get("blindspot_size", 1) > 1 and mask is not None and not bool(mask[:, 0].all()):
+        with pytest.raises(ValueError, match="blindspot_size.*padded on the left"):  # refused in a cache
+            model(x, input_mask=mask, return_cache=True)
+        mask = mask.clone()
+        mask[:, 0] = True  # (no row starts with padding: the cache is kept)
     with torch.no_grad():
         full = model(x, input_mask=mask)
         split = min(split, n)
