@@ -16,10 +16,20 @@ matrix the step reads (the token embedding's one row left out), warm (passes bac
 the weights stay in cache) and cold (after writing a buffer larger than the caches: read from
 memory, as a step that finds its weights evicted); the square matmul rate before and after.
 
+Past ``max_seq_len``: the same model with rotary positions and ``max_seq_len=--past-max-seq-len``
+(256) generates ``--past-factor`` (16) times that many tokens after the prompt. Printed: the
+cached per-token time within ``max_seq_len`` (the tokens from a quarter of it to its end) and
+past it (the tokens after it), each a difference of whole generations (best of ``--past-reps``),
+and their ratio (the cache has a fixed size: near 1); the peak memory of the whole generation
+over a baseline taken after the model is built, against that of the generation that stops at
+``max_seq_len`` (``common.PeakMemory``: on Linux the resident set's peak, VmHWM, reset at the
+baseline; the method is printed).
+
 Usage:  python benchmarks/bench_generate.py --threads 1 [--new-tokens 1024] [--set use_gate=True,...] [--record generate]
 """
 
 import argparse
+import math
 import os
 import sys
 
@@ -87,6 +97,33 @@ def measure(args):
         warm_floor_ms=1e3 * warm, cold_floor_ms=1e3 * cold)
 
 
+def past_max_seq_len(args):
+    """The figures past ``max_seq_len`` (module docstring), as a dict."""
+    options = {**args.model, "use_rotary_emb": True, "max_seq_len": args.past_max_seq_len}
+    wrapper = build_wrapper(args.device, options)
+    prompt = torch.randint(0, options["num_tokens"], (1, args.prompt_len), generator=torch.Generator().manual_seed(2))
+    # generations that end at a quarter of max_seq_len, at max_seq_len, and at --past-factor times it
+    ends = [args.past_max_seq_len // 4, args.past_max_seq_len, args.past_factor * args.past_max_seq_len]
+    counts = [end - args.prompt_len for end in ends]
+    if counts[0] < 1:
+        raise SystemExit(f"--past-max-seq-len {args.past_max_seq_len}: a quarter of it must exceed --prompt-len")
+    generation_seconds(wrapper, prompt, counts[0], True, args.device)  # warm
+    seconds, peaks = [], []
+    for count in counts:
+        best = math.inf
+        for _ in range(args.past_reps):
+            memory = common.PeakMemory(args.device)
+            best = min(best, generation_seconds(wrapper, prompt, count, True, args.device)[1])
+            peak = memory.increase()
+        seconds.append(best)
+        peaks.append(peak)
+    within = (seconds[1] - seconds[0]) / (counts[1] - counts[0])
+    past = (seconds[2] - seconds[1]) / (counts[2] - counts[1])
+    return dict(past_max_seq_len=args.past_max_seq_len, past_factor=args.past_factor, tokens=counts[2],
+                within_ms_per_token=1e3 * within, past_ms_per_token=1e3 * past, past_over_within=past / within,
+                peak_bytes=peaks[2], peak_within_bytes=peaks[1], memory_method=memory.method)
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", default=common.default_device())
@@ -97,6 +134,11 @@ def main(argv=None):
     p.add_argument("--batch", type=int, default=8, help="prompts in the batched run (default: %(default)s)")
     p.add_argument("--matmul-size", type=int, default=None)
     p.add_argument("--set", type=common.parse_settings, default={}, help="model arguments, key=value,...")
+    p.add_argument("--past-max-seq-len", type=int, default=256,
+                   help="max_seq_len of the rotary model that generates past it (default: %(default)s)")
+    p.add_argument("--past-factor", type=int, default=16,
+                   help="it generates this many times its max_seq_len (default: %(default)s)")
+    p.add_argument("--past-reps", type=int, default=3, help="best of this many generations (default: %(default)s)")
     p.add_argument("--record", metavar="NAME", default=None, help="write the figures to results/NAME.json")
     args = p.parse_args(argv)
     args.model = {**MODEL, **args.set}
@@ -105,6 +147,7 @@ def main(argv=None):
                         f"eval, fp32, greedy, {args.new_tokens} tokens after {args.prompt_len}")
     rate_before = common.square_matmul_rate(args.device, args.matmul_size)
     figures = measure(args)
+    figures["past"] = past = past_max_seq_len(args)
     rate_after = common.square_matmul_rate(args.device, args.matmul_size)
     print(f"tokens: cached and recomputed {'the same' if figures['same_tokens'] else 'DIFFER'}")
     print(f"cached generate(): {figures['cached_s']:.2f} s ({figures['ms_per_token']:.2f} ms/token); "
@@ -114,6 +157,11 @@ def main(argv=None):
     print(f"weights' floor per token: warm {figures['warm_floor_ms']:.3f} ms "
           f"({figures['ms_per_token'] / figures['warm_floor_ms']:.1f}x), cold {figures['cold_floor_ms']:.3f} ms "
           f"({figures['ms_per_token'] / figures['cold_floor_ms']:.1f}x)")
+    print(f"rotary positions, max_seq_len {past['past_max_seq_len']}, {past['tokens']} tokens "
+          f"({past['past_factor']}x): {past['within_ms_per_token']:.2f} ms/token within max_seq_len, "
+          f"{past['past_ms_per_token']:.2f} past it: {past['past_over_within']:.2f}x")
+    print(f"peak memory of that generation: +{past['peak_bytes'] / 2 ** 10:,.0f} KiB; of the one that stops at "
+          f"max_seq_len: +{past['peak_within_bytes'] / 2 ** 10:,.0f} KiB ({past['memory_method']})")
     print(f"matmul rate: {rate_before / 1e9:.1f} GFLOP/s before, {rate_after / 1e9:.1f} after "
           f"({common.load_average()} at the end)")
     if args.record:
