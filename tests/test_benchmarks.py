@@ -302,7 +302,7 @@ def test_bench_generate_times_tokens_within_and_past_max_seq_len():
     args = argparse.Namespace(device="cpu", prompt_len=4, past_max_seq_len=32, past_factor=4, past_reps=1,
                               model=dict(bench_generate.MODEL, depth=1))
     figures = bench_generate.past_max_seq_len(args)
-    assert figures["tokens"] == 4 * 32 - 4
+    assert figures["tokens"] == 4 * 32 - 4 and figures["same_tokens"]
     assert figures["within_ms_per_token"] > 0 and figures["past_ms_per_token"] > 0
     assert figures["past_over_within"] == pytest.approx(figures["past_ms_per_token"] / figures["within_ms_per_token"])
     assert figures["peak_bytes"] >= 0 and figures["peak_within_bytes"] >= 0 and figures["memory_method"]
