@@ -13,13 +13,15 @@ It is then scored on held-out text (the validation split) in windows of 1x, 4x a
 training length (``--factors``), every length over the same bytes (fewer, longer windows). The
 linear models read each window in one stream through their cache (``stream_loss``, chunks of the
 training length) with ``max_seq_len`` as trained. The softmax reference has no fixed-size cache:
-its weights are loaded into a model whose window covers the longest length and it reads each
-window in one full forward (the same function as trained up to the training length).
+its weights are loaded into a model whose window covers the length and it reads each window in
+one full forward (the same function as trained up to the training length).
 
 Printed per model and seed, and as the mean over seeds: BPC over the whole window at each
-length, the BPC of the window's last quarter (positions the model never saw in training), and
-the BPC per block of ``--seq-len`` positions at the longest length. The reference is the 1x
-column: a model that keeps its quality past its training length reads no worse at 16x.
+length, the BPC of the window's last quarter (positions the model never saw in training), the
+BPC per block of ``--seq-len`` positions at the longest length, and the last block's bytes read
+alone, as a window of the training length: the same bytes, without what came before them. The
+reference is the 1x column and that last comparison: a model that keeps its quality past its
+training length reads no worse at 16x, and its last block no worse than when read alone.
 
 Usage:  python benchmarks/bench_length.py --threads 1 [--steps 2000] [--seeds 0 1] [--record length]
 """
@@ -63,19 +65,25 @@ def run_options(args, name, seed):
     return run
 
 
-def trained_model(run, longest, reuse):
-    """(the wrapper as ``run`` trained it, ready to score windows of ``longest`` tokens, the
-    run's log). The softmax reference is rebuilt with ``max_seq_len`` (its window) covering
-    ``longest`` tokens; its parameters do not depend on it."""
+def trained_model(run, reuse):
+    """(the parameters ``run`` trained, the run's log): trained now, or with ``reuse`` read
+    from the run's checkpoint when its log has the same options."""
     log = reusable_log(run) if reuse and os.path.isfile(run.save) else None
     if log is None:
         log = train(run, quiet=True)
+    return torch.load(run.save, map_location="cpu", weights_only=False)["model"], log
+
+
+def scoring_model(run, state, length):
+    """The wrapper with the trained parameters ``state``, in eval mode, that scores windows of
+    ``length`` tokens: the model as trained, or for the softmax reference one whose window (its
+    ``max_seq_len``) covers ``length``; its parameters do not depend on it."""
     scoring = argparse.Namespace(**vars(run))
     if run.variant == "softmax":
-        scoring.seq_len = longest
+        scoring.seq_len = length
     model = build_model(scoring)
-    model.load_state_dict(torch.load(run.save, map_location="cpu", weights_only=False)["model"])
-    return model.eval(), log
+    model.load_state_dict(state)
+    return model.eval()
 
 
 def window_losses(model, windows, chunk_len, streamed):
@@ -88,19 +96,28 @@ def window_losses(model, windows, chunk_len, streamed):
                           for row in windows])
 
 
-def score(model, valid, args, streamed):
-    """BPC figures of one model: per length factor the whole window and its last quarter, and
-    the curve over blocks of the training length at the longest."""
-    figures, longest = {}, max(args.factors)
+def score(run, state, valid, args):
+    """BPC figures of one model: per length factor the whole window and its last quarter; at the
+    longest, the curve over blocks of the training length, and its last block against the same
+    bytes read as a window of the training length (the bytes before it cut away)."""
+    figures, longest, streamed = {}, max(args.factors), run.variant != "softmax"
+
+    def losses_of(windows, length):
+        model = scoring_model(run, state, length)
+        return torch.cat([window_losses(model, part, args.seq_len, streamed) for part in windows.split(4)])
+
     for factor in args.factors:
         length = factor * args.seq_len
         count = args.eval_windows * longest // factor  # every length over the same bytes
         windows = torch.cat(fixed_batches(valid, 1, count, length))
-        losses = torch.cat([window_losses(model, part, args.seq_len, streamed) for part in windows.split(4)])
+        losses = losses_of(windows, length)
         figures[f"{factor}x"] = bpc(losses.mean().item())
         figures[f"{factor}x last quarter"] = bpc(losses[:, -length // 4:].mean().item())
         if factor == longest:
             figures[f"{factor}x per block"] = [bpc(v) for v in losses.view(count, factor, -1).mean(dim=(0, 2)).tolist()]
+            figures[f"{factor}x last block"] = figures[f"{factor}x per block"][-1]
+            alone = losses_of(windows[:, -args.seq_len - 1:], args.seq_len)
+            figures[f"{factor}x last block read alone"] = bpc(alone.mean().item())
     return figures
 
 
@@ -156,8 +173,8 @@ def main(argv=None):
     for seed in args.seeds:  # every model of one seed, then the next: a slow drift of the machine hits all
         for name in args.models:
             run = run_options(args, name, seed)
-            model, log = trained_model(run, max(args.factors) * args.seq_len, args.reuse)
-            result = score(model, valid, args, streamed=run.variant != "softmax")
+            state, log = trained_model(run, args.reuse)
+            result = score(run, state, valid, args)
             result.update(steps=log["steps_done"], train_s_per_step=log["median_step_s"],
                           train_valid_bpc=log["final_val_bpc"], trained=log["date"])
             figures[f"{name} seed {seed}"] = result
@@ -176,7 +193,9 @@ def main(argv=None):
     longest = max(args.factors)
     print(f"\nBPC per block of {args.seq_len} positions at {longest}x (mean over seeds):")
     for name in args.models:
-        print(f"  {name}: " + " ".join(f"{v:.2f}" for v in figures[f"{name} mean"][f"{longest}x per block"]))
+        mean = figures[f"{name} mean"]
+        print(f"  {name}: " + " ".join(f"{v:.2f}" for v in mean[f"{longest}x per block"])
+              + f"; the last block read alone: {mean[f'{longest}x last block read alone']:.3f}")
     print(f"\n{(time.perf_counter() - started) / 60:.1f} min in all")
     if args.record:
         print(f"recorded: {common.record(args.record, 'cpu', figures)}")

@@ -257,7 +257,7 @@ def test_bench_recall_models_are_causal_and_read_logits_at_the_queries():
 def test_bench_length_trains_scores_and_records_every_model(tmp_path, monkeypatch, capsys):
     """Tiny runs of bench_length.py: every model and seed recorded with BPC at each length, the
     mean over seeds; a linear model's streamed losses are its full forward's, and the softmax
-    reference rebuilt to cover the longest length reads the training length as trained."""
+    reference rebuilt to cover a longer length reads the training length as trained."""
     import bench_length
     from train_enwik8 import build_model
 
@@ -279,17 +279,22 @@ def test_bench_length_trains_scores_and_records_every_model(tmp_path, monkeypatc
 
     args = bench_length.build_parser().parse_args(argv)
     windows = torch.randint(97, 105, (2, 65), generator=torch.Generator().manual_seed(1))
-    rotary, _ = bench_length.trained_model(bench_length.run_options(args, "recommended-rotary", 0), 64, reuse=True)
+    run = bench_length.run_options(args, "recommended-rotary", 0)
+    state, log = bench_length.trained_model(run, reuse=True)
+    assert log["date"] == figures["recommended-rotary seed 0"]["trained"]  # read from the checkpoint, not trained again
+    rotary = bench_length.scoring_model(run, state, 64)
     assert rotary.net.max_seq_len == 16
     torch.testing.assert_close(bench_length.window_losses(rotary, windows, 16, streamed=True),
                                bench_length.window_losses(rotary, windows, 16, streamed=False), rtol=1e-5, atol=1e-5)
     run = bench_length.run_options(args, "softmax-rotary", 0)
-    covering, _ = bench_length.trained_model(run, 64, reuse=True)
+    state, _ = bench_length.trained_model(run, reuse=True)
     as_trained = build_model(run)
-    as_trained.load_state_dict(covering.state_dict())
+    as_trained.load_state_dict(state)
     short = windows[:, :17]
-    torch.testing.assert_close(bench_length.window_losses(covering, short, 16, streamed=False),
-                               bench_length.window_losses(as_trained.eval(), short, 16, streamed=False))
+    torch.testing.assert_close(bench_length.window_losses(bench_length.scoring_model(run, state, 64), short, 16, False),
+                               bench_length.window_losses(as_trained.eval(), short, 16, False))
+    last = figures["softmax-rotary seed 0"]
+    assert last["4x last block"] == last["4x per block"][-1] and 0 < last["4x last block read alone"] < 16
 
 
 def test_bench_generate_times_tokens_within_and_past_max_seq_len():
