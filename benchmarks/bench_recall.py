@@ -21,6 +21,10 @@ Models (dim 64, depth 2, 2 heads, vocabulary 512 by default):
     softmax-mlp   ``SoftmaxTransformer`` as in Zoology's MQAR runs: pre-norm attention blocks
                   alone (causal SDPA, learned absolute positions, biases, tied output layer).
     softmax       the same with a GELU MLP of 4 x dim in every block (GPT-2's block).
+    softmax-rotary, softmax-untied, softmax-rotary-untied
+                  ``softmax`` with one change or both: rotary positions on every block's
+                  queries and keys instead of the learned absolute ones; an output layer of
+                  its own instead of the one tied to the token embedding.
     softmax+conv  that with a short causal convolution before attention in every block
                   (``ShortConv``, Zoology's BaseConv), which hands each position its
                   previous tokens.
@@ -49,6 +53,8 @@ import torch
 import torch.nn.functional as F
 from einops import rearrange
 from torch import nn
+
+from linear_attention_transformer.positional import RotaryEmbedding, apply_rotary
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import (  # noqa: E402  (the folder of this script, see common.py)
@@ -137,9 +143,11 @@ class SoftmaxBlock(nn.Module):
         self.mlp_norm = nn.LayerNorm(dim) if mlp else None
         self.mlp = nn.Sequential(nn.Linear(dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, dim)) if mlp else None
 
-    def forward(self, x):
+    def forward(self, x, cos_sin=None):
         x = self.short_conv(x)
         q, k, v = rearrange(self.to_qkv(self.attn_norm(x)), "b n (three h d) -> three b h n d", three=3, h=self.heads)
+        if cos_sin is not None:
+            q, k = apply_rotary(q, cos_sin), apply_rotary(k, cos_sin)
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         x = x + self.to_out(rearrange(out, "b h n d -> b n (h d)"))
         return x if self.mlp is None else x + self.mlp(self.mlp_norm(x))
@@ -149,23 +157,33 @@ class SoftmaxTransformer(nn.Module):
     """A standard causal softmax LM: token embedding plus learned absolute positions (GPT-2's
     recipe), pre-norm ``SoftmaxBlock``s (with ``mlp=False`` attention alone, as in Zoology's
     MQAR runs), a final LayerNorm, an output layer tied to the embedding; ``output_features``
-    and ``output_layer`` split the logits, so the loss reads only the query positions."""
+    and ``output_layer`` split the logits, so the loss reads only the query positions.
+    ``rotary=True``: no position embedding, rotary positions on every block's queries and keys;
+    ``tied=False``: an output layer of its own."""
 
-    def __init__(self, num_tokens, dim, depth, heads, max_seq_len, short_conv=False, mlp=True):
+    def __init__(self, num_tokens, dim, depth, heads, max_seq_len, short_conv=False, mlp=True, rotary=False,
+                 tied=True):
         super().__init__()
         self.token_emb = nn.Embedding(num_tokens, dim)
         nn.init.normal_(self.token_emb.weight, std=0.02)  # (in this order: the recorded runs' draws)
-        self.pos_emb = nn.Embedding(max_seq_len, dim)
-        nn.init.normal_(self.pos_emb.weight, std=0.02)
+        self.pos_emb = None if rotary else nn.Embedding(max_seq_len, dim)
+        self.rotary = RotaryEmbedding(dim // heads) if rotary else None
+        if self.pos_emb is not None:
+            nn.init.normal_(self.pos_emb.weight, std=0.02)
         self.blocks = nn.ModuleList([SoftmaxBlock(dim, heads, short_conv, mlp) for _ in range(depth)])
         self.norm = nn.LayerNorm(dim)
         self.output_layer = nn.Linear(dim, num_tokens)
-        self.output_layer.weight = self.token_emb.weight  # tied, as in GPT-2 and Zoology's LM
+        if tied:
+            self.output_layer.weight = self.token_emb.weight  # tied, as in GPT-2 and Zoology's LM
 
     def output_features(self, tokens):
-        x = self.token_emb(tokens) + self.pos_emb(torch.arange(tokens.shape[1], device=tokens.device))
+        positions = torch.arange(tokens.shape[1], device=tokens.device)
+        x = self.token_emb(tokens)
+        if self.pos_emb is not None:
+            x = x + self.pos_emb(positions)
+        cos_sin = None if self.rotary is None else self.rotary(positions)
         for block in self.blocks:
-            x = block(x)
+            x = block(x, cos_sin)
         return self.norm(x)
 
     def forward(self, tokens):
@@ -175,7 +193,9 @@ class SoftmaxTransformer(nn.Module):
 # ------------------------------------------------------------------------------ variants
 
 # softmax transformers: name -> SoftmaxTransformer options
-SOFTMAX = {"softmax": {}, "softmax+conv": dict(short_conv=True), "softmax-mlp": dict(mlp=False)}
+SOFTMAX = {"softmax": {}, "softmax+conv": dict(short_conv=True), "softmax-mlp": dict(mlp=False),
+           "softmax-rotary": dict(rotary=True), "softmax-untied": dict(tied=False),
+           "softmax-rotary-untied": dict(rotary=True, tied=False)}
 # name -> LinearAttentionTransformerLM options on top of the shape (dim, depth, heads); an
 # entry may override dim_head.
 VARIANTS = {

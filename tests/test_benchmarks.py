@@ -245,7 +245,8 @@ def test_bench_recall_models_are_causal_and_read_logits_at_the_queries():
     changed = tokens.clone()
     changed[:, 6] = (changed[:, 6] + 1) % 32
     asked = torch.rand(2, 12) < 0.5
-    for name in ("softmax", "softmax+conv", "softmax-mlp", "taylor+conv+dh16"):
+    for name in ("softmax", "softmax+conv", "softmax-mlp", "softmax-rotary", "softmax-rotary-untied",
+                 "taylor+conv+dh16"):
         model = build_model(name, vocab=32, dim=16, depth=2, heads=2, seq_len=12)
         with torch.no_grad():
             before, after = model(tokens), model(changed)
