@@ -31,7 +31,8 @@ Models (dim 64, depth 2, 2 heads, vocabulary 512 by default):
     the rest      ``LinearAttentionTransformerLM(causal=True, ...)`` with the options of VARIANTS.
 
 Training, the same for every model: AdamW (lr 1e-3, linear warm-up over 100 steps, then
-constant), batch 32, cross entropy at the query positions only, gradient norm clipped to 1;
+constant, weight decay 0.01: ``--weight-decay``), batch 32, cross entropy at the query
+positions only, gradient norm clipped to 1 (``--clip``);
 every model ties its output layer to its token embedding, as Zoology's LM does. Each model
 trains in a fresh subprocess; ``--out`` writes every result (the held-out curve included) as
 JSON after each model, so a cut run keeps what it finished.
@@ -256,7 +257,7 @@ def train_one(args):
     seq_len, pairs = args.size
     torch.manual_seed(args.seed)
     model = build_model(args.variant, args.vocab, args.dim, args.depth, args.heads, seq_len).to(device)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / args.warmup))
     held_out = mqar_batch(args.held_out, seq_len, pairs, args.vocab, batch_generator(*HELD_OUT), args.power_a)
     load_before = load_average()
@@ -272,7 +273,8 @@ def train_one(args):
         loss = F.cross_entropy(query_logits(model, tokens, asked), targets[asked])
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        if args.clip:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip)
         optimizer.step()
         schedule.step()
         synchronize(device)
@@ -316,6 +318,8 @@ def main():
     parser.add_argument("--eval-every", type=int, default=100, help="steps between held-out measurements")
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument("--weight-decay", type=float, default=0.01, help="AdamW's (default: %(default)s, AdamW's own)")
+    parser.add_argument("--clip", type=float, default=1.0, help="gradient norm clipped to this (0: off)")
     parser.add_argument("--warmup", type=int, default=100)
     parser.add_argument("--held-out", type=int, default=500, help="held-out sequences per difficulty")
     parser.add_argument("--dim", type=int, default=64)
@@ -346,11 +350,13 @@ def main():
 
     set_threads(args.threads)
     config = (f"MQAR, vocab {args.vocab}, power_a {args.power_a}; dim {args.dim}, depth {args.depth}, "
-              f"heads {args.heads}; AdamW lr {args.lr} (warm-up {args.warmup}), batch {args.batch}, "
+              f"heads {args.heads}; AdamW lr {args.lr} (warm-up {args.warmup}, weight decay {args.weight_decay}), "
+              f"gradient norm clipped to {args.clip or 'off'}, batch {args.batch}, "
               f"{args.steps} steps (stop at {args.stop_at}); "
               f"held-out: {args.held_out} sequences every {args.eval_every} steps")
     print_header(args.device, args.threads, [config])
     shared = ["--steps", args.steps, "--eval-every", args.eval_every, "--batch", args.batch, "--lr", args.lr,
+              "--weight-decay", args.weight_decay, "--clip", args.clip,
               "--warmup", args.warmup, "--held-out", args.held_out, "--dim", args.dim, "--depth", args.depth,
               "--heads", args.heads, "--vocab", args.vocab, "--power-a", args.power_a, "--device", args.device]
     for flag, value in (("--stop-at", args.stop_at), ("--progress", args.progress), ("--threads", args.threads)):
