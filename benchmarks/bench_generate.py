@@ -16,10 +16,22 @@ matrix the step reads (the token embedding's one row left out), warm (passes bac
 the weights stay in cache) and cold (after writing a buffer larger than the caches: read from
 memory, as a step that finds its weights evicted); the square matmul rate before and after.
 
+Past ``max_seq_len``: the same model with rotary positions and ``max_seq_len=--past-max-seq-len``
+(256) generates ``--past-factor`` (16) times that many tokens after the prompt. Printed: the
+cached per-token time within ``max_seq_len`` (the generation from the prompt to
+``max_seq_len``) and past it (the same number of tokens at the end of the long generation,
+continued from its own earlier tokens as the prompt: the tokens must be the same), each less
+the one-token generation from the same prompt (its prefill), best of ``--past-reps`` taken in
+turn, and their ratio (the cache has a fixed size: near 1); the peak memory of the whole long
+generation over a baseline taken after the model is built, against that of the generation that
+stops at ``max_seq_len`` (``common.PeakMemory``: on Linux the resident set's peak, VmHWM, reset
+at the baseline; the method is printed).
+
 Usage:  python benchmarks/bench_generate.py --threads 1 [--new-tokens 1024] [--set use_gate=True,...] [--record generate]
 """
 
 import argparse
+import math
 import os
 import sys
 
@@ -87,6 +99,37 @@ def measure(args):
         warm_floor_ms=1e3 * warm, cold_floor_ms=1e3 * cold)
 
 
+def past_max_seq_len(args):
+    """The figures past ``max_seq_len`` (module docstring), as a dict."""
+    length = args.past_max_seq_len
+    options = {**args.model, "use_rotary_emb": True, "max_seq_len": length}
+    wrapper = build_wrapper(args.device, options)
+    prompt = torch.randint(0, options["num_tokens"], (1, args.prompt_len), generator=torch.Generator().manual_seed(2))
+    count = length - args.prompt_len  # the tokens timed on each side: up to max_seq_len, and the last ones
+    if count < 2:
+        raise SystemExit(f"--past-max-seq-len {length} must exceed --prompt-len + 1")
+    generation_seconds(wrapper, prompt, count, True, args.device)  # warm
+    peaks = []
+    for tokens in (count, args.past_factor * length - args.prompt_len):
+        memory = common.PeakMemory(args.device)
+        whole, whole_s = generation_seconds(wrapper, prompt, tokens, True, args.device)
+        peaks.append(memory.increase())
+    # the same generation's last tokens: its first (factor - 1) max_seq_len tokens as the prompt
+    late_prompt = torch.cat((prompt, whole), dim=1)[:, :(args.past_factor - 1) * length]
+    best = {}
+    for _ in range(args.past_reps):  # the two sides in turn: a change of the machine's load hits both
+        for side, start in (("within", prompt), ("past", late_prompt)):
+            for tokens in (1, count):
+                generated, seconds = generation_seconds(wrapper, start, tokens, True, args.device)
+                best[side, tokens] = min(best.get((side, tokens), math.inf), seconds)
+    # (the prompt's prefill and the first token are the one-token generation's: left out)
+    within, past = ((best[side, count] - best[side, 1]) / (count - 1) for side in ("within", "past"))
+    return dict(past_max_seq_len=length, past_factor=args.past_factor, tokens=whole.shape[1], whole_s=whole_s,
+                same_tokens=torch.equal(generated, whole[:, late_prompt.shape[1] - args.prompt_len:][:, :count]),
+                within_ms_per_token=1e3 * within, past_ms_per_token=1e3 * past, past_over_within=past / within,
+                peak_bytes=peaks[1], peak_within_bytes=peaks[0], memory_method=memory.method)
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", default=common.default_device())
@@ -97,6 +140,11 @@ def main(argv=None):
     p.add_argument("--batch", type=int, default=8, help="prompts in the batched run (default: %(default)s)")
     p.add_argument("--matmul-size", type=int, default=None)
     p.add_argument("--set", type=common.parse_settings, default={}, help="model arguments, key=value,...")
+    p.add_argument("--past-max-seq-len", type=int, default=256,
+                   help="max_seq_len of the rotary model that generates past it (default: %(default)s)")
+    p.add_argument("--past-factor", type=int, default=16,
+                   help="it generates this many times its max_seq_len (default: %(default)s)")
+    p.add_argument("--past-reps", type=int, default=5, help="best of this many generations (default: %(default)s)")
     p.add_argument("--record", metavar="NAME", default=None, help="write the figures to results/NAME.json")
     args = p.parse_args(argv)
     args.model = {**MODEL, **args.set}
@@ -105,6 +153,7 @@ def main(argv=None):
                         f"eval, fp32, greedy, {args.new_tokens} tokens after {args.prompt_len}")
     rate_before = common.square_matmul_rate(args.device, args.matmul_size)
     figures = measure(args)
+    figures["past"] = past = past_max_seq_len(args)
     rate_after = common.square_matmul_rate(args.device, args.matmul_size)
     print(f"tokens: cached and recomputed {'the same' if figures['same_tokens'] else 'DIFFER'}")
     print(f"cached generate(): {figures['cached_s']:.2f} s ({figures['ms_per_token']:.2f} ms/token); "
@@ -114,11 +163,17 @@ def main(argv=None):
     print(f"weights' floor per token: warm {figures['warm_floor_ms']:.3f} ms "
           f"({figures['ms_per_token'] / figures['warm_floor_ms']:.1f}x), cold {figures['cold_floor_ms']:.3f} ms "
           f"({figures['ms_per_token'] / figures['cold_floor_ms']:.1f}x)")
+    print(f"rotary positions, max_seq_len {past['past_max_seq_len']}, {past['tokens']} tokens "
+          f"({past['past_factor']}x) in {past['whole_s']:.1f} s: {past['within_ms_per_token']:.2f} ms/token within "
+          f"max_seq_len, {past['past_ms_per_token']:.2f} at its end: {past['past_over_within']:.2f}x; the last tokens "
+          f"generated again {'the same' if past['same_tokens'] else 'DIFFER'}")
+    print(f"peak memory of that generation: +{past['peak_bytes'] / 2 ** 10:,.0f} KiB; of the one that stops at "
+          f"max_seq_len: +{past['peak_within_bytes'] / 2 ** 10:,.0f} KiB ({past['memory_method']})")
     print(f"matmul rate: {rate_before / 1e9:.1f} GFLOP/s before, {rate_after / 1e9:.1f} after "
           f"({common.load_average()} at the end)")
     if args.record:
         print("recorded in", common.record(args.record, args.device, figures))
-    return 0 if figures["same_tokens"] else 1
+    return 0 if figures["same_tokens"] and past["same_tokens"] else 1
 
 
 if __name__ == "__main__":

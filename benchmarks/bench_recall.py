@@ -21,13 +21,18 @@ Models (dim 64, depth 2, 2 heads, vocabulary 512 by default):
     softmax-mlp   ``SoftmaxTransformer`` as in Zoology's MQAR runs: pre-norm attention blocks
                   alone (causal SDPA, learned absolute positions, biases, tied output layer).
     softmax       the same with a GELU MLP of 4 x dim in every block (GPT-2's block).
+    softmax-rotary, softmax-untied, softmax-rotary-untied
+                  ``softmax`` with one change or both: rotary positions on every block's
+                  queries and keys instead of the learned absolute ones; an output layer of
+                  its own instead of the one tied to the token embedding.
     softmax+conv  that with a short causal convolution before attention in every block
                   (``ShortConv``, Zoology's BaseConv), which hands each position its
                   previous tokens.
     the rest      ``LinearAttentionTransformerLM(causal=True, ...)`` with the options of VARIANTS.
 
 Training, the same for every model: AdamW (lr 1e-3, linear warm-up over 100 steps, then
-constant), batch 32, cross entropy at the query positions only, gradient norm clipped to 1;
+constant, weight decay 0.01: ``--weight-decay``), batch 32, cross entropy at the query
+positions only, gradient norm clipped to 1 (``--clip``);
 every model ties its output layer to its token embedding, as Zoology's LM does. Each model
 trains in a fresh subprocess; ``--out`` writes every result (the held-out curve included) as
 JSON after each model, so a cut run keeps what it finished.
@@ -49,6 +54,8 @@ import torch
 import torch.nn.functional as F
 from einops import rearrange
 from torch import nn
+
+from linear_attention_transformer.positional import RotaryEmbedding, apply_rotary
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import (  # noqa: E402  (the folder of this script, see common.py)
@@ -137,9 +144,11 @@ class SoftmaxBlock(nn.Module):
         self.mlp_norm = nn.LayerNorm(dim) if mlp else None
         self.mlp = nn.Sequential(nn.Linear(dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, dim)) if mlp else None
 
-    def forward(self, x):
+    def forward(self, x, cos_sin=None):
         x = self.short_conv(x)
         q, k, v = rearrange(self.to_qkv(self.attn_norm(x)), "b n (three h d) -> three b h n d", three=3, h=self.heads)
+        if cos_sin is not None:
+            q, k = apply_rotary(q, cos_sin), apply_rotary(k, cos_sin)
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         x = x + self.to_out(rearrange(out, "b h n d -> b n (h d)"))
         return x if self.mlp is None else x + self.mlp(self.mlp_norm(x))
@@ -149,23 +158,33 @@ class SoftmaxTransformer(nn.Module):
     """A standard causal softmax LM: token embedding plus learned absolute positions (GPT-2's
     recipe), pre-norm ``SoftmaxBlock``s (with ``mlp=False`` attention alone, as in Zoology's
     MQAR runs), a final LayerNorm, an output layer tied to the embedding; ``output_features``
-    and ``output_layer`` split the logits, so the loss reads only the query positions."""
+    and ``output_layer`` split the logits, so the loss reads only the query positions.
+    ``rotary=True``: no position embedding, rotary positions on every block's queries and keys;
+    ``tied=False``: an output layer of its own."""
 
-    def __init__(self, num_tokens, dim, depth, heads, max_seq_len, short_conv=False, mlp=True):
+    def __init__(self, num_tokens, dim, depth, heads, max_seq_len, short_conv=False, mlp=True, rotary=False,
+                 tied=True):
         super().__init__()
         self.token_emb = nn.Embedding(num_tokens, dim)
         nn.init.normal_(self.token_emb.weight, std=0.02)  # (in this order: the recorded runs' draws)
-        self.pos_emb = nn.Embedding(max_seq_len, dim)
-        nn.init.normal_(self.pos_emb.weight, std=0.02)
+        self.pos_emb = None if rotary else nn.Embedding(max_seq_len, dim)
+        self.rotary = RotaryEmbedding(dim // heads) if rotary else None
+        if self.pos_emb is not None:
+            nn.init.normal_(self.pos_emb.weight, std=0.02)
         self.blocks = nn.ModuleList([SoftmaxBlock(dim, heads, short_conv, mlp) for _ in range(depth)])
         self.norm = nn.LayerNorm(dim)
         self.output_layer = nn.Linear(dim, num_tokens)
-        self.output_layer.weight = self.token_emb.weight  # tied, as in GPT-2 and Zoology's LM
+        if tied:
+            self.output_layer.weight = self.token_emb.weight  # tied, as in GPT-2 and Zoology's LM
 
     def output_features(self, tokens):
-        x = self.token_emb(tokens) + self.pos_emb(torch.arange(tokens.shape[1], device=tokens.device))
+        positions = torch.arange(tokens.shape[1], device=tokens.device)
+        x = self.token_emb(tokens)
+        if self.pos_emb is not None:
+            x = x + self.pos_emb(positions)
+        cos_sin = None if self.rotary is None else self.rotary(positions)
         for block in self.blocks:
-            x = block(x)
+            x = block(x, cos_sin)
         return self.norm(x)
 
     def forward(self, tokens):
@@ -175,7 +194,9 @@ class SoftmaxTransformer(nn.Module):
 # ------------------------------------------------------------------------------ variants
 
 # softmax transformers: name -> SoftmaxTransformer options
-SOFTMAX = {"softmax": {}, "softmax+conv": dict(short_conv=True), "softmax-mlp": dict(mlp=False)}
+SOFTMAX = {"softmax": {}, "softmax+conv": dict(short_conv=True), "softmax-mlp": dict(mlp=False),
+           "softmax-rotary": dict(rotary=True), "softmax-untied": dict(tied=False),
+           "softmax-rotary-untied": dict(rotary=True, tied=False)}
 # name -> LinearAttentionTransformerLM options on top of the shape (dim, depth, heads); an
 # entry may override dim_head.
 VARIANTS = {
@@ -236,7 +257,7 @@ def train_one(args):
     seq_len, pairs = args.size
     torch.manual_seed(args.seed)
     model = build_model(args.variant, args.vocab, args.dim, args.depth, args.heads, seq_len).to(device)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / args.warmup))
     held_out = mqar_batch(args.held_out, seq_len, pairs, args.vocab, batch_generator(*HELD_OUT), args.power_a)
     load_before = load_average()
@@ -252,7 +273,8 @@ def train_one(args):
         loss = F.cross_entropy(query_logits(model, tokens, asked), targets[asked])
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        if args.clip:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip)
         optimizer.step()
         schedule.step()
         synchronize(device)
@@ -296,6 +318,8 @@ def main():
     parser.add_argument("--eval-every", type=int, default=100, help="steps between held-out measurements")
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument("--weight-decay", type=float, default=0.01, help="AdamW's (default: %(default)s, AdamW's own)")
+    parser.add_argument("--clip", type=float, default=1.0, help="gradient norm clipped to this (0: off)")
     parser.add_argument("--warmup", type=int, default=100)
     parser.add_argument("--held-out", type=int, default=500, help="held-out sequences per difficulty")
     parser.add_argument("--dim", type=int, default=64)
@@ -326,11 +350,13 @@ def main():
 
     set_threads(args.threads)
     config = (f"MQAR, vocab {args.vocab}, power_a {args.power_a}; dim {args.dim}, depth {args.depth}, "
-              f"heads {args.heads}; AdamW lr {args.lr} (warm-up {args.warmup}), batch {args.batch}, "
+              f"heads {args.heads}; AdamW lr {args.lr} (warm-up {args.warmup}, weight decay {args.weight_decay}), "
+              f"gradient norm clipped to {args.clip or 'off'}, batch {args.batch}, "
               f"{args.steps} steps (stop at {args.stop_at}); "
               f"held-out: {args.held_out} sequences every {args.eval_every} steps")
     print_header(args.device, args.threads, [config])
     shared = ["--steps", args.steps, "--eval-every", args.eval_every, "--batch", args.batch, "--lr", args.lr,
+              "--weight-decay", args.weight_decay, "--clip", args.clip,
               "--warmup", args.warmup, "--held-out", args.held_out, "--dim", args.dim, "--depth", args.depth,
               "--heads", args.heads, "--vocab", args.vocab, "--power-a", args.power_a, "--device", args.device]
     for flag, value in (("--stop-at", args.stop_at), ("--progress", args.progress), ("--threads", args.threads)):

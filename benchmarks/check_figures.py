@@ -46,6 +46,14 @@ QUOTES = [
     ("docs/layers.md", "generate_gated", ["ms_per_token"], "against {:.2f} (1."),
     ("docs/layers.md", "recall", ["64:4 softmax+conv seed 0", "steps_to_pass"],
      "| 64, 4 | **softmax + short convolution** | `softmax+conv` | {:,} /"),
+    ("benchmarks/README.md", "generate_past", ["past", "past_over_within"], "| {:.2f}x | `generate_past`"),
+    ("docs/layers.md", "generate_past", ["past", "past_over_within"], "a token at the end costs {:.2f}x one"),
+    ("docs/layers.md", "generate_past_recommended", ["past", "past_over_within"], "the end costs {:.2f}x ("),
+    ("docs/layers.md", "length", ["recommended-rotary mean", "1x"], "| recommended heads, rotary | {:.3f} |"),
+    ("docs/layers.md", "length", ["recommended-rotary mean", "16x"], "reads at {:.3f} bits per byte"),
+    ("docs/layers.md", "length", ["softmax-rotary mean", "16x"], "4.493 at 4× and {:.3f} at 16×"),
+    ("benchmarks/README.md", "length", ["recommended-rotary seed 0", "16x last quarter"],
+     "| recommended heads, rotary | 0 | 2.189 | 2.173 (2.129) | 2.166 ({:.3f}) |"),
 ]
 
 

@@ -303,6 +303,7 @@ def model_options(args):
         shift_tokens=args.shift_tokens,
         use_axial_pos_emb=args.pos_emb == "axial",
         use_rotary_emb=args.pos_emb == "rotary",
+        use_pos_emb=args.pos_emb != "none",
         **switches,
         **extra,
     )
@@ -922,8 +923,9 @@ def build_parser():
     m.add_argument("--local-attn-window-size", type=int, default=64,
                    help="window of the local softmax heads (and the axial positions' row length)")
     m.add_argument("--blindspot-size", type=int, default=1, help="1: the linear heads see every earlier token")
-    m.add_argument("--pos-emb", choices=("absolute", "axial", "rotary"), default="rotary",
-                   help="position information: learned absolute embedding, axial, or rotary")
+    m.add_argument("--pos-emb", choices=("absolute", "axial", "rotary", "none"), default="rotary",
+                   help="position information: learned absolute embedding, axial, rotary, or none (the gates, the "
+                        "convolution and the local heads carry order)")
     m.add_argument("--ff-glu", action="store_true", help="GLU feed-forward")
     m.add_argument("--shift-tokens", action="store_true", help="token shifting in every branch")
     m.add_argument("--dropout", type=float, default=0.0, help="feed-forward and attention dropout")

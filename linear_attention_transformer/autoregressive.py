@@ -366,6 +366,67 @@ class AutoregressiveWrapper(nn.Module):
         return linear_cross_entropy(features.reshape(-1, features.shape[-1]), layer.weight, layer.bias,
                                     targets.reshape(-1), self.ignore_index, total_count=total_count)
 
+    @torch.no_grad()
+    def stream_loss(self, tokens, chunk_len=None, reduction="mean"):
+        """Next-token cross-entropy (nats) of a text of any length, read in one stream through
+        the net's cache: bits per character are this over ln 2.
+
+        The net reads tokens[:, :-1] ``chunk_len`` tokens at a time, each chunk continuing the
+        cache the ones before it left (``net(chunk, cache=cache, return_cache=True)``), and is
+        scored on predicting tokens[:, 1:]. The cache has a fixed size and one chunk's logits
+        are held at a time, so the memory does not grow with n (but for the (b, n - 1) result of
+        ``reduction="none"``). Where the net can read the whole text at once the figures are those
+        of ``forward`` (``return_loss=True``), up to rounding. Runs without gradients, in eval
+        mode (each module's training flag is restored after).
+
+        Args:
+            tokens: (b, n) integer tokens, n >= 2.
+            chunk_len: tokens the net reads per call, a positive int (default ``max_seq_len``).
+                Any value gives the same figures; it sizes the compute and the logits held.
+            reduction: "mean" (a scalar over the b (n - 1) targets) or "none" ((b, n - 1): entry
+                t is the loss of predicting tokens[:, t + 1], to read position ranges).
+        Raises:
+            ValueError: the net has no cache (``supports_cache``), or reads at most
+                ``length_limit`` tokens (a position table) and the text is longer.
+        """
+        check_integer_ids(tokens, "tokens")
+        if tokens.ndim != 2 or tokens.shape[1] < 2:
+            raise ValueError(f"tokens must have shape (batch, n) with n >= 2, got {tuple(tokens.shape)}")
+        if chunk_len is None:
+            chunk_len = self.max_seq_len
+        if isinstance(chunk_len, bool) or not isinstance(chunk_len, Integral):
+            raise TypeError(f"chunk_len must be an int (tokens read per call), got {chunk_len!r}")
+        if chunk_len < 1:
+            raise ValueError(f"chunk_len must be >= 1, got {chunk_len}")
+        if reduction not in ("mean", "none"):
+            raise ValueError(f"reduction must be 'mean' or 'none', got {reduction!r}")
+        if not self._supports_cache():
+            raise ValueError("stream_loss reads the text through the net's cache, and this net has none (no "
+                             "supports_cache = True: a causal model without Linformer has one); score windows "
+                             "with forward(x, return_loss=True) instead")
+        reads = tokens.shape[1] - 1
+        if self.length_limit is not None and reads > self.length_limit:
+            raise ValueError(f"tokens: the net reads {reads} of them (n - 1), past its length_limit="
+                             f"{self.length_limit}, the length of its position table; a model with rotary "
+                             f"positions (use_rotary_emb=True) or none (use_pos_emb=False) reads any length")
+
+        modes = [(module, module.training) for module in self.net.modules()]
+        self.net.eval()
+        try:
+            cache, losses = None, []
+            for start in range(0, reads, int(chunk_len)):
+                chunk = tokens[:, start:min(start + int(chunk_len), reads)]
+                logits, cache = self.net(chunk, cache=cache, return_cache=True)
+                targets = tokens[:, start + 1:start + 1 + chunk.shape[1]].long()
+                loss = F.cross_entropy(logits.transpose(1, 2), targets, reduction="none")
+                losses.append(loss if reduction == "none" else loss.sum(dtype=torch.float64))
+        finally:
+            for module, training in modes:
+                module.training = training
+        if reduction == "none":
+            return torch.cat(losses, dim=1)
+        return (sum(losses) / (tokens.shape[0] * reads)).to(loss.dtype)
+
     def _context_parallel_count(self, context_parallel, x, mask, targets):
         """(the net's ``ContextParallel`` for x[:, :-1], the counted targets of all ranks): one
         all-gather of each rank's first and last tokens (and mask entries) and its count, which

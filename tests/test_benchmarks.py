@@ -245,10 +245,70 @@ def test_bench_recall_models_are_causal_and_read_logits_at_the_queries():
     changed = tokens.clone()
     changed[:, 6] = (changed[:, 6] + 1) % 32
     asked = torch.rand(2, 12) < 0.5
-    for name in ("softmax", "softmax+conv", "softmax-mlp", "taylor+conv+dh16"):
+    for name in ("softmax", "softmax+conv", "softmax-mlp", "softmax-rotary", "softmax-rotary-untied",
+                 "taylor+conv+dh16"):
         model = build_model(name, vocab=32, dim=16, depth=2, heads=2, seq_len=12)
         with torch.no_grad():
             before, after = model(tokens), model(changed)
             assert torch.allclose(query_logits(model, tokens, asked), before[asked], atol=1e-5), name
         assert torch.equal(before[:, :6], after[:, :6]), name
         assert (before[:, 6:] - after[:, 6:]).abs().amax(dim=-1).min() > 0, name
+
+
+def test_bench_length_trains_scores_and_records_every_model(tmp_path, monkeypatch, capsys):
+    """Tiny runs of bench_length.py: every model and seed recorded with BPC at each length, the
+    mean over seeds; a linear model's streamed losses are its full forward's, and the softmax
+    reference rebuilt to cover a longer length reads the training length as trained."""
+    import bench_length
+    from train_enwik8 import build_model
+
+    monkeypatch.setattr(common, "RESULTS_DIR", str(tmp_path))
+    data = tmp_path / "text.txt"
+    data.write_bytes(bytes(torch.randint(97, 105, (4000,), generator=torch.Generator().manual_seed(0)).tolist()))
+    argv = ["--data", str(data), "--steps", "2", "--seq-len", "16", "--factors", "1", "4", "--eval-windows", "2",
+            "--seeds", "0", "1", "--threads", "1", "--out", str(tmp_path / "runs"), "--record", "tiny",
+            "--set", "dim=16", "depth=1", "batch_size=2", "eval_batches=1", "local_attn_window_size=8"]
+    assert bench_length.main(argv) == 0, capsys.readouterr().out
+    figures = json.loads((tmp_path / "tiny.json").read_text())["figures"]
+    for name in bench_length.MODELS:
+        seeds = [figures[f"{name} seed {s}"] for s in (0, 1)]
+        for result in seeds:
+            assert result["steps"] == 2 and len(result["4x per block"]) == 4
+            assert all(0 < result[key] < 16 for key in ("1x", "4x", "4x last quarter"))
+        assert figures[f"{name} mean"]["4x"] == pytest.approx((seeds[0]["4x"] + seeds[1]["4x"]) / 2)
+    assert "softmax-rotary" in capsys.readouterr().out
+
+    args = bench_length.build_parser().parse_args(argv)
+    windows = torch.randint(97, 105, (2, 65), generator=torch.Generator().manual_seed(1))
+    run = bench_length.run_options(args, "recommended-rotary", 0)
+    state, log = bench_length.trained_model(run, reuse=True)
+    assert log["date"] == figures["recommended-rotary seed 0"]["trained"]  # read from the checkpoint, not trained again
+    rotary = bench_length.scoring_model(run, state, 64)
+    assert rotary.net.max_seq_len == 16
+    torch.testing.assert_close(bench_length.window_losses(rotary, windows, 16, streamed=True),
+                               bench_length.window_losses(rotary, windows, 16, streamed=False), rtol=1e-5, atol=1e-5)
+    run = bench_length.run_options(args, "softmax-rotary", 0)
+    state, _ = bench_length.trained_model(run, reuse=True)
+    as_trained = build_model(run)
+    as_trained.load_state_dict(state)
+    short = windows[:, :17]
+    torch.testing.assert_close(bench_length.window_losses(bench_length.scoring_model(run, state, 64), short, 16, False),
+                               bench_length.window_losses(as_trained.eval(), short, 16, False))
+    last = figures["softmax-rotary seed 0"]
+    assert last["4x last block"] == last["4x per block"][-1] and 0 < last["4x last block read alone"] < 16
+
+
+def test_bench_generate_times_tokens_within_and_past_max_seq_len():
+    """The rotary model's generation past max_seq_len: per-token times within and past it, their
+    ratio, and the peak memory of the whole generation and of the one that stops at max_seq_len."""
+    import argparse
+
+    import bench_generate
+
+    args = argparse.Namespace(device="cpu", prompt_len=4, past_max_seq_len=32, past_factor=4, past_reps=1,
+                              model=dict(bench_generate.MODEL, depth=1))
+    figures = bench_generate.past_max_seq_len(args)
+    assert figures["tokens"] == 4 * 32 - 4 and figures["same_tokens"]
+    assert figures["within_ms_per_token"] > 0 and figures["past_ms_per_token"] > 0
+    assert figures["past_over_within"] == pytest.approx(figures["past_ms_per_token"] / figures["within_ms_per_token"])
+    assert figures["peak_bytes"] >= 0 and figures["peak_within_bytes"] >= 0 and figures["memory_method"]

@@ -293,6 +293,14 @@ def test_the_softmax_variant_is_causal_softmax_attention_over_the_whole_context(
     torch.testing.assert_close(layer(x), expected)
 
 
+def test_pos_emb_none_builds_a_model_without_positions_that_reads_any_length():
+    args = train_enwik8.build_parser().parse_args([*TINY, "--variant", "recommended", "--pos-emb", "none"])
+    net = train_enwik8.build_model(args).net
+    assert net.pos_emb is None and net.length_limit is None
+    assert not any("pos" in name or "rotary" in name for name, _ in net.named_parameters())
+    assert train_enwik8.build_model(train_enwik8.build_parser().parse_args(TINY)).net.length_limit is None  # rotary
+
+
 def test_manpage_text_keeps_the_words_and_drops_the_markup():
     import make_local_corpus
 
