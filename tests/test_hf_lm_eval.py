@@ -39,7 +39,7 @@ def evaluate_example():
 @pytest.fixture(autouse=True)
 def offline(monkeypatch):
     """Nothing is fetched: the variables, and the copies huggingface_hub and datasets took of them
-    when imported (earlier in the session, perhaps)."""
+    when imported (earlier in the same process, perhaps)."""
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
     import datasets.config
