@@ -627,7 +627,7 @@ class Attention(nn.Module):
 
 class StepTensors:
     """What an ``Attention`` layer's ``step`` reads and writes besides its cache, made once per
-    decoder (``Attention.prepare_step``).
+    cache (``Attention.prepare_step``).
 
     One matmul projects the token to every head's q, k, v and the gates' inputs: ``weight``
     concatenates the projections (the local heads' queries scaled by dim_head^-1/2 already:

@@ -159,9 +159,9 @@ class BranchCache(_Cache):
 
 class Position:
     """Tokens consumed: the one count a ``DecodingCache`` keeps and every layer reads. An int on
-    the host; a decoder also keeps it as a long tensor of no dimension on the model's device
-    (``tensor``), advanced in place by steps that read nothing back: the int is then read back
-    once, when asked for."""
+    the host; the one-token step also keeps it as a long tensor of no dimension on the model's
+    device (``tensor``), advanced in place by steps that read nothing back: the int is then read
+    back once, when asked for."""
 
     __slots__ = ("_host", "tensor")
 

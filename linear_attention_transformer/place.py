@@ -38,7 +38,7 @@ class Place:
 
     Attributes:
         position: the tokens before x in its sequence (a cache's position; 0 without one); on a
-            decoder's step that does not know it on the host (a traced step), None.
+            one-token step that does not know it on the host (a traced step), None.
         cached: whether the layers continue from their caches and update them.
         segments: (b, n) long run index of packed sequences, or None.
         group: a ``ContextParallel`` when x is one rank's slice, or None.

@@ -26,7 +26,7 @@ class AbsolutePositionalEmbedding(nn.Module):
         return self.emb(positions)
 
     def rows(self):
-        """The embeddings looked up one position at a time (``PositionRows``: a decoder's step)."""
+        """The embeddings looked up one position at a time (``PositionRows``: a one-token step)."""
         return PositionRows(self.emb.weight.detach())
 
 
@@ -56,13 +56,13 @@ class AxialPositionalEmbedding(nn.Module):
         return row_emb[0, positions // self.width, 0] + col_emb[0, 0, positions % self.width]
 
     def rows(self):
-        """The embeddings looked up one position at a time (``PositionRows``: a decoder's step)."""
+        """The embeddings looked up one position at a time (``PositionRows``: a one-token step)."""
         row_emb, col_emb = (weight.detach() for weight in self.axial.weights)
         return PositionRows(row_emb[0, :, 0], col_emb[0, 0], self.width)
 
 
 class PositionRows:
-    """Position embeddings one position at a time, for a decoder's step, on views of the
+    """Position embeddings one position at a time, for a one-token step, on views of the
     parameters (changes made in place are seen): ``rows[t]`` is position t's embedding (dim,).
     An int t gives a view (axial: two and their sum); a long tensor t of no dimension gives
     gathers that read nothing back (a traced step). Axial: ``table`` holds the row embeddings
