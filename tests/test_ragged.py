@@ -96,3 +96,16 @@ def test_blindspot_blocks_with_left_padding():
     right = torch.ones_like(mask)
     right[1, 10:] = False  # padding on the right keeps the cache
     model(x, input_mask=right, return_cache=True)
+
+
+def test_a_decoder_with_a_context_generates_each_left_padded_row_as_alone():
+    model = make(dict(receives_context=True, **LOCAL))
+    wrapper = AutoregressiveWrapper(model)
+    x, mask = padded(8)
+    context = torch.randn(len(PADS), 7, 16, dtype=D, generator=torch.Generator().manual_seed(2))
+    context_mask = torch.rand(len(PADS), 7, generator=torch.Generator().manual_seed(3)) > 0.3
+    together = wrapper.generate(x, 10, temperature=0, input_mask=mask, context=context, context_mask=context_mask)
+    for row, pad in enumerate(PADS):
+        alone = wrapper.generate(x[row : row + 1, pad:], 10, temperature=0, context=context[row : row + 1],
+                                 context_mask=context_mask[row : row + 1])
+        assert torch.equal(together[row], alone[0])
