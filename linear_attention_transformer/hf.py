@@ -165,9 +165,10 @@ class LinearAttentionTransformerCache:
         self._map_rows(lambda t: t.repeat_interleave(repeats, dim=0))
 
     def _map_rows(self, fn):
-        # (every cache tensor has the batch first; the position's 0-d tensor, if any, has no rows)
+        # (every cache tensor has the batch first; the position's 0-d tensor, if any, has no rows:
+        # copied, so that the new state advances its own)
         if self.state is not None:
-            self.state = map_tensors(self.state, lambda t: fn(t) if t.ndim else t)
+            self.state = map_tensors(self.state, lambda t: fn(t) if t.ndim else t.clone())
 
     def __repr__(self):
         return f"{type(self).__name__}(position={self.get_seq_length()})"

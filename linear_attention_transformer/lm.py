@@ -180,7 +180,9 @@ class LinearAttentionTransformerLM(nn.Module):
             return self._output(out)
         out, cache = out
         cache.steps = None  # (what a step reads follows the buffers: made anew for the next step)
-        if not torch.is_grad_enabled() and not torch.compiler.is_compiling() and self.supports_cache:
+        limit = self.length_limit
+        steps_follow = limit is None or cache.position < limit  # (at the table's end no step can follow)
+        if steps_follow and not torch.is_grad_enabled() and not torch.compiler.is_compiling():
             cache.steps = self.prepare_step(cache)
         return self._output(out), cache
 
@@ -213,13 +215,14 @@ class LinearAttentionTransformerLM(nn.Module):
             return self.step(x if x.dtype == torch.int64 else x.long(), cache, steps)
         if self.training:  # (dropout refused, as on the general path)
             self.transformer.check_cacheable()
+        p = int(cache.counter)
+        limit = self.length_limit if steps is None else steps.length_limit
+        if limit is not None and p >= limit:
+            self.transformer.check_length(p + 1)
         if steps is None or steps.stale():
             steps = cache.steps = self.prepare_step(cache)
         if x.shape[0] != steps.batch:
             raise ValueError(f"x must have one token for each of the cache's {steps.batch} rows, got {x.shape[0]}")
-        p = int(cache.counter)
-        if steps.length_limit is not None and p >= steps.length_limit:
-            self.transformer.check_length(p + 1)
         if x.device.type != "cpu":
             check_token_ids(x, self.num_tokens, "x")
         threads, saved = steps.threads, None

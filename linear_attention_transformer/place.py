@@ -116,8 +116,7 @@ def continued_row_starts(row_starts, position, input_mask):
     first real token (or after it)."""
     if row_starts is None or input_mask is None:
         return row_starts
-    first = torch.where(input_mask.any(dim=1), input_mask.int().argmax(dim=1), input_mask.shape[1])
-    return torch.where(row_starts == position, position + first, row_starts)
+    return torch.where(row_starts == position, position + first_real_columns(input_mask), row_starts)
 
 
 def left_padding(input_mask):
@@ -127,11 +126,15 @@ def left_padding(input_mask):
     column."""
     if input_mask is None:
         return None
-    n = input_mask.shape[1]
-    starts = torch.where(input_mask.any(dim=1), input_mask.int().argmax(dim=1), n)
+    starts = first_real_columns(input_mask)
     if not torch.compiler.is_compiling() and not bool(starts.any()):
         return None
     return starts
+
+
+def first_real_columns(input_mask):
+    """(b,) long: each row's first True column of ``input_mask`` (b, n), n for a row without one."""
+    return torch.where(input_mask.any(dim=1), input_mask.int().argmax(dim=1), input_mask.shape[1])
 
 
 def check_modes(packed=False, cached=False, parallel=False):
