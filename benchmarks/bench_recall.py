@@ -25,7 +25,12 @@ Models (dim 64, depth 2, 2 heads, vocabulary 512 by default):
                   ``softmax`` with one change or both: rotary positions on every block's
                   queries and keys instead of the learned absolute ones; an output layer of
                   its own instead of the one tied to the token embedding.
-    softmax+conv  that with a short causal convolution before attention in every block
+    softmax-emb1, softmax-rotary-emb1, softmax-untied-emb1, softmax-rotary-untied-emb1
+                  those with the embeddings drawn from PyTorch's N(0, 1) instead of GPT-2's
+                  N(0, 0.02): the token embedding as large as what a block adds to it.
+    softmax-nobias
+                  ``softmax`` without biases in its linear layers and LayerNorms.
+    softmax+conv  ``softmax`` with a short causal convolution before attention in every block
                   (``ShortConv``, Zoology's BaseConv), which hands each position its
                   previous tokens.
     the rest      ``LinearAttentionTransformerLM(causal=True, ...)`` with the options of VARIANTS.
@@ -134,15 +139,16 @@ class SoftmaxBlock(nn.Module):
     """Pre-norm block: x + attn(LN(x)) (causal SDPA), then x + MLP(LN(x)) unless ``mlp`` is
     False; with ``short_conv`` a ``ShortConv`` first."""
 
-    def __init__(self, dim, heads, short_conv=False, mlp=True):
+    def __init__(self, dim, heads, short_conv=False, mlp=True, bias=True):
         super().__init__()
         self.heads = heads
         self.short_conv = ShortConv(dim) if short_conv else nn.Identity()
-        self.attn_norm = nn.LayerNorm(dim)
-        self.to_qkv = nn.Linear(dim, 3 * dim)
-        self.to_out = nn.Linear(dim, dim)
-        self.mlp_norm = nn.LayerNorm(dim) if mlp else None
-        self.mlp = nn.Sequential(nn.Linear(dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, dim)) if mlp else None
+        self.attn_norm = nn.LayerNorm(dim, bias=bias)
+        self.to_qkv = nn.Linear(dim, 3 * dim, bias=bias)
+        self.to_out = nn.Linear(dim, dim, bias=bias)
+        self.mlp_norm = nn.LayerNorm(dim, bias=bias) if mlp else None
+        self.mlp = nn.Sequential(nn.Linear(dim, 4 * dim, bias=bias), nn.GELU(),
+                                 nn.Linear(4 * dim, dim, bias=bias)) if mlp else None
 
     def forward(self, x, cos_sin=None):
         x = self.short_conv(x)
@@ -160,20 +166,22 @@ class SoftmaxTransformer(nn.Module):
     MQAR runs), a final LayerNorm, an output layer tied to the embedding; ``output_features``
     and ``output_layer`` split the logits, so the loss reads only the query positions.
     ``rotary=True``: no position embedding, rotary positions on every block's queries and keys;
-    ``tied=False``: an output layer of its own."""
+    ``tied=False``: an output layer of its own; ``emb_std``: the embeddings' initial standard
+    deviation (GPT-2's 0.02, or PyTorch's default of 1); ``bias=False``: no biases in the
+    linear layers and LayerNorms."""
 
     def __init__(self, num_tokens, dim, depth, heads, max_seq_len, short_conv=False, mlp=True, rotary=False,
-                 tied=True):
+                 tied=True, emb_std=0.02, bias=True):
         super().__init__()
         self.token_emb = nn.Embedding(num_tokens, dim)
-        nn.init.normal_(self.token_emb.weight, std=0.02)  # (in this order: the recorded runs' draws)
+        nn.init.normal_(self.token_emb.weight, std=emb_std)  # (in this order: the recorded runs' draws)
         self.pos_emb = None if rotary else nn.Embedding(max_seq_len, dim)
         self.rotary = RotaryEmbedding(dim // heads) if rotary else None
         if self.pos_emb is not None:
-            nn.init.normal_(self.pos_emb.weight, std=0.02)
-        self.blocks = nn.ModuleList([SoftmaxBlock(dim, heads, short_conv, mlp) for _ in range(depth)])
-        self.norm = nn.LayerNorm(dim)
-        self.output_layer = nn.Linear(dim, num_tokens)
+            nn.init.normal_(self.pos_emb.weight, std=emb_std)
+        self.blocks = nn.ModuleList([SoftmaxBlock(dim, heads, short_conv, mlp, bias) for _ in range(depth)])
+        self.norm = nn.LayerNorm(dim, bias=bias)
+        self.output_layer = nn.Linear(dim, num_tokens, bias=bias)
         if tied:
             self.output_layer.weight = self.token_emb.weight  # tied, as in GPT-2 and Zoology's LM
 
@@ -196,7 +204,9 @@ class SoftmaxTransformer(nn.Module):
 # softmax transformers: name -> SoftmaxTransformer options
 SOFTMAX = {"softmax": {}, "softmax+conv": dict(short_conv=True), "softmax-mlp": dict(mlp=False),
            "softmax-rotary": dict(rotary=True), "softmax-untied": dict(tied=False),
-           "softmax-rotary-untied": dict(rotary=True, tied=False)}
+           "softmax-rotary-untied": dict(rotary=True, tied=False), "softmax-emb1": dict(emb_std=1.0),
+           "softmax-nobias": dict(bias=False), "softmax-rotary-untied-emb1": dict(rotary=True, tied=False, emb_std=1.0),
+           "softmax-rotary-emb1": dict(rotary=True, emb_std=1.0), "softmax-untied-emb1": dict(tied=False, emb_std=1.0)}
 # name -> LinearAttentionTransformerLM options on top of the shape (dim, depth, heads); an
 # entry may override dim_head.
 VARIANTS = {

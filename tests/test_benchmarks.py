@@ -246,13 +246,30 @@ def test_bench_recall_models_are_causal_and_read_logits_at_the_queries():
     changed[:, 6] = (changed[:, 6] + 1) % 32
     asked = torch.rand(2, 12) < 0.5
     for name in ("softmax", "softmax+conv", "softmax-mlp", "softmax-rotary", "softmax-rotary-untied",
-                 "taylor+conv+dh16"):
+                 "softmax-rotary-untied-emb1", "softmax-nobias", "taylor+conv+dh16"):
         model = build_model(name, vocab=32, dim=16, depth=2, heads=2, seq_len=12)
         with torch.no_grad():
             before, after = model(tokens), model(changed)
             assert torch.allclose(query_logits(model, tokens, asked), before[asked], atol=1e-5), name
         assert torch.equal(before[:, :6], after[:, :6]), name
         assert (before[:, 6:] - after[:, 6:]).abs().amax(dim=-1).min() > 0, name
+
+
+def test_bench_recall_softmax_variants_change_what_they_name():
+    """The embeddings' scale (GPT-2's 0.02, or PyTorch's 1), the positions, the tied output
+    layer and the biases of bench_recall.py's softmax transformers are what each name says."""
+    from bench_recall import build_model
+
+    torch.manual_seed(0)
+    gpt2 = build_model("softmax", vocab=512, dim=64, depth=2, heads=2, seq_len=128)
+    wide = build_model("softmax-rotary-untied-emb1", vocab=512, dim=64, depth=2, heads=2, seq_len=128)
+    bare = build_model("softmax-nobias", vocab=512, dim=64, depth=2, heads=2, seq_len=128)
+    assert abs(gpt2.token_emb.weight.std().item() - 0.02) < 0.002 and abs(gpt2.pos_emb.weight.std().item() - 0.02) < 0.002
+    assert gpt2.output_layer.weight is gpt2.token_emb.weight
+    assert abs(wide.token_emb.weight.std().item() - 1.0) < 0.05 and wide.pos_emb is None and wide.rotary is not None
+    assert wide.output_layer.weight is not wide.token_emb.weight
+    assert not any(name.endswith("bias") for name, _ in bare.named_parameters())
+    assert any(name.endswith("bias") for name, _ in gpt2.named_parameters())
 
 
 def test_bench_length_trains_scores_and_records_every_model(tmp_path, monkeypatch, capsys):
