@@ -125,10 +125,10 @@ class ShortConv(nn.Module):
     """Zoology's BaseConv, which precedes attention in every block of its attention model: a
     projection of LN(x) times a causal depthwise convolution of 3 taps over it, added to x."""
 
-    def __init__(self, dim, taps=3):
+    def __init__(self, dim, taps=3, bias=True):
         super().__init__()
-        self.norm, self.proj = nn.LayerNorm(dim), nn.Linear(dim, dim)
-        self.conv = nn.Conv1d(dim, dim, taps, groups=dim, padding=taps - 1)
+        self.norm, self.proj = nn.LayerNorm(dim, bias=bias), nn.Linear(dim, dim, bias=bias)
+        self.conv = nn.Conv1d(dim, dim, taps, groups=dim, padding=taps - 1, bias=bias)
 
     def forward(self, x):
         u = self.norm(x)
@@ -142,7 +142,7 @@ class SoftmaxBlock(nn.Module):
     def __init__(self, dim, heads, short_conv=False, mlp=True, bias=True):
         super().__init__()
         self.heads = heads
-        self.short_conv = ShortConv(dim) if short_conv else nn.Identity()
+        self.short_conv = ShortConv(dim, bias=bias) if short_conv else nn.Identity()
         self.attn_norm = nn.LayerNorm(dim, bias=bias)
         self.to_qkv = nn.Linear(dim, 3 * dim, bias=bias)
         self.to_out = nn.Linear(dim, dim, bias=bias)
@@ -202,11 +202,16 @@ class SoftmaxTransformer(nn.Module):
 # ------------------------------------------------------------------------------ variants
 
 # softmax transformers: name -> SoftmaxTransformer options
-SOFTMAX = {"softmax": {}, "softmax+conv": dict(short_conv=True), "softmax-mlp": dict(mlp=False),
-           "softmax-rotary": dict(rotary=True), "softmax-untied": dict(tied=False),
-           "softmax-rotary-untied": dict(rotary=True, tied=False), "softmax-emb1": dict(emb_std=1.0),
-           "softmax-nobias": dict(bias=False), "softmax-rotary-untied-emb1": dict(rotary=True, tied=False, emb_std=1.0),
-           "softmax-rotary-emb1": dict(rotary=True, emb_std=1.0), "softmax-untied-emb1": dict(tied=False, emb_std=1.0)}
+SOFTMAX = {
+    "softmax": {}, "softmax+conv": dict(short_conv=True), "softmax-mlp": dict(mlp=False),
+    "softmax-nobias": dict(bias=False),
+    # positions, output layer and embedding scale, one at a time and together
+    "softmax-rotary": dict(rotary=True), "softmax-untied": dict(tied=False),
+    "softmax-rotary-untied": dict(rotary=True, tied=False),
+    "softmax-emb1": dict(emb_std=1.0), "softmax-rotary-emb1": dict(rotary=True, emb_std=1.0),
+    "softmax-untied-emb1": dict(tied=False, emb_std=1.0),
+    "softmax-rotary-untied-emb1": dict(rotary=True, tied=False, emb_std=1.0),
+}
 # name -> LinearAttentionTransformerLM options on top of the shape (dim, depth, heads); an
 # entry may override dim_head.
 VARIANTS = {

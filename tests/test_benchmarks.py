@@ -258,7 +258,7 @@ def test_bench_recall_models_are_causal_and_read_logits_at_the_queries():
 def test_bench_recall_softmax_variants_change_what_they_name():
     """The embeddings' scale (GPT-2's 0.02, or PyTorch's 1), the positions, the tied output
     layer and the biases of bench_recall.py's softmax transformers are what each name says."""
-    from bench_recall import build_model
+    from bench_recall import SoftmaxTransformer, build_model
 
     torch.manual_seed(0)
     gpt2 = build_model("softmax", vocab=512, dim=64, depth=2, heads=2, seq_len=128)
@@ -269,6 +269,8 @@ def test_bench_recall_softmax_variants_change_what_they_name():
     assert abs(wide.token_emb.weight.std().item() - 1.0) < 0.05 and wide.pos_emb is None and wide.rotary is not None
     assert wide.output_layer.weight is not wide.token_emb.weight
     assert not any(name.endswith("bias") for name, _ in bare.named_parameters())
+    bare_conv = SoftmaxTransformer(512, 64, 2, 2, 128, short_conv=True, bias=False)
+    assert not any(name.endswith("bias") for name, _ in bare_conv.named_parameters())
     assert any(name.endswith("bias") for name, _ in gpt2.named_parameters())
 
 
