@@ -152,7 +152,7 @@ class LinearAttentionTransformerCache:
 
     def get_seq_length(self, layer_idx=0):
         """The tokens the cache has consumed (columns, padding included)."""
-        return 0 if self.state is None else self.state.position
+        return 0 if self.state is None else int(self.state.position)
 
     def reorder_cache(self, beam_idx):
         """Keep rows ``beam_idx`` (long (b',)), in that order: beam search's reordering."""
