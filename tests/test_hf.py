@@ -83,7 +83,7 @@ def test_per_layer_tuples_survive_the_json_round_trip(hf, tmp_path):
     assert loaded.model_options() == config.model_options()
 
 
-def test_options_json_cannot_hold_and_unknown_keywords_are_refused(hf):
+def test_options_json_cannot_hold_and_misspelt_keywords_are_refused(hf):
     Config = hf.LinearAttentionTransformerConfig
     with pytest.raises(ValueError, match="feature_map"):
         Config(**SMALL, feature_map=lambda x: x.relu())
