@@ -281,7 +281,7 @@ class Attention(nn.Module):
         state's recurrence. ``group``: a ``ContextParallel`` when the sequence is split over
         processes: the slice then reads the other ranks' summaries (``context_parallel.py``)."""
         position = place.position
-        fresh = cache is None or position == 0
+        fresh = not place.step and (cache is None or position == 0)
         if self.local_conv is not None and group is not None:
             q, k, v = self._convolve_context_parallel(q, k, v, mask, group)
         elif self.local_conv is not None:
@@ -297,7 +297,7 @@ class Attention(nn.Module):
                 return context_parallel_causal_linear_attention(q, k, v, group, log_gate, mask, self.chunk_size,
                                                                 exp_features, self.blindspot_size, self.kernel)
             if place.step:
-                return self._global_heads_step(q, k, v, log_gate, cache.state, place.tensor)
+                return self._global_heads_step(q, k, v, log_gate, cache.state, place.start)
             out = causal_linear_attention(
                 q, k, v, log_gate, mask, blindspot_size=self.blindspot_size, chunk_size=self.chunk_size,
                 exp_features=exp_features, state=None if fresh else cache.state.as_causal_state(position),
@@ -320,7 +320,8 @@ class Attention(nn.Module):
     def _global_heads_step(self, q, k, v, log_gate, state, position):
         """One token per row through the state (``CausalState.step``, in place): q, k (b, h, 1,
         d) (logits with exponential features), v (b, h, 1, e), log_gate (b, h, 1[, d]) or None;
-        computed in the state's dtype (float32 or wider)."""
+        computed in the state's dtype (float32 or wider). ``position``: an int (a blindspot block
+        then joins only where it ends) or a long tensor (joined by flags at every position)."""
         dtype, out_dtype = state.kv.dtype, v.dtype
         q, k, v = (t[:, :, 0] if t.dtype == dtype else t[:, :, 0].to(dtype) for t in (q, k, v))
         if log_gate is not None:
@@ -465,7 +466,7 @@ class Attention(nn.Module):
             kinds = [None if kind is None else (apply_rotary(kind[0], tables), apply_rotary(kind[1], tables), kind[2])
                      for kind, tables in zip(kinds, self._rotary_by_kind(rotary))]
         (ql, kl, vl), (qg, kg, vg) = ((None,) * 3 if kind is None else kind for kind in kinds)
-        fresh = cache is None or place.position == 0
+        fresh = not place.step and (cache is None or place.position == 0)
         outs = []
         if self.n_local:
             if group is not None:
@@ -508,8 +509,8 @@ class Attention(nn.Module):
     def _local_heads_step(self, q, k, v, ring, place):
         """One query per row (b, h, 1, d) over the ring (``LocalCache``). Its own key and value
         enter their slot first: the key they replace is older than this query's window."""
-        ring.write(k, v, place.tensor, None, place.row_starts)
-        p = place.tensor if place.row_starts is None else (place.tensor - place.row_starts)[:, None]
+        ring.write(k, v, place.start, None, place.row_starts)
+        p = place.start if place.row_starts is None else (place.start - place.row_starts)[:, None]
         hidden = ring.positions < self.local_window.first_key(p)  # (an empty slot's NO_KEY lies below every window)
         bias = torch.zeros(hidden.shape, dtype=ring.kv.dtype, device=hidden.device).masked_fill_(hidden, NEG_INF)
         keys, values = ring.kv.unbind(1)

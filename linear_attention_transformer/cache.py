@@ -127,6 +127,12 @@ class LocalCache(_Cache):
         to their slots; only the last ``slots``. A key's position is its column, less its row's
         first real column (``row_starts`` (b,), left padding) when given."""
         n, slots = k.shape[2], self.slots
+        if n == 1 and mask is None and isinstance(start, int):  # (a step that knows its slot: views)
+            slot = start % slots
+            self.kv[:, 0, :, slot].copy_(k[:, :, 0])
+            self.kv[:, 1, :, slot].copy_(v[:, :, 0])
+            self.positions[:, slot] = start if row_starts is None else start - row_starts
+            return
         keep = min(n, slots)
         at = torch.arange(n - keep, n, device=k.device) + start
         where = at % slots

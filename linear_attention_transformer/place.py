@@ -39,8 +39,9 @@ class Place:
     """Where x sits (see the module docstring).
 
     Attributes:
-        position: the tokens before x in its sequence (a cache's position; 0 without one); None
-            on a ``step``, which reads only ``tensor``.
+        position: the tokens before x in its sequence (a cache's position; 0 without one). On a
+            ``step`` the count on the host where reading it back costs no wait (eager, on a
+            CPU), else None: the step then reads only ``tensor``.
         cached: whether the layers continue from their caches and update them.
         step: one token per row continuing a cache, no gradient recorded: the recurrent form.
         segments: (b, n) long run index of packed sequences, or None.
@@ -73,7 +74,8 @@ class Place:
         if cache is not None:
             tensor = cache.position
             step = x.shape[1] == 1 and not torch.is_grad_enabled() and _all_real(input_mask)
-            position = None if step else int(tensor)
+            free = tensor.device.type == "cpu" and not torch.compiler.is_compiling()  # (a read without a wait)
+            position = int(tensor) if free or not step else None
             row_starts = continued_row_starts(getattr(cache, "row_starts", None), tensor, input_mask)
         elif segment_ids is None and context_parallel is None:
             check_mask(input_mask, *x.shape[:2], "input_mask")

@@ -384,12 +384,11 @@ class OpLog(TorchDispatchMode):
 
 
 @pytest.mark.parametrize("name", list(LONG_CONFIGS))
-def test_step_makes_no_sync_and_keeps_its_buffers(name):
-    """Over 60 steps (blocks completing, windows filling, the prompt's padding leaving the
-    window): no op reads a value back, and every buffer keeps its shape and its memory; each
-    step runs the same ops on the same shapes. The position table's length check reads the
-    position back on a CPU only, where that costs no wait (elsewhere a check on the device):
-    without a table (rotary positions) nothing at all is read."""
+def test_step_reads_back_only_its_position_and_keeps_its_buffers(name):
+    """Over 60 eager steps on a CPU (blocks completing, windows filling, the prompt's padding
+    leaving the window): the one value read back is the position (free on a CPU; elsewhere
+    and under compile a step reads nothing: the compiled tests' one graph), and every buffer
+    keeps its shape and its memory."""
     cfg = LONG_CONFIGS[name]
     model = make_long(cfg, torch.float32)
     x, mask = padded_prompt(cfg)
@@ -397,16 +396,12 @@ def test_step_makes_no_sync_and_keeps_its_buffers(name):
     layout = [(tuple(t.shape), t.data_ptr()) for t in cache.static_tensors()]
     assert layout == [(tuple(t.shape), t.data_ptr()) for t in tensors_of(cache)]
     column = torch.tensor([[3], [7]])
-    table = model.length_limit is not None
     for mode in (torch.no_grad, torch.inference_mode):
-        per_step = []
         for _ in range(30):
             with OpLog() as log, mode():
                 model(column, cache=cache, return_cache=True)
             syncs = log.syncs()
-            assert len(syncs) == table and set(syncs) <= {"aten::item", "aten::_local_scalar_dense"}
-            per_step.append(log.ops)
-        assert all(ops == per_step[0] for ops in per_step)
+            assert len(syncs) == 1 and set(syncs) <= {"aten::item", "aten::_local_scalar_dense"}
     assert [(tuple(t.shape), t.data_ptr()) for t in cache.static_tensors()] == layout
     assert cache.position == 5 + 60
 

@@ -1,0 +1,100 @@
+#!/usr/bin/env python
+"""The exported decoding step in ONNX Runtime against the library's eager step, per token.
+
+Two models, in eval mode, fp32, batch 1: ``bench_generate.py``'s (dim 256, depth 2, 2 local
+and 2 global heads, window 64, blindspot 64) and a larger one (dim 512, depth 6, 8 heads of
+which 4 local, window 64). Each is exported with ``export.export_onnx`` and read by an
+``onnxruntime.InferenceSession`` on the CPU. Timed: one token per call, the library's
+``model(token, cache=cache, return_cache=True)`` under ``torch.inference_mode`` and the
+graph's ``session.run`` with the state fed back, the two in turn over ``--rounds`` rounds of
+``--tokens`` tokens (a change of the machine's load hits both); the best round of each. Both
+start from the empty state and are fed the same tokens; the printed logit difference is the
+largest over the last round. The floor: one pass of a vector through every weight matrix the
+step reads, warm (``bench_generate.weight_floors``).
+
+Usage:  python benchmarks/bench_export.py --threads 1 [--tokens 64] [--rounds 5]
+"""
+
+import argparse
+import os
+import sys
+import tempfile
+import time
+
+import numpy as np
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import common  # noqa: E402  (the folder of this script, see common.py)
+from bench_generate import MODEL, weight_floors  # noqa: E402
+
+LARGE = dict(num_tokens=256, dim=512, depth=6, heads=8, n_local_attn_heads=4, local_attn_window_size=64, causal=True,
+             max_seq_len=2048)
+
+
+def per_token(model, session, tokens, threads):
+    """(library seconds, runtime seconds, largest logit difference) for one round of ``tokens``."""
+    import onnxruntime  # noqa: F401  (the session's module)
+
+    cache = model.empty_cache(1)
+    names = [i.name for i in session.get_inputs()]
+    state = [np.zeros([d for d in i.shape], dtype=_numpy_dtype(i.type)) for i in session.get_inputs()[1:]]
+    worst = 0.0
+    library = runtime = 0.0
+    for token in tokens:
+        ids = torch.tensor([[token]])
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            logits, cache = model(ids, cache=cache, return_cache=True)
+        t1 = time.perf_counter()
+        out = session.run(None, dict(zip(names, [ids.numpy(), *state])))
+        t2 = time.perf_counter()
+        state = out[1:]
+        library += t1 - t0
+        runtime += t2 - t1
+        worst = max(worst, float(np.abs(out[0] - logits[:, -1].numpy()).max()))
+    return library / len(tokens), runtime / len(tokens), worst
+
+
+def _numpy_dtype(onnx_type):
+    return {"tensor(float)": np.float32, "tensor(int64)": np.int64, "tensor(double)": np.float64,
+            "tensor(bool)": np.bool_}[onnx_type]
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--threads", type=int, default=None, help="torch's and the runtime's threads (default: as is)")
+    p.add_argument("--tokens", type=int, default=64)
+    p.add_argument("--rounds", type=int, default=5)
+    args = p.parse_args(argv)
+    import onnxruntime
+
+    from linear_attention_transformer import LinearAttentionTransformerLM
+    from linear_attention_transformer.export import export_onnx
+
+    common.set_threads(args.threads)
+    common.print_header("cpu", args.threads)
+    rows = []
+    for name, options in (("bench_generate's", MODEL), ("dim 512, depth 6", LARGE)):
+        torch.manual_seed(0)
+        model = LinearAttentionTransformerLM(**options).eval()
+        with tempfile.TemporaryDirectory() as folder:
+            path = os.path.join(folder, "step.onnx")
+            export_onnx(model, path, batch_size=1)
+            settings = onnxruntime.SessionOptions()
+            if args.threads is not None:
+                settings.intra_op_num_threads = settings.inter_op_num_threads = args.threads
+            session = onnxruntime.InferenceSession(path, settings, providers=["CPUExecutionProvider"])
+        tokens = torch.randint(0, options["num_tokens"], (args.tokens,), generator=torch.Generator().manual_seed(1))
+        per_token(model, session, tokens[:8].tolist(), args.threads)  # warm both
+        rounds = [per_token(model, session, tokens.tolist(), args.threads) for _ in range(args.rounds)]
+        library, runtime = min(r[0] for r in rounds), min(r[1] for r in rounds)
+        warm, _ = weight_floors(model, "cpu")
+        rows.append([name, f"{1e3 * library:.3f}", f"{1e3 * runtime:.3f}", f"{runtime / library:.2f}x",
+                     f"{1e3 * warm:.3f}", f"{rounds[-1][2]:.1e}"])
+    print(common.table(["model", "library ms/token", "ONNX Runtime ms/token", "runtime / library",
+                        "warm floor ms", "max |logit diff|"], rows))
+
+
+if __name__ == "__main__":
+    main()
