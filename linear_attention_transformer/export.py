@@ -109,7 +109,7 @@ def export_onnx(model, path, batch_size=1):
     training = model.training
     model.eval()
     try:
-        step = DecodingStep(model, batch_size)
+        step = DecodingStep(model, batch_size).eval()
         state = step.zero_state()
         inputs, outputs = state_names(len(state))
         ids = torch.zeros(batch_size, 1, dtype=torch.long, device=model.token_emb.weight.device)
