@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from linear_attention_transformer import LinearAttentionTransformerLM, LinformerSettings
-from linear_attention_transformer.export import export_onnx
+from linear_attention_transformer.export import DecodingStep, export_onnx
 
 ROOT = Path(__file__).resolve().parents[1]
 ONNX = pytest.mark.requires("onnx", "onnxscript", "onnxruntime")
@@ -157,6 +157,22 @@ def test_export_leaves_the_model_as_it_was(tmp_path):
     assert model.training
     after = model.state_dict()
     assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
+
+
+def test_the_step_leaves_its_inputs_as_they_were():
+    model = make_model(depth=1, max_seq_len=16, n_local_attn_heads=2, local_attn_window_size=4, use_local_conv=True,
+                       shift_tokens=True)
+    step = DecodingStep(model, 2).eval()
+    state = step.zero_state()
+    kept = [t.clone() for t in state]
+    with torch.no_grad():
+        _, *after_one = step(torch.tensor([[3], [4]]), *state)
+        kept_one = [t.clone() for t in after_one]
+        _, *after_two = step(torch.tensor([[5], [6]]), *after_one)
+    assert all(torch.equal(a, b) for a, b in zip(state, kept))
+    assert all(torch.equal(a, b) for a, b in zip(after_one, kept_one))
+    assert any(not torch.equal(a, b) for a, b in zip(after_one, after_two))
+    assert all(t.reshape(()) == 1 for t in after_one if t.dtype == torch.int64 and t.numel() == 1)
 
 
 REFUSED = {
