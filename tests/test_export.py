@@ -107,7 +107,7 @@ def test_default_heads_with_axial_positions(tmp_path):
 
 @ONNX
 def test_recommended_heads_with_rotary_decode_past_max_seq_len(tmp_path):
-    model = make_model(depth=2, max_seq_len=16, n_local_attn_heads=2, local_attn_window_size=4, use_gate=True,
+    model = make_model(depth=1, max_seq_len=16, n_local_attn_heads=2, local_attn_window_size=4, use_gate=True,
                        use_local_conv=True, feature_map="taylor", dim_qk=8, use_rotary_emb=True)
     check_decodes(model, tmp_path / "step.onnx", prompt_length=6, new_tokens=22)  # 28 positions, 16 trained
 
@@ -131,7 +131,12 @@ def test_no_position_embedding_with_shared_kv_heads_and_blindspot_past_max_seq_l
 def test_position_zero_starts_a_sequence_whatever_the_other_states_hold(tmp_path):
     model = make_model(depth=1, max_seq_len=16, n_local_attn_heads=2, local_attn_window_size=4, use_local_conv=True)
     path = tmp_path / "step.onnx"
+    model.train()  # (exported in eval mode, then left as it was)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
     export_onnx(model, path)
+    assert model.training
+    after = model.state_dict()
+    assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
     session = session_of(path)
     names = [spec.name for spec in session.get_inputs()]
     zeros = zeros_for(session)
@@ -140,23 +145,12 @@ def test_position_zero_starts_a_sequence_whatever_the_other_states_hold(tmp_path
                     if spec.type == "tensor(int64)" and z.size == 1)
     rng = np.random.default_rng(0)
     noise = [z if i == position else (rng.standard_normal(z.shape) * 5).astype(z.dtype) for i, z in enumerate(zeros)]
-    assert any(np.abs(n).max() > 0 for i, n in enumerate(noise) if i != position)  # (not all scalars)
     ids = np.array([[7]], dtype=np.int64)
     from_zeros = session.run(None, dict(zip(names, [ids, *zeros])))
     from_noise = session.run(None, dict(zip(names, [ids, *noise])))
     for a, b in zip(from_zeros, from_noise):
         np.testing.assert_array_equal(a, b)
     assert from_zeros[1 + position].reshape(()) == 1  # the position advances by one
-
-
-@ONNX
-def test_export_leaves_the_model_as_it_was(tmp_path):
-    model = make_model(depth=1, max_seq_len=16, n_local_attn_heads=2, local_attn_window_size=4).train()
-    before = {k: v.clone() for k, v in model.state_dict().items()}
-    export_onnx(model, tmp_path / "step.onnx")
-    assert model.training
-    after = model.state_dict()
-    assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
 
 
 def test_the_step_leaves_its_inputs_as_they_were():
