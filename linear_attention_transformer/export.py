@@ -91,7 +91,8 @@ def export_onnx(model, path, batch_size=1):
     position (int64), which the graph advances by one each step and reads at zero as the start
     of a sequence, so a prompt is read one token at a time from zeros. The graph is the model
     in eval mode (its mode is restored afterwards). A model with rotary or no position
-    embedding decodes past ``max_seq_len``; a position table's model only up to it.
+    embedding decodes past ``max_seq_len``; a position table's model up to it (past it the
+    runtime fails on the table's index, as the library refuses).
 
     Raises TypeError unless ``model`` is a ``LinearAttentionTransformerLM`` and ``path`` a path,
     ValueError for a ``batch_size`` that is not a positive int, and ValueError, saying why, for
