@@ -17,12 +17,12 @@ from torch import nn
 from .cache import NO_KEY, AttentionCache, GlobalCache, LocalCache, for_call
 from .context_parallel import (context_parallel_causal_linear_attention, context_parallel_linear_attention,
                                exchange_boundaries)
-from .gating import ForgetGate, LocalConv, OutputGate, local_conv_step
+from .gating import ForgetGate, LocalConv, OutputGate
 from .ops import FeatureMap, causal_linear_attention, linear_attention, linear_attention_readout, linear_attention_summary
 from .ops.causal.forms import CHUNK_SIZE
 from .ops.common import NEG_INF, check_int, check_mask
 from .ops.kernels import check_kernel
-from .ops.causal.recurrent import CausalState
+from .ops.causal.recurrent import CausalState, join_flags
 from .ops.segments import aligned_layout, from_layout, to_layout
 from .ops.windowed_attention import Window, windowed_attention, windowed_attention_by_position, windowed_attention_step
 from .ops.windowed_flex import flex_windowed_attention, local_form
@@ -212,10 +212,10 @@ class Attention(nn.Module):
         the global heads), each (b, h, n, dim_head) but the global heads' q and k (b, h, n,
         dim_qk); a kind of head the layer lacks gets None."""
         k, v = self.to_kv(source).split(self.kv_widths, dim=-1)
-        v = self._by_kind(self._query_heads(rearrange(v, "b n (h d) -> b h n d", h=self.kv_heads)))
+        v = self._by_kind(self._query_heads(split_heads(v, self.kv_heads)))
         if self.dim_qk == self.dim_head:  # one width: a key head may serve local and global heads
-            q = rearrange(self.to_q(x), "b n (h d) -> b h n d", h=self.heads)
-            k = rearrange(k, "b n (h d) -> b h n d", h=self.kv_heads)
+            q = split_heads(self.to_q(x), self.heads)
+            k = split_heads(k, self.kv_heads)
             q, k = self._by_kind(q), self._by_kind(self._query_heads(k))
         else:
             group = self.heads // self.kv_heads
@@ -275,11 +275,12 @@ class Attention(nn.Module):
         log_gate = self.forget_gate(source)
         return (log_gate if log_gate.ndim == 4 else log_gate[..., None]).exp()  # (one per head: a last axis of 1)
 
-    def global_heads(self, q, k, v, mask, x, cache=None, position=0, segments=None, group=None):
-        """Linear attention over the global heads. ``cache``: a ``GlobalCache`` after
-        ``position`` tokens, continued from (unless position is 0) and updated in place.
-        ``group``: a ``ContextParallel`` when the sequence is split over processes: the slice
-        then reads the other ranks' summaries (``context_parallel.py``)."""
+    def global_heads(self, q, k, v, mask, x, cache=None, place=PLAIN, segments=None, group=None):
+        """Linear attention over the global heads. ``cache``: a ``GlobalCache`` at ``place``,
+        continued from (unless at position 0) and updated in place; on ``place.step`` the
+        state's recurrence. ``group``: a ``ContextParallel`` when the sequence is split over
+        processes: the slice then reads the other ranks' summaries (``context_parallel.py``)."""
+        position = place.position
         fresh = cache is None or position == 0
         if self.local_conv is not None and group is not None:
             q, k, v = self._convolve_context_parallel(q, k, v, mask, group)
@@ -295,6 +296,8 @@ class Attention(nn.Module):
             if group is not None:
                 return context_parallel_causal_linear_attention(q, k, v, group, log_gate, mask, self.chunk_size,
                                                                 exp_features, self.blindspot_size, self.kernel)
+            if place.step:
+                return self._global_heads_step(q, k, v, log_gate, cache.state, place.tensor)
             out = causal_linear_attention(
                 q, k, v, log_gate, mask, blindspot_size=self.blindspot_size, chunk_size=self.chunk_size,
                 exp_features=exp_features, state=None if fresh else cache.state.as_causal_state(position),
@@ -313,6 +316,20 @@ class Attention(nn.Module):
                                                      normalize=not softmax or key_gates is not None, key_scale=key_gates)
         k, normalize = self.noncausal_keys(k, mask, x, segments)
         return linear_attention(fm.queries(q), k, v, mask, normalize=normalize, segments=segments)
+
+    def _global_heads_step(self, q, k, v, log_gate, state, position):
+        """One token per row through the state (``CausalState.step``, in place): q, k (b, h, 1,
+        d) (logits with exponential features), v (b, h, 1, e), log_gate (b, h, 1[, d]) or None;
+        computed in the state's dtype (float32 or wider)."""
+        dtype, out_dtype = state.kv.dtype, v.dtype
+        q, k, v = (t[:, :, 0] if t.dtype == dtype else t[:, :, 0].to(dtype) for t in (q, k, v))
+        if log_gate is not None:
+            log_gate = log_gate[:, :, 0] if log_gate.dtype == dtype else log_gate[:, :, 0].to(dtype)
+        zero = state.kv.new_zeros(())
+        where = None if self.blindspot_size == 1 else join_flags(position, self.blindspot_size, state.ref is not None,
+                                                                  zero, zero + NEG_INF)
+        out = state.step(q, k, v, log_gate, where)[:, :, None]
+        return out if out.dtype == out_dtype else out.to(out_dtype)
 
     def _convolve_context_parallel(self, q, k, v, mask, group):
         """The convolution across the slice's ends: the neighbours' boundary inputs (masked
@@ -390,7 +407,7 @@ class Attention(nn.Module):
             cache = self.empty_cache(x.shape[0], x.device, x.dtype, 0) if cache is None else for_call(cache, return_cache)
         out = self.attend(x, place.but(rotary=rotary), input_mask, cache, context, context_mask)
         if cache is not None:  # (a layer on its own counts its tokens; in a model the model counts)
-            cache.position += x.shape[1]
+            cache.position.add_(x.shape[1])
         return (out, cache) if return_cache else out
 
     def attend(self, x, place=PLAIN, input_mask=None, cache=None, context=None, context_mask=None):
@@ -440,39 +457,41 @@ class Attention(nn.Module):
         return from_layout(out, slots)
 
     def _self_attention(self, x, input_mask, place, cache=None):
-        """The output; ``cache``: an ``AttentionCache`` to continue from after
-        ``place.position`` tokens, updated in place."""
+        """The output; ``cache``: an ``AttentionCache`` to continue from at ``place``, updated
+        in place. On a ``place.step`` each kind of head takes its recurrent form."""
         rotary, segments, group = place.rotary, place.segments, place.group
         kinds = self.project(x, x)
         if rotary is not None:
             kinds = [None if kind is None else (apply_rotary(kind[0], tables), apply_rotary(kind[1], tables), kind[2])
                      for kind, tables in zip(kinds, self._rotary_by_kind(rotary))]
         (ql, kl, vl), (qg, kg, vg) = ((None,) * 3 if kind is None else kind for kind in kinds)
-        position = place.position
+        fresh = cache is None or place.position == 0
         outs = []
         if self.n_local:
             if group is not None:
                 outs.append(self._local_heads_context_parallel(ql, kl, vl, input_mask, group))
-            elif cache is None or position == 0:
+            elif place.step:
+                outs.append(self._local_heads_step(ql, kl, vl, cache.local, place))
+            elif fresh:
                 # (rows padded on the left: each row's windows start at its first real token)
                 runs = segments if segments is not None else place.row_runs(x.shape[1], x.device)
                 outs.append(self.local_heads(ql, kl, vl, input_mask, runs))
             else:
-                outs.append(self._local_heads_cached(ql, kl, vl, input_mask, cache.local, position, place.row_starts))
-            if cache is not None:
-                cache.local.write(kl, vl, position, input_mask, place.row_starts)
+                outs.append(self._local_heads_cached(ql, kl, vl, input_mask, cache.local, place.position,
+                                                     place.row_starts))
+            if cache is not None and not place.step:
+                cache.local.write(kl, vl, place.position, input_mask, place.row_starts)
         if self.n_local < self.heads:
-            outs.append(self.global_heads(qg, kg, vg, input_mask, x, None if cache is None else cache.global_, position,
+            outs.append(self.global_heads(qg, kg, vg, input_mask, x, None if cache is None else cache.global_, place,
                                           segments, group))
         return self._combine(outs, x)
 
     def _combine(self, outs, x):
         out = torch.cat(outs, dim=1) if len(outs) > 1 else outs[0]
-        out = rearrange(out, "b h n d -> b n (h d)")
+        out = out.transpose(1, 2).flatten(2)  # (b, h, n, d) -> (b, n, h d)
         if self.output_gate is not None:
             out = out * self.output_gate(x)
-        out = self.attn_dropout(out)
-        return self.dropout(self.to_out(out))
+        return dropout(self.dropout, self.to_out(dropout(self.attn_dropout, out)))
 
     def _local_heads_cached(self, q, k, v, mask, cache, position, row_starts=None):
         """The new queries over the ring's keys and their own (before they are written);
@@ -485,6 +504,17 @@ class Attention(nn.Module):
         new_positions = q_positions.expand(q.shape[0], n) if mask is None else torch.where(mask, q_positions, NO_KEY)
         k_positions = torch.cat((cache.positions, new_positions), dim=1)  # NO_KEY: before every window
         return windowed_attention_by_position(q, keys, values, q_positions, k_positions, self.local_window)
+
+    def _local_heads_step(self, q, k, v, ring, place):
+        """One query per row (b, h, 1, d) over the ring (``LocalCache``). Its own key and value
+        enter their slot first: the key they replace is older than this query's window."""
+        ring.write(k, v, place.tensor, None, place.row_starts)
+        p = place.tensor if place.row_starts is None else (place.tensor - place.row_starts)[:, None]
+        hidden = ring.positions < self.local_window.first_key(p)  # (an empty slot's NO_KEY lies below every window)
+        bias = torch.zeros(hidden.shape, dtype=ring.kv.dtype, device=hidden.device).masked_fill_(hidden, NEG_INF)
+        keys, values = ring.kv.unbind(1)
+        out = windowed_attention_step(q * q.shape[-1] ** -0.5, keys, values, bias[:, None])
+        return out[:, :, None]
 
     def _cross_attention(self, x, context, context_mask, cache):
         """Cross-attention: the context is reduced to kᵀv once (on the first call), then read."""
@@ -508,99 +538,12 @@ class Attention(nn.Module):
         q = rearrange(self.to_q(x), "b n (h d) -> b h n d", h=self.heads)
         return self._combine([linear_attention_readout(self.feature_map.queries(q), summary)], x)
 
-    def prepare_step(self, cache, batch, position, first_real=None, ragged=False):
-        """What ``step`` reads besides ``cache`` (this layer's ``AttentionCache`` of ``batch``
-        rows after ``position`` tokens), made once per cache: ``StepTensors`` (None for a
-        cross-attention layer); ``ragged``: positions count from each row's first real column."""
-        return None if self.receives_context else StepTensors(self, cache, batch, position, first_real, ragged)
-
-    def step(self, h, cache, made, at, into=None):
-        """One token h (b, dim) at ``at`` (a step's ``Place``: ``position`` an int on eager
-        steps, else None; ``tensor`` the same as a long tensor) on ``cache``, in place;
-        ``made``: ``prepare_step``'s tensors. Returns the layer's output (b, dim), or with
-        ``into`` (eager steps) adds it to ``into`` in place. A traced step (position None)
-        makes new tensors: no buffer but the cache's is written."""
-        if self.receives_context:  # the context reduced to kᵀv on the first call
-            out = self.read_context(h[:, None], cache.context)[:, 0]
-            return out if into is None else into.add_(out)
-        eager = at.position is not None
-        if eager:
-            proj = made.proj
-            if made.bias is None:
-                torch.mm(h, made.weight_t, out=proj)
-            else:
-                torch.addmm(made.bias, h, made.weight_t, out=proj)
-        else:
-            proj = F.linear(h, made.weight, made.bias)
-        q_local, kv_local, q, k, v = made.split(proj, at.rotary)
-        outs = []
-        if self.n_local:  # (q_local came out of the projection scaled)
-            keys, values, bias = self._enter_ring(kv_local, cache.local, made, at)
-            outs.append(windowed_attention_step(q_local, keys, values, bias, made.out_local if eager else None))
-        if self.n_local < self.heads:  # the global heads: their state stepped in place
-            log_gate = None if made.log_gates is None else made.log_gates(proj[:, made.ends[1]: made.ends[2]])
-            out = made.out_global if eager else None
-            if made.conv_taps is not None:  # each group of one width at once
-                inputs, convolved = (q, k, v), []
-                for group, previous, taps in zip(self.conv_groups, cache.global_.conv, made.conv_taps):
-                    grouped = torch.stack([inputs[i] for i in group], dim=1)
-                    convolved += local_conv_step(grouped, previous, taps).unbind(1)
-                q, k, v = convolved
-            if made.pointwise is not None:  # (exponential features: None)
-                q, k = made.pointwise(q), made.pointwise(k)
-            out_dtype = q.dtype
-            if out_dtype != made.zero.dtype:  # (the state's dtype: float32 or wider)
-                out, dtype = None, made.zero.dtype
-                q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
-                log_gate = None if log_gate is None else log_gate.to(dtype)
-            state = cache.global_.state
-            seen = eager and made.seen_from is not None and at.position >= made.seen_from
-            where = state.where(at.position if eager else at.tensor, self.blindspot_size, made.zero, made.hidden)
-            out = state.step(q, k, v, log_gate, where, seen, out=out)
-            outs.append(out if out.dtype == out_dtype else out.to(out_dtype))
-        gate = torch.sigmoid(proj[:, made.ends[-2]:]) if made.output_gate else None
-        if not eager:
-            out = (torch.cat(outs, dim=1) if len(outs) > 1 else outs[0]).flatten(1)
-            return F.linear(out if gate is None else out * gate, self.to_out.weight, self.to_out.bias)
-        for out, buffer in zip(outs, made.out_buffers):
-            if out is not buffer:
-                buffer.copy_(out)
-        if gate is not None:
-            made.heads_flat.mul_(gate)
-        if into is None:
-            return torch.mm(made.heads_out, made.out_weight_t)
-        return into.addmm_(made.heads_out, made.out_weight_t)
-
-    def _enter_ring(self, kv, cache, made, at):
-        """Position p enters the local heads' ring (``LocalCache``) with its key and value kv
-        (b, 2, h, dh): its slot p mod slots takes them and the position. Returns (keys, values
-        (b, h, slots, dh), bias (b or 1, 1, slots): 0 on the slots from the query's first key
-        on, -inf elsewhere); once every slot holds a real key, a row of ``made``'s table."""
-        p, host = at.tensor, at.position
-        # the query's position: the column, or per row from its first real column (b, 1)
-        q = None if at.row_starts is None else (p - at.row_starts)[:, None]
-        if host is not None:  # eager: the slot, and from steady on the bias, from the host
-            slot = host % made.slots
-            made.kv_slots[slot].copy_(kv)
-            made.position_slots[slot].copy_(p if q is None else q[:, 0])
-            if made.steady_from is not None and host >= made.steady_from:
-                return made.keys, made.values, made.table_rows[slot]
-            keys, values, first = made.keys, made.values, self.local_window.first_key(host if q is None else q)
-        else:  # (views of the buffer made here: a compiled step's inputs do not alias)
-            slot = torch.remainder(p, made.slots)[None]
-            cache.kv.index_copy_(3, slot, kv[:, :, :, None].to(cache.kv.dtype))  # (autocast: kv in half)
-            cache.positions.index_copy_(1, slot, p.expand(cache.positions.shape[0], 1) if q is None else q)
-            keys, values = cache.kv.unbind(1)
-            first = self.local_window.first_key(p if q is None else q)
-        bias = torch.where(cache.positions >= first, made.ring_zero, made.ring_hidden)[:, None]
-        if host is None and made.steady is not None:  # (not the int: a compiled step would guard on it)
-            bias = torch.where(p >= made.steady, made.table.index_select(0, slot)[0], bias)
-        return keys, values, bias
-
     def empty_cache(self, batch_size, device=None, dtype=torch.float32, position=None):
         """The cache before any token: zero state, no keys, zero convolution inputs (a
         cross-attention layer's context is reduced on the first call); ``position``: 0 for a
         layer that counts its own tokens (``forward``), None in a model (the model counts)."""
+        if position is not None:
+            position = torch.tensor(position, dtype=torch.long, device=device)
         self.check_cacheable()
         n_global, dh = self.heads - self.n_local, self.dim_head
         local = global_ = None
@@ -609,8 +552,7 @@ class Attention(nn.Module):
         if n_global and not self.receives_context:
             features = self.feature_map.feature_dim(self.dim_qk)
             state = CausalState.zeros(batch_size, n_global, features, dh, self.blindspot_size,
-                                         self.feature_map.is_softmax, device, torch.promote_types(dtype, torch.float32),
-                                         waiting=self.forget_gate is None)
+                                         self.feature_map.is_softmax, device, torch.promote_types(dtype, torch.float32))
             widths = (self.dim_qk, self.dim_qk, dh)
             conv = None if self.local_conv is None else tuple(torch.zeros(
                 batch_size, len(group), n_global, self.local_conv[0].kernel_size - 1, widths[group[0]], device=device,
@@ -623,138 +565,6 @@ class Attention(nn.Module):
             raise ValueError("a cache (cached decoding) needs a causal model: this attention layer is not causal")
         if self.training and (self.attn_dropout.p > 0 or self.dropout.p > 0):
             raise ValueError("cached decoding needs eval mode: dropout is active (call model.eval())")
-
-
-class StepTensors:
-    """What an ``Attention`` layer's ``step`` reads and writes besides its cache, made once per
-    cache (``Attention.prepare_step``).
-
-    One matmul projects the token to every head's q, k, v and the gates' inputs: ``weight``
-    concatenates the projections (the local heads' queries scaled by dim_head^-1/2 already:
-    rotary is a rotation, it commutes with the scale), ``bias`` is the output gate's (the
-    others add exact zeros) or None. Eager steps write into buffers made here: the projection
-    ``proj``, and the heads' outputs ``heads_out`` (b, heads * dh + 1) with a last column of
-    ones, so that the output projection's bias is one more row of ``out_weight_t``.
-
-    ``first_real``: the latest first real token over the rows (prompts padded on the left),
-    when known: from the blindspot block after it every query of the global heads sees a key,
-    and eager steps leave out the guards for a row without one (``read_state``'s
-    ``all_seen``). The local heads' ring: once every slot holds a real key (``steady_from``, read
-    from the ring once), the bias is a row of ``table``; not when ``ragged`` (rows padded on
-    the left count positions from their own first column, the cache's ``row_starts``)."""
-
-    def __init__(self, attn, cache, batch, position, first_real=None, ragged=False):
-        heads, dh, kvh, nl = attn.heads, attn.dim_head, attn.kv_heads, attn.n_local
-        self.heads, self.dim_head, self.kv_heads, self.n_local = heads, dh, kvh, nl
-        self.dim_qk, self.rotary_by_kind = attn.dim_qk, attn._rotary_by_kind
-        gate, out_gate = attn.forget_gate, attn.output_gate
-        # what the step calls, looked up once (a submodule's lookup costs a step ~1 us)
-        self.log_gates = None if gate is None else gate.log_gates
-        self.output_gate = out_gate is not None
-        self.pointwise = None if attn.feature_map.is_softmax else attn.feature_map.pointwise
-        self.sources = tuple(attn.parameters())  # (what is copied here: a change makes these tensors stale)
-        linears = [attn.to_q, attn.to_kv] + ([] if gate is None else [gate.gate_down])
-        linears += [] if out_gate is None else [out_gate.gate_out]
-        sizes = [linear.out_features for linear in linears]
-        with torch.no_grad():
-            self.weight = torch.cat([linear.weight for linear in linears], dim=0)
-            self.weight[: nl * dh] *= dh ** -0.5
-            self.bias = None
-            if out_gate is not None:
-                self.bias = torch.cat((self.weight.new_zeros(sum(sizes[:-1])), out_gate.gate_out.bias))
-            self.out_weight_t = torch.cat((attn.to_out.weight, attn.to_out.bias[:, None]), dim=1).t()
-        self.ends = torch.tensor(sizes).cumsum(0).tolist()
-        self.weight_t = self.weight.t()
-        # eager steps' buffers: the projection, views of its parts, the heads' outputs
-        self.proj = proj = self.weight.new_empty(batch, self.weight.shape[0])
-        self.parts = None
-        # views, made once (with local heads of another key width the local keys and values are stacked anew)
-        self.parts = self.split(proj, None) if kvh == heads and (attn.dim_qk == dh or not nl) else None
-        self.heads_out = proj.new_ones(batch, heads * dh + 1)
-        self.heads_flat = self.heads_out[:, :-1]
-        heads_view = self.heads_flat.view(batch, heads, dh)
-        self.out_local, self.out_global = heads_view[:, :nl], heads_view[:, nl:]
-        self.out_buffers = [t for t, n in ((self.out_local, nl), (self.out_global, heads - nl)) if n]
-        self.conv_taps = self.zero = self.steady = self.steady_from = self.table = None
-        self.seen_from = None
-        if nl < heads:
-            state = cache.global_.state
-            self.zero = torch.zeros((), dtype=state.kv.dtype, device=state.kv.device)
-            self.hidden = torch.full_like(self.zero, NEG_INF)
-            blindspot = attn.blindspot_size
-            if first_real is not None:  # the block after each row's first real token
-                self.seen_from = first_real if blindspot == 1 else (first_real // blindspot + 1) * blindspot
-            if attn.local_conv is not None:  # each width's convolutions as one: (3 or 2 or 1, heads, taps, d)
-                with torch.no_grad():
-                    self.conv_taps = tuple(torch.stack([attn.local_conv[i].taps(heads - nl) for i in group])
-                                           for group in attn.conv_groups)
-        if nl:
-            self._ring(attn.local_window, cache.local, position, ragged)
-
-    def _ring(self, window, ring, position, ragged=False):
-        kv, positions = ring.kv, ring.positions
-        device = kv.device
-        self.slots = slots = ring.slots
-        self.ring_zero = torch.zeros((), dtype=kv.dtype, device=device)
-        self.ring_hidden = torch.full_like(self.ring_zero, NEG_INF)
-        # eager steps' views: each slot's (b, 2, h, dh), each slot's column of positions, keys
-        # and values (b, h, slots, dh)
-        self.kv_slots, self.position_slots = kv.unbind(3), positions.unbind(1)
-        self.keys, self.values = kv.unbind(1)
-        if ragged:  # (the table's rows follow the columns; rows starting elsewhere take the bias each step)
-            self.steady_from = self.steady = self.table = None
-            return
-        # steady from the position after the next write of each slot without a real key (a sync, once)
-        empty = (positions == NO_KEY).any(dim=0).nonzero().flatten().tolist()
-        self.steady_from = max([position] + [position + (s - position) % slots + 1 for s in empty])
-        self.steady = torch.tensor(self.steady_from, device=device)
-        q = slots + torch.arange(slots, device=device)[:, None]  # one query per residue mod slots
-        slot_positions = q - (q - torch.arange(slots, device=device)) % slots
-        self.table = torch.where(window.visible(q, slot_positions), self.ring_zero, self.ring_hidden)[:, None, None]
-        self.table_rows = self.table.unbind(0)
-
-    def split(self, proj, rotary):
-        """The projection (b, width) -> (q local (b, nl, 1, dh), kv local (b, 2, nl, dh), q, k,
-        v global (b, ng, dh) each): views, unless rotary or kv_heads make new tensors."""
-        if rotary is None and proj is self.proj and self.parts is not None:
-            return self.parts
-        b, heads, dh, kvh, nl = proj.shape[0], self.heads, self.dim_head, self.kv_heads, self.n_local
-        q_end, kv_end = self.ends[0], self.ends[1]
-        if self.dim_qk != dh:
-            return self._split_widths(proj, rotary)
-        if rotary is not None:  # q and k are side by side: rotate them at once
-            qk = apply_rotary(proj[:, : q_end + kvh * dh].view(b, heads + kvh, dh), rotary)
-            q = qk[:, :heads]
-            kv = torch.stack((qk[:, heads:], proj[:, q_end + kvh * dh: kv_end].view(b, kvh, dh)), dim=1)
-        else:
-            q = proj[:, :q_end].view(b, heads, dh)
-            kv = proj[:, q_end:kv_end].view(b, 2, kvh, dh)
-        if kvh != heads:
-            kv = kv.repeat_interleave(heads // kvh, dim=2)
-        return q[:, :nl, None], kv[:, :, :nl], q[:, nl:], kv[:, 0, nl:], kv[:, 1, nl:]
-
-    def _split_widths(self, proj, rotary):
-        """``split`` where the global heads' q and k are dim_qk wide: each kind of head apart."""
-        b, heads, dh, dqk, kvh, nl = proj.shape[0], self.heads, self.dim_head, self.dim_qk, self.kv_heads, self.n_local
-        group, q_end, kv_end = heads // kvh, self.ends[0], self.ends[1]
-        k_end = kv_end - kvh * dh
-        q_local, q_global = proj[:, : nl * dh].view(b, nl, dh), proj[:, nl * dh: q_end].view(b, heads - nl, dqk)
-        k_local = proj[:, q_end: q_end + nl // group * dh].view(b, nl // group, dh)
-        k_global = proj[:, q_end + nl // group * dh: k_end].view(b, (heads - nl) // group, dqk)
-        v = proj[:, k_end:kv_end].view(b, kvh, dh)
-        if rotary is not None:
-            local_tables, global_tables = self.rotary_by_kind(rotary)
-            q_local, k_local = apply_rotary(q_local, local_tables), apply_rotary(k_local, local_tables)
-            q_global, k_global = apply_rotary(q_global, global_tables), apply_rotary(k_global, global_tables)
-        if kvh != heads:
-            k_local, k_global, v = (t.repeat_interleave(group, dim=1) for t in (k_local, k_global, v))
-        return q_local[:, :, None], torch.stack((k_local, v[:, :nl]), dim=1), q_global, k_global, v[:, nl:]
-
-    def tensors(self):
-        """The tensors made here that a traced step reads (a CUDA graph's static inputs)."""
-        found = [self.weight, self.bias, *(self.conv_taps or ()), self.zero, self.steady, self.table]
-        found += [getattr(self, "hidden", None), getattr(self, "ring_zero", None), getattr(self, "ring_hidden", None)]
-        return [t for t in found if t is not None]
 
 
 def _local_window(size, look_backward, look_forward, exact, causal):
@@ -774,6 +584,17 @@ def _local_window(size, look_backward, look_forward, exact, causal):
     return Window(size, look_backward, look_forward, causal, exact)
 
 
+def split_heads(t, heads):
+    """(b, n, heads * d) -> (b, heads, n, d)."""
+    return t.unflatten(-1, (heads, -1)).transpose(1, 2)
+
+
+def dropout(module, x):
+    """``module`` (an ``nn.Dropout``) on x, skipped where it is the identity (eval mode, p = 0:
+    a decoding step calls several)."""
+    return module(x) if module.training and module.p > 0 else x
+
+
 def _split_heads(t, local_heads, global_heads, local_width, global_width):
     """(b, n, local_heads * local_width + global_heads * global_width) -> (local (b, local_heads,
     n, local_width), global (b, global_heads, n, global_width)), None for a kind without heads."""
@@ -782,7 +603,7 @@ def _split_heads(t, local_heads, global_heads, local_width, global_width):
         parts = t.split([c * w for c, w in zip(counts, widths)], dim=-1)
     else:  # (one kind: no split, whose backward would copy for nothing)
         parts = [t if c else None for c in counts]
-    return [None if p is None else rearrange(p, "b n (h d) -> b h n d", h=c) for p, c in zip(parts, counts)]
+    return [None if p is None else split_heads(p, c) for p, c in zip(parts, counts)]
 
 
 def _given(**settings):

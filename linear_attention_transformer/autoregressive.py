@@ -487,8 +487,9 @@ class AutoregressiveWrapper(nn.Module):
     def _next_logits(self, seq, mask, cache_state, kwargs):
         """Logits (b, num_tokens) for the token that follows ``seq`` (b, n), the running
         sequence (``mask``: its input mask or None). ``cache_state``: None to recompute; else a
-        dict this updates: ``cache`` (the net's, None at first), ``length`` (the tokens of
-        ``seq`` it covers), ``compile`` (compile_step's options) and ``step`` (the one-token call)."""
+        dict this updates: ``cache`` (the net's, None at first: it covers every token of ``seq``
+        but the newest, which the previous call appended), ``compile`` (compile_step's options)
+        and ``step`` (the one-token call)."""
         n = seq.shape[1]
         window = n if self.length_limit is None else self.length_limit
         net_kwargs = dict(kwargs)
@@ -499,12 +500,11 @@ class AutoregressiveWrapper(nn.Module):
             return logits[:, -1]
 
         cache = cache_state["cache"]
-        if cache is not None and n <= window and cache_state["length"] == n - 1:
+        if cache is not None and n <= window:
             # the newest token is real: no mask to pass (contiguous: the column of the running
             # buffer has its row stride, which would differ between calls and make a compiled
             # call guard on it)
             logits, cache_state["cache"] = cache_state["step"](seq[:, -1:].contiguous(), cache)
-            cache_state["length"] = n
             return logits
         # The cache can only grow: once the running sequence is longer than a net's
         # length_limit, dropping its oldest token means building the cache anew from the last window.
@@ -514,7 +514,7 @@ class AutoregressiveWrapper(nn.Module):
         logits, cache = self.net(seq[:, start:], return_cache=True, **net_kwargs)
         if cache_state.get("step") is None:
             cache_state["step"] = self._one_token_call(cache_state["compile"], cache)
-        cache_state["cache"], cache_state["length"] = cache, n
+        cache_state["cache"] = cache
         return logits[:, -1]
 
     def generate(self, start_tokens, seq_len, eos_token=None, temperature=1.0,
@@ -646,7 +646,7 @@ class AutoregressiveWrapper(nn.Module):
             mask_buffer[:, :length] = mask
             mask = mask_buffer[:, :length]
         done = torch.zeros(b, dtype=torch.bool, device=device)
-        cache_state = {"cache": None, "length": 0, "compile": compile_options} if use_cache else None
+        cache_state = {"cache": None, "compile": compile_options} if use_cache else None
         generated = []
 
         modes = [(module, module.training) for module in self.net.modules()]

@@ -51,9 +51,22 @@ def map_tensors(obj, fn):
         return fn(obj)
     if isinstance(obj, (tuple, list)):
         return type(obj)(map_tensors(o, fn) for o in obj)
-    if isinstance(obj, (_Cache, CausalState, Position)):
+    if isinstance(obj, (_Cache, CausalState)):
         return obj.map_tensors(fn)
     return obj
+
+
+def _first_rows(obj):
+    """The first dimension of the first tensor of ``obj`` that has one (None: no such tensor)."""
+    if torch.is_tensor(obj):
+        return obj.shape[0] if obj.ndim else None
+    fields = obj if isinstance(obj, (tuple, list)) else \
+        [getattr(obj, name) for name in obj.__slots__] if isinstance(obj, (_Cache, CausalState)) else ()
+    for field in fields:
+        rows = _first_rows(field)
+        if rows is not None:
+            return rows
+    return None
 
 
 def for_call(cache, return_cache):
@@ -80,8 +93,8 @@ def copy_rows(into, rows, part):
     elif isinstance(into, (_Cache, CausalState)):
         for name in getattr(into, "fields", into.__slots__):
             field = getattr(into, name)
-            if isinstance(field, int):  # (a position: the part's count is the one after the call)
-                setattr(into, name, getattr(part, name))
+            if torch.is_tensor(field) and field.ndim == 0:  # (a count has no rows)
+                field.copy_(getattr(part, name))
             else:
                 copy_rows(field, rows, getattr(part, name))
 
@@ -109,16 +122,17 @@ class LocalCache(_Cache):
 
     @torch.no_grad()
     def write(self, k, v, start, mask=None, row_starts=None):
-        """Keys and values k, v (b, h, n, d) of columns start .. start + n - 1 (``mask``
-        (b, n): False where a token is padding) go to their slots; only the last ``slots``.
-        A key's position is its column, less its row's first real column (``row_starts``
-        (b,), left padding) when given."""
+        """Keys and values k, v (b, h, n, d) of columns start .. start + n - 1 (``start`` an int
+        or a long tensor of no dimension; ``mask`` (b, n): False where a token is padding) go
+        to their slots; only the last ``slots``. A key's position is its column, less its row's
+        first real column (``row_starts`` (b,), left padding) when given."""
         n, slots = k.shape[2], self.slots
         keep = min(n, slots)
-        at = torch.arange(start + n - keep, start + n, device=k.device)
+        at = torch.arange(n - keep, n, device=k.device) + start
         where = at % slots
-        self.kv[:, 0].index_copy_(2, where, k[:, :, n - keep:].to(self.kv.dtype))
-        self.kv[:, 1].index_copy_(2, where, v[:, :, n - keep:].to(self.kv.dtype))
+        for i, new in enumerate((k, v)):
+            new = new[:, :, n - keep:]
+            self.kv[:, i].index_copy_(2, where, new if new.dtype == self.kv.dtype else new.to(self.kv.dtype))
         positions = at.expand(k.shape[0], keep) if row_starts is None else at - row_starts[:, None]
         if mask is not None:
             positions = torch.where(mask[:, n - keep:], positions, NO_KEY)
@@ -137,8 +151,8 @@ class GlobalCache(_Cache):
 class AttentionCache(_Cache):
     """One attention layer: ``local`` (LocalCache or None), ``global_`` (GlobalCache or None),
     for a cross-attention layer ``context`` (the encoder's keys and values reduced once to
-    kᵀv), and ``position``: the tokens the layer's own forward has consumed (None inside a
-    model, whose ``DecodingCache`` counts for every layer)."""
+    kᵀv), and ``position``: the tokens the layer's own forward has consumed, a long tensor of
+    no dimension (None inside a model, whose ``DecodingCache`` counts for every layer)."""
 
     __slots__ = ("position", "local", "global_", "context")
 
@@ -157,74 +171,24 @@ class BranchCache(_Cache):
     __slots__ = ("shift", "fn")
 
 
-class Position:
-    """Tokens consumed: the one count a ``DecodingCache`` keeps and every layer reads. An int on
-    the host; the one-token step also keeps it as a long tensor of no dimension on the model's
-    device (``tensor``), advanced in place by steps that read nothing back: the int is then read
-    back once, when asked for."""
-
-    __slots__ = ("_host", "tensor")
-
-    def __init__(self, count=0, tensor=None):
-        self._host, self.tensor = count, tensor
-
-    def __int__(self):
-        if self._host is None:
-            self._host = int(self.tensor)
-        return self._host
-
-    def on(self, device):
-        """The count as a tensor on ``device`` (made once)."""
-        if self.tensor is None:
-            self.tensor = torch.tensor(int(self), dtype=torch.long, device=device)
-        return self.tensor
-
-    def set(self, count):
-        self._host = count
-        if self.tensor is not None:
-            self.tensor.fill_(count)
-
-    def advance(self):
-        """One token more: on the device, and on the host unless the host's count is unknown
-        (traced steps leave it to be read back)."""
-        if self.tensor is not None:
-            self.tensor.add_(1)
-        if torch.compiler.is_compiling():  # (not read: a compiled step would guard on the int)
-            self._host = None
-        elif self._host is not None:
-            self._host += 1
-
-    def map_tensors(self, fn):
-        """A position of ``fn`` applied to its tensor (the host's count kept)."""
-        return Position(int(self), None if self.tensor is None else fn(self.tensor))
-
-
 class DecodingCache(_Cache):
-    """The whole model after ``position`` tokens (an int; its one count, ``counter``, a
-    ``Position``): ``layers`` holds a (BranchCache, BranchCache) pair per residual block, in
-    order; ``row_starts`` (b,) long, each row's first real column when the first call's rows
-    were padded on the left (positions count from there), else None; ``steps``: what a model's
-    one-token forward reads besides the buffers, made once per cache by the model (None until
-    then; a copy of the cache, ``map_tensors``, makes its own)."""
+    """The whole model after ``position`` tokens: ``position`` is the count, a long tensor of no
+    dimension on the model's device (the one count every layer reads, advanced in place);
+    ``layers`` holds a (BranchCache, BranchCache) pair per residual block, in order;
+    ``row_starts`` (b,) long, each row's first real column when the first call's rows were
+    padded on the left (positions count from there), else None."""
 
-    __slots__ = ("counter", "layers", "row_starts", "steps")
+    __slots__ = ("position", "layers", "row_starts")
 
-    def __init__(self, counter, layers, row_starts=None, steps=None):
-        super().__init__(counter, layers, row_starts, steps)
+    def __init__(self, position, layers, row_starts=None):
+        super().__init__(position, layers, row_starts)
 
-    def map_tensors(self, fn):
-        return DecodingCache(map_tensors(self.counter, fn), map_tensors(self.layers, fn), map_tensors(self.row_starts, fn))
+    def rows(self):
+        """The batch size: the rows of the first layer's buffers."""
+        return _first_rows(self.layers)
 
     def static_tensors(self):
-        """Every tensor a one-token step reads or writes other than the model's parameters: the
-        buffers (their shapes never change) and what ``steps`` made (a CUDA graph's inputs,
-        to mark with ``torch._dynamo.mark_static_address`` before compiling)."""
-        return tensors_of(self) + ([] if self.steps is None else self.steps.tensors())
-
-    @property
-    def position(self):
-        return int(self.counter)
-
-    @position.setter
-    def position(self, count):
-        self.counter.set(count)
+        """Every tensor a one-token forward reads or writes other than the model's parameters:
+        the buffers, whose shapes never change (a CUDA graph's inputs, to mark with
+        ``torch._dynamo.mark_static_address`` before compiling)."""
+        return tensors_of(self)

@@ -48,19 +48,6 @@ class FeedForward(nn.Module):
             return self._forward(x)
         return torch.cat([self._forward(part) for part in x.chunk(self.chunks, dim=1)], dim=1)
 
-    def prepare_step(self, cache=None, batch=None, position=None, first_real=None, ragged=False):
-        """What ``step`` reads, made once per cache: its weights, the output's transposed."""
-        return (self.proj_in.weight, self.proj_in.bias, self.glu, self.activation), self.proj_out.weight.t(), self.proj_out.bias
-
-    def step(self, h, cache, made, at=None, into=None):
-        """One position h (b, dim) (cached decoding, eval mode; ``made``: ``prepare_step``'s);
-        with ``into`` (b, dim), the output is added to it in place."""
-        in_args, out_weight_t, out_bias = made
-        h = _hidden(h, *in_args)
-        if into is None:
-            return torch.addmm(out_bias, h, out_weight_t)
-        return into.addmm_(h, out_weight_t).add_(out_bias)
-
 
 def _hidden(x, weight, bias, glu, activation):
     h = F.linear(x, weight, bias)

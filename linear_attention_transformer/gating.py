@@ -133,12 +133,3 @@ class LocalConv(nn.Module):
         for tap in range(1, self.kernel_size):
             out = out + taps[tap] * weight[tap]
         return out
-
-
-def local_conv_step(x, previous, taps):
-    """One position of a causal ``LocalConv``, in place: x (…, d) the new input, ``previous``
-    (…, kernel_size - 1, d) the inputs before it (then shifted by one: it ends with x), taps
-    (…, kernel_size, d) (``LocalConv.taps``, broadcast) -> (…, d)."""
-    window = torch.cat((previous, x.unsqueeze(-2)), dim=-2)
-    previous.copy_(window[..., 1:, :])
-    return (window * taps).sum(dim=-2)

@@ -13,15 +13,19 @@ whose interface moves between releases), and both names of the cache keyword (``
 
 from __future__ import annotations
 
+import difflib
 import functools
 import inspect
+import warnings
 
 import torch
 import torch.nn.functional as F
+import transformers
 from transformers import (AutoConfig, AutoModel, AutoModelForCausalLM, GenerationConfig, GenerationMixin,
                           PretrainedConfig, PreTrainedModel, PreTrainedTokenizerFast)
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
+from . import __version__
 from .attention import Attention
 from .cache import DecodingCache, map_tensors
 from .feedforward import FeedForward
@@ -69,6 +73,14 @@ def _hf_config_keys():
     return keys - {"self", "kwargs"}
 
 
+# the keys of config.json that say which of its keys are this library's options, and the version
+# that wrote it: a reader that does not know a listed option cannot build that model
+OPTIONS_KEY, VERSION_KEY = "library_options", "library_version"
+# difflib's ratio from which an unknown key reads as a misspelt option (a letter missing, added or
+# changed, or two swapped, in a name of four or more); below it, more likely another program's key
+MISSPELT = 0.75
+
+
 def _as_json_value(name, value):
     """``value`` as the config keeps it (lists, from JSON, back to tuples); ValueError naming the
     option when JSON cannot hold it."""
@@ -86,13 +98,23 @@ class LinearAttentionTransformerConfig(PretrainedConfig):
     ``num_tokens=256, dim=512, depth=6, max_seq_len=1024`` where the library has none.
 
     Per-layer tuples come back as tuples from JSON. An option JSON cannot hold (a callable
-    ``feature_map``, ``LinformerSettings``) raises ValueError naming it; an unknown keyword
-    raises TypeError as the library does. transformers' usual names read and write the
-    library's: ``vocab_size`` (num_tokens), ``hidden_size`` (dim), ``num_hidden_layers`` (depth),
-    ``num_attention_heads`` (heads), ``max_position_embeddings`` (max_seq_len),
-    ``tie_word_embeddings`` (tie_embedding). transformers' own keywords (``pad_token_id``,
-    ``eos_token_id``, ...) pass to its config. ``model_options()``: the keywords the model is
-    built with; ``DEFAULTS``: every field's default.
+    ``feature_map``, ``LinformerSettings``) raises ValueError naming it. transformers' usual
+    names read and write the library's: ``vocab_size`` (num_tokens), ``hidden_size`` (dim),
+    ``num_hidden_layers`` (depth), ``num_attention_heads`` (heads), ``max_position_embeddings``
+    (max_seq_len), ``tie_word_embeddings`` (tie_embedding). transformers' own keywords
+    (``pad_token_id``, ``eos_token_id``, ...) pass to its config. ``model_options()``: the
+    keywords the model is built with; ``DEFAULTS``: every field's default.
+
+    Keys that are neither: ``to_dict`` (so config.json) also writes ``library_options``, the
+    names of this library's options, and ``library_version``, the library's ``__version__``.
+    Given those (a config.json that records them), an option listed there that this version
+    does not know raises ValueError naming it and the version that wrote it (dropping it would
+    build another model), and every other unknown key is kept. Without them (a config made in
+    Python, or a config.json that lacks them), a key a letter or so from an option's name
+    (``use_gat``) raises TypeError suggesting the option, and every other unknown key is kept.
+    A kept key is an attribute of the config, saved with it and not read by the model, as
+    transformers keeps the keys it does not know; one ``UserWarning`` names the kept keys. A
+    key that would hide an attribute of the class (``model_options``) raises ValueError.
     """
 
     model_type = MODEL_TYPE
@@ -107,14 +129,56 @@ class LinearAttentionTransformerConfig(PretrainedConfig):
                 if name in kwargs:
                     raise TypeError(f"{type(self).__name__} got both {alias!r} and {name!r}, two names of one option")
                 kwargs[name] = kwargs.pop(alias)
+        listed, writer = kwargs.pop(OPTIONS_KEY, None), kwargs.pop(VERSION_KEY, None)
         options = {name: kwargs.pop(name) for name in self.DEFAULTS if name in kwargs}
-        refuse_unknown_keywords(type(self).__name__, kwargs,
-                                set(self.DEFAULTS) | set(self.attribute_map) | _hf_config_keys())
+        unknown = sorted(name for name in kwargs if name not in _hf_config_keys())
+        # a config.json that lists the library's options says exactly which keys are; without the
+        # list, a key near an option's name is most likely that option misspelt
+        if listed is None:
+            library_names = sorted({*self.DEFAULTS, *self.attribute_map})
+            refuse_unknown_keywords(type(self).__name__, {name: None for name in unknown if difflib.get_close_matches(
+                name, library_names, n=1, cutoff=MISSPELT)}, library_names)
+        else:
+            self._refuse_options_of_another_release(listed, writer)
+        self._keep_unknown_keys(unknown)
         options = {name: _as_json_value(name, value) for name, value in {**self.DEFAULTS, **options}.items()}
         # (transformers 4.57 sets tie_word_embeddings, True unless given: the alias of tie_embedding)
         super().__init__(tie_word_embeddings=options["tie_embedding"], **kwargs)
         for name, value in options.items():
             setattr(self, name, value)
+
+    def _refuse_options_of_another_release(self, listed, writer):
+        if not isinstance(listed, (list, tuple)) or not all(isinstance(name, str) for name in listed):
+            raise TypeError(f"{OPTIONS_KEY} must be a list of option names, got {listed!r}")
+        foreign = sorted(set(listed) - set(self.DEFAULTS))
+        if foreign:
+            by, advice = ((f"linear_attention_transformer {writer}", f"{writer} or later") if writer is not None else
+                          ("linear_attention_transformer (version not recorded)", "the version that wrote it"))
+            raise ValueError(f"{type(self).__name__}: {', '.join(map(repr, foreign))}: option(s) listed in "
+                             f"{OPTIONS_KEY} by {by}, which this version ({__version__}) does not have; a model "
+                             f"built without them would not be the one saved: load it with {advice}")
+
+    def _keep_unknown_keys(self, unknown):
+        shadowing = [name for name in unknown if hasattr(type(self), name)]
+        if shadowing:
+            raise ValueError(f"{type(self).__name__}: {', '.join(map(repr, shadowing))} would hide the config's "
+                             f"attribute of that name and cannot be kept")
+        if not unknown:
+            return
+
+        def described(name):
+            close = difflib.get_close_matches(name, sorted(self.DEFAULTS), n=1)
+            return repr(name) + (f" (did you mean {close[0]!r}?)" if close else "")
+
+        warnings.warn(f"{type(self).__name__} kept {', '.join(map(described, unknown))}: not option(s) of "
+                      f"linear_attention_transformer {__version__} nor key(s) of transformers "
+                      f"{transformers.__version__}; saved with the config, not read by the model",
+                      UserWarning, stacklevel=3)
+
+    def to_dict(self):
+        out = super().to_dict()
+        out[OPTIONS_KEY], out[VERSION_KEY] = sorted(self.DEFAULTS), __version__
+        return out
 
     def __eq__(self, other):
         # (transformers 5 makes configs dataclasses whose generated equality sees only its own fields)
@@ -152,7 +216,7 @@ class LinearAttentionTransformerCache:
 
     def get_seq_length(self, layer_idx=0):
         """The tokens the cache has consumed (columns, padding included)."""
-        return 0 if self.state is None else self.state.position
+        return 0 if self.state is None else int(self.state.position)
 
     def reorder_cache(self, beam_idx):
         """Keep rows ``beam_idx`` (long (b',)), in that order: beam search's reordering."""

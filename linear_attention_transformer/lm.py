@@ -1,40 +1,28 @@
 """The language model: token and position embeddings around a ``LinearAttentionTransformer``.
 
 One forward serves training, prefill and decoding. Given a cache, x holds the tokens that
-continue the cached sequence; one token per row while no gradient is recorded is the
-decoding step: each stateful module's ``step`` writes its part of the cache in place
-(``LinearAttentionTransformerLM.step`` -> ``Branch.step`` -> ``Attention.step`` ->
-``CausalState.step``). What a step reads besides the buffers (each attention layer's
-concatenated projection weights, the position embedding's rows, the thread count of an eager
-step) belongs to the cache too (``DecodingCache.steps``, ``StepTensors`` here): made by a call
-that records no gradient, and again when a parameter has changed since.
-
-The position is the cache's (``DecodingCache.counter``), kept also as a tensor on the model's
-device and advanced in place, and every choice that follows from it is a tensor operation: a
-step reads nothing back to the host, allocates nothing that lasts, and a compiled forward of
+continue the cached sequence. One token per row while no gradient is recorded is a step
+(``Place.step``): each stateful layer takes its recurrent form inside its own forward and
+writes its entry of the cache in place. The position is the cache's one count, a tensor on the
+model's device advanced in place; a step reads it only as a tensor, so a compiled forward of
 one token (``torch.compile(model, fullgraph=True)``) traces one graph for every position (on
 CUDA with ``mode="reduce-overhead"`` a CUDA graph, ``DecodingCache.static_tensors`` at static
-addresses). Eager steps also know the position on the host and use it where it saves work. A
-model with axial attention (``attend_axially``) steps that layer on its cached path: eager
-only.
+addresses), and the step exports (``export.py``). A model with axial attention
+(``attend_axially``) steps that layer on its cached path: eager only.
 """
 
 from __future__ import annotations
-
-import functools
-from typing import NamedTuple, Optional
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from .attention import HEADS, LOCAL_WINDOW_SIZE
-from .cache import for_call, tensors_of
+from .cache import for_call
 from .ops.common import check_int
 from .ops.segments import check_integer_ids
 from .place import Place
-from .positional import AbsolutePositionalEmbedding, AxialPositionalEmbedding, PositionRows
-from .reversible import ReversibleSequence
+from .positional import AbsolutePositionalEmbedding, AxialPositionalEmbedding
 from .transformer import LinearAttentionTransformer, keyword_names, refuse_unknown_keywords
 
 
@@ -169,141 +157,19 @@ class LinearAttentionTransformerLM(nn.Module):
 
         One token per row (x (b, 1)) with a cache, while no gradient is recorded (``no_grad``,
         ``inference_mode``), is the decoding step: the same numbers through each layer's
-        ``step``, reading what the cache made once."""
-        if cache is not None and self._steps(x, input_mask, context, context_mask, segment_ids, context_parallel):
-            if not return_cache:
-                cache = cache.clone()
-            logits = self._step_tokens(x[:, 0], cache)[:, None]
-            return (logits, cache) if return_cache else logits
+        recurrent form."""
         out = self._body(x, input_mask, context, context_mask, cache, return_cache, segment_ids, context_parallel)
         if not return_cache:
             return self._output(out)
         out, cache = out
-        cache.steps = None  # (what a step reads follows the buffers: made anew for the next step)
-        limit = self.length_limit
-        steps_follow = limit is None or cache.position < limit  # (at the table's end no step can follow)
-        if steps_follow and not torch.is_grad_enabled() and not torch.compiler.is_compiling():
-            cache.steps = self.prepare_step(cache)
         return self._output(out), cache
 
-    def _steps(self, x, input_mask, context, context_mask, segment_ids, context_parallel):
-        """Whether a forward with a cache is a one-token step (see ``forward``)."""
-        if torch.is_grad_enabled() or not torch.is_tensor(x) or x.ndim != 2 or x.shape[1] != 1:
-            return False
-        if context is not None or context_mask is not None or segment_ids is not None or context_parallel is not None:
-            return False  # (the general path uses or refuses them)
-        if input_mask is None:
-            return True
-        # a padding token takes the general path; under compile only an absent mask steps (no read back)
-        return not torch.compiler.is_compiling() and torch.is_tensor(input_mask) and \
-            input_mask.shape == x.shape and input_mask.dtype == torch.bool and bool(input_mask.all())
-
-    def _step_tokens(self, x, cache):
-        """Logits (b, num_tokens) after one token per row x (b,), the cache stepped in place."""
-        check_integer_ids(x, "x")
-        steps = cache.steps
-        if torch.compiler.is_compiling():
-            if steps is None:
-                raise ValueError("a compiled one-token forward reads the cache's step tensors: make the cache with a "
-                                 "call that records no gradient (e.g. the prompt under torch.no_grad()), or run one "
-                                 "step eagerly first")
-            # no host count under compile (a Python int that changes would recompile): the
-            # device checks, and an eager step after this reads the position back
-            if steps.length_limit is not None:
-                torch._assert_async(cache.counter.tensor < steps.length_limit,
-                                    "sequence length exceeds max_seq_len (the position table's length)")
-            return self.step(x if x.dtype == torch.int64 else x.long(), cache, steps)
-        if self.training:  # (dropout refused, as on the general path)
-            self.transformer.check_cacheable()
-        p = int(cache.counter)
-        limit = self.length_limit if steps is None else steps.length_limit
-        if limit is not None and p >= limit:
-            self.transformer.check_length(p + 1)
-        if steps is None or steps.stale():
-            steps = cache.steps = self.prepare_step(cache)
-        if x.shape[0] != steps.batch:
-            raise ValueError(f"x must have one token for each of the cache's {steps.batch} rows, got {x.shape[0]}")
-        if x.device.type != "cpu":
-            check_token_ids(x, self.num_tokens, "x")
-        threads, saved = steps.threads, None
-        if threads is not None and torch.get_num_threads() != threads:
-            saved = torch.get_num_threads()
-            torch.set_num_threads(threads)
-        # under autocast a step takes the form a compiled step traces (its F.linear casts; the
-        # eager form writes into buffers of the model's dtype)
-        host = None if torch.is_autocast_enabled(x.device.type) else p
-        tokens = x if x.dtype == torch.int64 else x.long()
-        try:
-            if torch.is_inference_mode_enabled():
-                return self.step(tokens, cache, steps, host)
-            # inference mode costs a step less than no_grad (no version counts, no view tracking);
-            # the logits leave it as an ordinary tensor (a caller may change them in place)
-            with torch.inference_mode():
-                logits = self.step(tokens, cache, steps, host)
-            return logits.clone()
-        except IndexError:
-            check_token_ids(x, self.num_tokens, "x")
-            raise
-        finally:
-            if saved is not None:
-                torch.set_num_threads(saved)
-
-    @torch.no_grad()
-    def prepare_step(self, cache):
-        """What ``step`` reads besides ``cache`` (a ``DecodingCache``), made once per cache
-        (``forward`` keeps it in ``cache.steps``): ``StepTensors``."""
-        batch = next(t for t in tensors_of(cache.layers) if t.ndim).shape[0]
-        position = cache.position
-        device = self.token_emb.weight.device
-        ragged = cache.row_starts is not None
-        first_real = int(cache.row_starts.max()) if ragged else 0
-        layers = [(f.prepare_step(fc, batch, position, first_real, ragged),
-                   g.prepare_step(gc, batch, position, first_real, ragged))
-                  for (f, g), (fc, gc) in zip(self.transformer.layers.blocks, cache.layers)]
-        cache.counter.on(device)
-        rows = None if self.pos_emb is None else self.pos_emb.rows()
-        project_in = None if isinstance(self.project_in, nn.Identity) else (self.project_in.weight, self.project_in.bias)
-        stack = self.transformer.layers
-        blocks = tuple(tuple(pair) for pair in stack.blocks)  # (a tuple: a submodule's lookup costs a step ~1 us)
-        # eager steps on a CPU for a few rows run on one thread: a step's small operations gain
-        # nothing from a second, and wait for it when another process holds the core
-        threads = 1 if device.type == "cpu" and batch <= ONE_THREAD_MAX_BATCH else None
-        # the parameters copied into the layers' step tensors (the others are read where they are)
-        parameters = tuple(t for pair in layers for made in pair for t in getattr(made[2], "sources", ()))
-        return StepTensors(self.token_emb.weight, rows, project_in, self._output_args(), layers, blocks, stack,
-                           self.transformer.rotary, batch, threads, parameters, tuple(t._version for t in parameters),
-                           self.length_limit)
-
-    def step(self, tokens, cache, made, position=None):
-        """tokens (b,) int64 through the model on ``cache`` (a ``DecodingCache``), in place, its
-        position advanced by one -> logits (b, num_tokens); ``forward``'s one-token form.
-        ``made``: ``prepare_step``'s; ``position``: the cache's position as an int on eager
-        steps, None on traced ones (then read from the cache's tensor only: nothing read
-        back, one graph for every position). Each ``Branch.step`` of a plain stack's eager
-        step adds its output into h in place."""
-        counter = cache.counter
-        p = counter.tensor
-        # rows padded on the left: each row's own position
-        row_p = None if cache.row_starts is None else (p - cache.row_starts).clamp(min=0)
-        rotary = None
-        if made.rotary is not None:
-            rotary = made.rotary(p[None] if row_p is None else row_p[:, None])
-        at = Place(position, True, rotary=rotary, tensor=p, row_starts=cache.row_starts)
-        h = F.embedding(tokens, made.token)
-        if made.rows is not None:  # (an eager step's int position: views, no gather)
-            h = h + made.rows[row_p if row_p is not None else p if position is None else position]
-        if made.project_in is not None:
-            h = F.linear(h, *made.project_in)
-        blocks = zip(made.blocks, cache.layers, made.layers)
-        if position is None or isinstance(made.stack, ReversibleSequence):
-            h = made.stack.compose(h, [[functools.partial(branch.step, cache=c, made=m, at=at)
-                                    for branch, c, m in zip(pair, caches, mades)] for pair, caches, mades in blocks])
-        else:
-            for (f, g), (fc, gc), (fm, gm) in blocks:
-                f.step(h, fc, fm, at, h)
-                g.step(h, gc, gm, at, h)
-        counter.advance()
-        return _logits(h, *made.output_args)
+    def empty_cache(self, batch_size, device=None, dtype=None):
+        """The ``DecodingCache`` of ``batch_size`` rows before any token (``forward``'s cache at
+        position 0), on the parameters' device and in their dtype unless given."""
+        parameter = self.token_emb.weight
+        device = parameter.device if device is None else device
+        return self.transformer.empty_cache(batch_size, device, parameter.dtype if dtype is None else dtype)
 
     def output_features(self, x, input_mask=None, context=None, context_mask=None, segment_ids=None,
                         context_parallel=None):
@@ -369,49 +235,3 @@ def _logits(out, norm_args, project_out, to_logits):
     if project_out is not None:
         out = F.linear(out, *project_out)
     return F.linear(out, *to_logits)
-
-
-class StepTensors(NamedTuple):
-    """What ``LinearAttentionTransformerLM.step`` reads besides its cache, made once per cache:
-    the token embedding, the position embedding's ``rows`` (``PositionRows``) or None,
-    project_in's (weight, bias) or None, ``_output_args``, per block the branches'
-    ``prepare_step`` and the branches themselves, the stack (its ``compose``), its rotary
-    embedding or None; the cache's rows, the torch thread count of an eager step (None:
-    torch's own), the parameters copied into the layers' tensors with their version
-    counters when made (one changed in place since makes them ``stale``), and the model's
-    ``length_limit``."""
-
-    token: torch.Tensor
-    rows: Optional[PositionRows]
-    project_in: Optional[tuple]
-    output_args: tuple
-    layers: list
-    blocks: tuple
-    stack: nn.Module
-    rotary: Optional[nn.Module]
-    batch: int
-    threads: Optional[int]
-    parameters: tuple
-    versions: tuple
-    length_limit: Optional[int]
-
-    def stale(self):
-        """Whether a parameter changed in place (an optimizer step, load_state_dict) since."""
-        return any(t._version != v for t, v in zip(self.parameters, self.versions))
-
-    def tensors(self):
-        """The tensors made here that a traced step reads (a CUDA graph's static inputs)."""
-        return _made_tensors((self.rows, self.layers))
-
-
-# eager steps on a CPU for at most this many rows run on one thread (StepTensors.threads)
-ONE_THREAD_MAX_BATCH = 8
-
-
-def _made_tensors(made):
-    """The tensors in what ``prepare_step`` made (tuples of them, and attention layers' ``StepTensors``)."""
-    if torch.is_tensor(made):
-        return [made]
-    if isinstance(made, (tuple, list)):
-        return [t for part in made for t in _made_tensors(part)]
-    return made.tensors() if hasattr(made, "tensors") else []

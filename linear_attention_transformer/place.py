@@ -4,7 +4,9 @@ A forward runs x (b, n, …) in one of four modes:
 
 * plain: x is a whole sequence, its first token at position 0;
 * cached: x continues a sequence after ``position`` earlier tokens, and every layer reads and
-  updates its cache (``cache.py``);
+  updates its cache (``cache.py``); one token per row while no gradient is recorded is a
+  ``step``, where each stateful layer takes its recurrent form and the position is read from
+  the cache's tensor only (nothing read back to the host: one traced graph for every position);
 * packed: x holds several sequences per row, ``segments`` (``ops/segments.py``);
 * context parallel: x is one rank's slice of a sequence split over ``group``
   (``context_parallel.py``), its first token at ``group.start``.
@@ -37,19 +39,20 @@ class Place:
     """Where x sits (see the module docstring).
 
     Attributes:
-        position: the tokens before x in its sequence (a cache's position; 0 without one); on a
-            one-token step that does not know it on the host (a traced step), None.
+        position: the tokens before x in its sequence (a cache's position; 0 without one); None
+            on a ``step``, which reads only ``tensor``.
         cached: whether the layers continue from their caches and update them.
+        step: one token per row continuing a cache, no gradient recorded: the recurrent form.
         segments: (b, n) long run index of packed sequences, or None.
         group: a ``ContextParallel`` when x is one rank's slice, or None.
         rotary: (cos, sin) of x's positions for rotary embeddings, or None.
-        tensor: on a one-token step, the position as a long tensor of no dimension on the
-            model's device (the cache's ``Position``), else None.
+        tensor: given a cache, its position (a long tensor of no dimension), else None.
         row_starts: (b,) long, each row's first real column (rows padded on the left), or None.
     """
 
     position: Optional[int] = 0
     cached: bool = False
+    step: bool = False
     segments: Optional[torch.Tensor] = None
     group: Optional[ContextParallel] = None
     rotary: Optional[tuple] = None
@@ -66,15 +69,19 @@ class Place:
         cached = cache is not None or return_cache
         check_segment_ids(segment_ids, x.shape[:2])
         check_modes(segment_ids is not None, cached, context_parallel is not None)
+        position, tensor, step = 0, None, False
         if cache is not None:
-            row_starts = continued_row_starts(getattr(cache, "row_starts", None), cache.position, input_mask)
+            tensor = cache.position
+            step = x.shape[1] == 1 and not torch.is_grad_enabled() and _all_real(input_mask)
+            position = None if step else int(tensor)
+            row_starts = continued_row_starts(getattr(cache, "row_starts", None), tensor, input_mask)
         elif segment_ids is None and context_parallel is None:
             check_mask(input_mask, *x.shape[:2], "input_mask")
             row_starts = left_padding(input_mask)
         else:  # (packed rows count positions per segment; a slice cannot see where its row starts)
             row_starts = None
-        place = cls(0 if cache is None else cache.position, cached,
-                    None if segment_ids is None else segment_runs(segment_ids), row_starts=row_starts)
+        place = cls(position, cached, step, None if segment_ids is None else segment_runs(segment_ids),
+                    row_starts=row_starts, tensor=tensor)
         if check is not None:
             check(place, x.shape[1], context_parallel is not None)
         if context_parallel is None:
@@ -82,16 +89,18 @@ class Place:
         return place.but(group=ContextParallel.of(context_parallel, x.shape[0], x.shape[1], x.device))
 
     @property
-    def start(self) -> int:
-        """The position of x's first token in its sequence."""
-        return self.group.start if self.group is not None else self.position
+    def start(self):
+        """The position of x's first token in its sequence: an int, or on a ``step`` the tensor."""
+        if self.group is not None:
+            return self.group.start
+        return self.tensor if self.position is None else self.position
 
     def positions(self, n, device=None) -> torch.Tensor:
         """x's positions: (n,) from ``start``, or (b, n) inside each packed segment or from
         each row's first real column (padding before it at 0)."""
         if self.segments is not None:
             return positions_in_segment(self.segments)
-        columns = torch.arange(self.start, self.start + n, device=device)
+        columns = torch.arange(n, device=device) + self.start
         if self.row_starts is None:
             return columns
         return (columns - self.row_starts[:, None]).clamp(min=0)
@@ -101,13 +110,22 @@ class Place:
         (segments that align each row's windows and blocks to its own start), or None."""
         if self.row_starts is None:
             return None
-        return (torch.arange(self.start, self.start + n, device=device) >= self.row_starts[:, None]).long()
+        return (torch.arange(n, device=device) + self.start >= self.row_starts[:, None]).long()
 
     def but(self, **changes) -> "Place":
         return dataclasses.replace(self, **changes)
 
 
 PLAIN = Place()
+
+
+def _all_real(input_mask):
+    """Whether no token of ``input_mask`` is padding (one value read back; inside
+    ``torch.compile`` only an absent mask counts)."""
+    if input_mask is None:
+        return True
+    return not torch.compiler.is_compiling() and torch.is_tensor(input_mask) and input_mask.dtype == torch.bool \
+        and bool(input_mask.all())
 
 
 def continued_row_starts(row_starts, position, input_mask):

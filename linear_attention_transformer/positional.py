@@ -9,7 +9,6 @@ segment: positions are (n,) (the same for every row) or (b, n) (one per row and 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from axial_positional_embedding import AxialPositionalEmbedding as _Axial
 from torch import nn
 
@@ -24,10 +23,6 @@ class AbsolutePositionalEmbedding(nn.Module):
 
     def forward(self, positions):
         return self.emb(positions)
-
-    def rows(self):
-        """The embeddings looked up one position at a time (``PositionRows``: a one-token step)."""
-        return PositionRows(self.emb.weight.detach())
 
 
 class AxialPositionalEmbedding(nn.Module):
@@ -54,37 +49,6 @@ class AxialPositionalEmbedding(nn.Module):
             table = (row_emb[0, :, 0, None, :] + col_emb[0, 0, None, :, :]).flatten(0, 1)
             return nn.functional.embedding(positions, table)
         return row_emb[0, positions // self.width, 0] + col_emb[0, 0, positions % self.width]
-
-    def rows(self):
-        """The embeddings looked up one position at a time (``PositionRows``: a one-token step)."""
-        row_emb, col_emb = (weight.detach() for weight in self.axial.weights)
-        return PositionRows(row_emb[0, :, 0], col_emb[0, 0], self.width)
-
-
-class PositionRows:
-    """Position embeddings one position at a time, for a one-token step, on views of the
-    parameters (changes made in place are seen): ``rows[t]`` is position t's embedding (dim,).
-    An int t gives a view (axial: two and their sum); a long tensor t of no dimension gives
-    gathers that read nothing back (a traced step). Axial: ``table`` holds the row embeddings
-    and ``columns`` the column embeddings of width ``width``, t = row * width + column;
-    absolute: ``table`` holds every position's."""
-
-    __slots__ = ("table", "columns", "width")
-
-    def __init__(self, table, columns=None, width=None):
-        self.table, self.columns, self.width = table, columns, width
-
-    def __getitem__(self, t):
-        if isinstance(t, int):
-            return self.table[t] if self.width is None else self.table[t // self.width] + self.columns[t % self.width]
-        t = t[None]
-        if self.width is None:
-            return F.embedding(t, self.table)[0]
-        return (F.embedding(t // self.width, self.table) + F.embedding(t % self.width, self.columns))[0]
-
-    def tensors(self):
-        """The tensors a traced step reads (a CUDA graph's static inputs)."""
-        return [self.table] + ([] if self.columns is None else [self.columns])
 
 
 class RotaryEmbedding(nn.Module):

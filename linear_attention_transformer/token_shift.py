@@ -46,13 +46,3 @@ def shift_tokens(x, shifts, mask=None, previous=None, segments=None, keep=None):
 def _slice_sizes(dim, count):
     """The widths of the ``count`` feature slices (the last takes the remainder)."""
     return [dim // count] * (count - 1) + [dim - dim // count * (count - 1)]
-
-
-def shift_step(h, previous):
-    """One token of causal shifting (shifts (1, 0)), in place: h (b, d) -> its first slice
-    replaced by ``previous`` (b, d), the token before; ``previous`` then holds h, for the next
-    token. Equal to ``shift_tokens(h[:, None], (1, 0), previous=previous)[:, 0]``."""
-    first = _slice_sizes(h.shape[-1], 2)[0]
-    out = torch.cat((previous[:, :first], h[:, first:]), dim=-1)
-    previous.copy_(h)
-    return out

@@ -17,9 +17,9 @@ from einops import rearrange
 from product_key_memory import PKM
 from torch import nn
 
-from .attention import (HEADS, LOCAL_WINDOW_SIZE, Attention, pad_to_multiple, refuse_unread_context, resolve_dim_qk,
-                        resolve_heads)
-from .cache import AxialCache, BranchCache, DecodingCache, Position, copy_rows, for_call, map_tensors
+from .attention import (HEADS, LOCAL_WINDOW_SIZE, Attention, dropout, pad_to_multiple, refuse_unread_context,
+                        resolve_dim_qk, resolve_heads)
+from .cache import AxialCache, BranchCache, DecodingCache, copy_rows, for_call, map_tensors
 from .context_parallel import exchange_boundaries
 from .feedforward import FeedForward
 from .linformer import LinformerContextSettings, LinformerSettings, linformer_layers
@@ -27,7 +27,7 @@ from .ops.common import check_int, check_mask
 from .place import PLAIN, Place
 from .positional import RotaryEmbedding
 from .reversible import ReversibleSequence, SequentialSequence
-from .token_shift import shift_step, shift_tokens, token_shifts
+from .token_shift import shift_tokens, token_shifts
 
 
 class Branch(nn.Module):
@@ -70,25 +70,8 @@ class Branch(nn.Module):
             if place.cached and cache.fn is None:
                 cache.fn = self.fn.empty_cache(h.shape[0], h.device, h.dtype)
             out = self.fn.attend(h, place, cache=None if cache is None else cache.fn, **routed)
-        return (self.dropout(out), cache) if place.cached else self.dropout(out)
-
-    def prepare_step(self, cache, batch, position, first_real=None, ragged=False):
-        """What ``step`` reads besides its ``BranchCache``, made once per cache: the norm's
-        arguments, the module, and what its ``prepare_step`` makes (None for a module without)."""
-        norm, prepare = self.norm, getattr(self.fn, "prepare_step", None)
-        return ((norm.normalized_shape, norm.weight, norm.bias, norm.eps), self.fn,
-                None if prepare is None else prepare(cache.fn, batch, position, first_real, ragged))
-
-    def step(self, x, cache, made, at, into=None):
-        """One token x (b, dim) at ``at`` (a step's ``Place``) through the branch, its
-        ``BranchCache`` updated in place: LayerNorm, token shift (``shift_step``), then the
-        module's ``step``. With ``into`` (eager steps of a stack that is not reversible) the
-        output is added to ``into`` in place. ``made``: ``prepare_step``'s."""
-        norm_args, fn, fn_made = made
-        h = torch.layer_norm(x, *norm_args)
-        if cache.shift is not None:  # (a causal model's shifts: (1, 0))
-            h = shift_step(h, cache.shift)
-        return fn.step(h, cache.fn, fn_made, at, into)
+        out = dropout(self.dropout, out)
+        return (out, cache) if place.cached else out
 
 
 def _shift_tokens_context_parallel(h, shifts, mask, group):
@@ -117,18 +100,14 @@ class FoldAxially(nn.Module):
         return self.attend(x, PLAIN, input_mask)
 
     def empty_cache(self, batch_size, device=None, dtype=torch.float32):
-        return AxialCache(self.attn.empty_cache(batch_size * self.width, device, dtype, 0))
-
-    def step(self, h, cache, made, at, into=None):
-        """One token h (b, dim) on the cached path (eager only: it picks rows by the position)."""
-        out = self._cached(h[:, None], None, cache, int(at.tensor) if at.position is None else at.position)[:, 0]
-        return out if into is None else into.add_(out)
+        return AxialCache(self.attn.empty_cache(batch_size * self.width, device, dtype))
 
     def attend(self, x, place=PLAIN, input_mask=None, cache=None):
         """The output at ``place`` (plain or cached: the model refuses the others);
-        ``cache``: an ``AxialCache`` when ``place.cached``, updated in place."""
+        ``cache``: an ``AxialCache`` when ``place.cached``, updated in place. Eager only when
+        cached: the rows it continues follow the position, read on the host."""
         if place.cached:
-            return self._cached(x, input_mask, cache, place.position)
+            return self._cached(x, input_mask, cache, int(place.start))
         b, n, _ = x.shape
         if n % self.width and (input_mask is not None or not self.attn.causal):
             input_mask = torch.ones(b, n, dtype=torch.bool, device=x.device) if input_mask is None else input_mask
@@ -146,7 +125,7 @@ class FoldAxially(nn.Module):
         inner = cache.inner
 
         def one(t):
-            return self._step(x[:, t : t + 1], _cut(input_mask, t, t + 1), inner, position + t)
+            return self._one_token(x[:, t : t + 1], _cut(input_mask, t, t + 1), inner, position + t)
 
         # whole rounds of w tokens, aligned to the residue classes, go through the folded
         # chunked form at once; the tokens before and after them one at a time
@@ -157,18 +136,18 @@ class FoldAxially(nn.Module):
             xs = rearrange(x[:, head : head + full], "b (i w) d -> (b w) i d", w=w)
             ms = _cut(input_mask, head, head + full)
             ms = None if ms is None else rearrange(ms, "b (i w) -> (b w) i", w=w)
-            out, _ = self.attn(xs, input_mask=ms, cache=inner, return_cache=True)
+            out = self.attn.attend(xs, Place((position + head) // w, True), ms, inner)
             outs.append(rearrange(out, "(b w) i d -> b (i w) d", b=b))
         outs += [one(t) for t in range(head + full, n)]
         return torch.cat(outs, dim=1)
 
-    def _step(self, x, mask, inner, position):
-        """One token at absolute ``position``: it continues the rows of residue position mod w
-        (their buffers updated in place)."""
+    def _one_token(self, x, mask, inner, position):
+        """One token at absolute ``position``: it continues the rows of residue position mod w,
+        the (position // w)-th token of theirs (their buffers updated in place)."""
         b = x.shape[0]
         rows = torch.arange(b, device=x.device) * self.width + position % self.width
         sub = map_tensors(inner, lambda t: t.index_select(0, rows))
-        out, sub = self.attn(x, input_mask=mask, cache=sub, return_cache=True)
+        out = self.attn.attend(x, Place(position // self.width, True), mask, sub)
         copy_rows(inner, rows, sub)
         return out
 
@@ -188,11 +167,6 @@ class ProductKeyMemory(nn.Module):
 
     def forward(self, x):
         return self.pkm(x)
-
-    def step(self, h, cache=None, made=None, at=None, into=None):
-        """The memory on one position h (b, dim); with ``into``, added to it in place."""
-        out = self.pkm(h[:, None])[:, 0]
-        return out if into is None else into.add_(out)
 
 
 def keyword_names(factory):
@@ -389,6 +363,8 @@ class LinearAttentionTransformer(nn.Module):
                 blocks.append((attention_branch(cross, "context", "context_mask", shifts=None), feedforward_branch(layer)))
 
         self.layers = ReversibleSequence(blocks) if reversible else SequentialSequence(blocks, checkpoint=checkpoint)
+        # (a plain tuple, not registered again: what check_place walks on every cached call)
+        self.attention_layers = tuple(m for m in self.layers.modules() if isinstance(m, Attention))
         if use_rotary_emb:
             dim_head = resolve_heads(dim, heads, dim_head)[0]
             self.rotary = RotaryEmbedding(dim_head, dim_qk=resolve_dim_qk(options.given.get("dim_qk"), dim_head))
@@ -439,7 +415,7 @@ class LinearAttentionTransformer(nn.Module):
         if place.cached:
             self.check_cacheable()
         if not parallel:
-            self.check_length(place.position + length)
+            self.check_length_at(place, length)
         whole = {"segment_ids": place.segments is not None, "context_parallel": parallel}
         for option in (name for name, given in whole.items() if given):
             for refused, what in ((self.linformer, "Linformer self-attention (linformer_settings) projects the whole "
@@ -450,9 +426,8 @@ class LinearAttentionTransformer(nn.Module):
                 if refused:
                     raise ValueError(f"{option} is not supported here: {what}")
         if place.cached or parallel:  # (a plain forward walks no modules: nothing a layer could refuse)
-            for module in self.modules():
-                if isinstance(module, Attention):
-                    module.check_place(place, length, parallel)
+            for module in self.attention_layers:
+                module.check_place(place, length, parallel)
 
     def attend(self, x, place=PLAIN, input_mask=None, context=None, context_mask=None, cache=None, positions=None):
         """The layers at ``place`` (``Place.of`` with ``check_place``) -> out, or with
@@ -477,7 +452,11 @@ class LinearAttentionTransformer(nn.Module):
         """The layers one branch at a time, each continuing from its cache (updated in place;
         made when None), composed by the stack's own rule (``reversible.py``)."""
         if cache is None:
-            cache = DecodingCache(Position(0), [[None, None] for _ in self.layers.blocks])
+            cache = DecodingCache(torch.zeros((), dtype=torch.long, device=x.device),
+                                  [[None, None] for _ in self.layers.blocks])
+        elif cache.rows() != x.shape[0]:
+            raise ValueError(f"x must have one {'token' if x.shape[1] == 1 else 'row'} for each of the cache's "
+                             f"{cache.rows()} rows, got {x.shape[0]}")
         cache.row_starts = place.row_starts  # (a row without a real token yet moves its start on)
 
         def continuing(branch, pair, i):
@@ -488,13 +467,39 @@ class LinearAttentionTransformer(nn.Module):
 
         out = self.layers.compose(x, [(continuing(f, pair, 0), continuing(g, pair, 1))
                                       for (f, g), pair in zip(self.layers.blocks, cache.layers)])
-        cache.position += x.shape[1]
+        cache.position.add_(x.shape[1])
         return out, cache
+
+    def empty_cache(self, batch_size, device=None, dtype=torch.float32):
+        """The ``DecodingCache`` before any token: every layer's empty state (zero sums, no
+        keys in the rings, zero convolution and shift inputs) at position 0."""
+        self.check_cacheable()
+        layers = []
+        for pair in self.layers.blocks:
+            caches = []
+            for branch in pair:
+                shift = None if branch.shifts is None else torch.zeros(batch_size, self.dim, device=device, dtype=dtype)
+                inner = branch.fn.empty_cache(batch_size, device, dtype) if branch.stateful else None
+                caches.append(BranchCache(shift, inner))
+            layers.append(caches)
+        return DecodingCache(torch.zeros((), dtype=torch.long, device=device), layers)
 
     def limit_length(self, limited_by):
         """Make ``max_seq_len`` the longest sequence the model reads; ``limited_by`` says what
         is sized by it (a position table, Linformer's projections), for the error."""
         self.length_limit, self.limited_by = self.max_seq_len, limited_by
+
+    def check_length_at(self, place, length):
+        """``check_length`` for x of ``length`` tokens at ``place``: on a step, whose position
+        is a tensor, a check on the device where reading it back would cost a sync (none in
+        an exported graph, which runs without PyTorch)."""
+        if place.position is not None or self.length_limit is None:
+            return self.check_length(place.start + length)
+        if place.tensor.device.type == "cpu" and not torch.compiler.is_compiling():
+            return self.check_length(int(place.tensor) + length)
+        if not torch.compiler.is_exporting():
+            torch._assert_async(place.tensor + length <= self.length_limit,
+                                f"sequence length exceeds max_seq_len={self.max_seq_len}, {self.limited_by}")
 
     def check_length(self, length, detail=""):
         """ValueError when a sequence of ``length`` tokens is longer than ``length_limit``."""

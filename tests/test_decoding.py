@@ -1,7 +1,7 @@
-"""The one-token step (a forward with a cache and one token per row while no gradient is recorded:
-lm.py's ``LinearAttentionTransformerLM.step`` on the cache's ``steps``) equals the full forward, and
-the in-place recurrence step (``CausalState``, ops/causal/recurrent.py) equals the reference step
-beside it."""
+"""The one-token step (a forward with a cache and one token per row while no gradient is recorded,
+``Place.step``: each stateful layer's recurrent form inside its forward) equals the full forward,
+and the in-place recurrence step (``CausalState``, ops/causal/recurrent.py) equals the reference
+step beside it."""
 
 import pytest
 import torch
@@ -33,23 +33,24 @@ DECODER_CONFIGS = {
 
 
 class StepCount:
-    """Counts ``model.step`` calls (the one-token step, not the general cached path)."""
+    """Counts the model's forwards that take the one-token step (``place.step``), not the
+    general cached path."""
 
     def __init__(self, model):
-        self.model, self.calls = model, 0
+        self.stack, self.calls = model.transformer, 0
 
     def __enter__(self):
-        original = self.model.step
+        original = self.stack._forward_cached
 
-        def counted(*args, **kwargs):
-            self.calls += 1
-            return original(*args, **kwargs)
+        def counted(x, cache, place, inputs):
+            self.calls += place.step
+            return original(x, cache, place, inputs)
 
-        self.model.step = counted
+        self.stack._forward_cached = counted
         return self
 
     def __exit__(self, *exc):
-        del self.model.step
+        del self.stack._forward_cached
 
 
 def prime(model, x, mask=None, **kw):
@@ -97,7 +98,6 @@ def test_decoder_equals_full_forward_float64(name, prompt):
     full = model(x, input_mask=mask, **kw)
     out, cache, steps, expected = decoded(model, x, mask, kw, prompt)
     assert steps == expected > 0  # the one-token step, not the general cached path
-    assert cache.steps is not None and not cache.steps.stale()
     assert cache.position == x.shape[1]
     scale = full[mask].abs().max()
     assert (out - full[:, prompt - 1:])[mask[:, prompt - 1:]].abs().max() <= 1e-12 * scale
@@ -113,9 +113,9 @@ def local_caches(cache):
 @pytest.mark.parametrize("name", ["local+blindspot+shift+reversible", "gate+conv+rotary+exact window",
                                   "elu, blindspot 3, no gate"])
 def test_the_cache_read_after_steady_steps_holds_every_key_position(name):
-    """Eager steps past the point where every ring slot holds a real key read the local
-    heads' bias from a table made once, and still write each key's position: the stepped
-    cache equals the full forward's, and the cached path continues from it."""
+    """Steps past the point where every ring slot holds a real key write each key's position
+    as the full forward does: the stepped cache equals the full forward's, and the cached
+    path continues from it."""
     cfg = DECODER_CONFIGS[name]
     model = make(cfg)
     x, mask, kw = inputs(cfg, n=30)
@@ -215,13 +215,11 @@ def test_generate_uses_the_decoder_and_matches_recompute():
     assert torch.equal(cached, recomputed)
 
 
-def test_steps_are_made_again_when_a_parameter_changes_in_place():
-    """``cache.steps`` copies some weights once (each attention layer's concatenated
-    projection); a parameter changed in place between steps (an optimizer step) makes it
-    stale, and the next step makes it anew: its logits are a fresh full forward's with the new
-    weights (float64). A weight the step reads where it is (the output layer) shows at once.
-    The changed weights (the last attention layer's queries, the output layer) leave every
-    cached state as it was, so the full forward is the judge."""
+def test_a_step_reads_parameters_changed_in_place():
+    """A parameter changed in place between steps (an optimizer step) shows in the next step:
+    its logits are a fresh full forward's with the new weights (float64). The changed weights
+    (the last attention layer's queries, the output layer) leave every cached state as it
+    was, so the full forward is the judge."""
     cfg = DECODER_CONFIGS["exact global"]
     model = make(cfg)
     x, mask, _ = inputs(cfg, n=13)
@@ -233,7 +231,7 @@ def test_steps_are_made_again_when_a_parameter_changes_in_place():
     _, cache = prime(model, x[:, :6], mask[:, :6])
     for t in range(6, 9):
         step(model, x[:, t], cache)
-    made, before = cache.steps, full(10)
+    before = full(10)
     g = torch.Generator().manual_seed(5)
     with torch.no_grad():
         model.to_logits.weight.add_(torch.randn(model.to_logits.weight.shape, generator=g, dtype=D))
@@ -241,13 +239,11 @@ def test_steps_are_made_again_when_a_parameter_changes_in_place():
     assert (want - before).abs().max() > 1e-3  # the change shows in the logits
     assert (got - want).abs().max() <= 1e-12 * want.abs().max()
 
-    made, before = cache.steps, full(11)
+    before = full(11)
     last_attention = [m for m in model.modules() if hasattr(m, "to_q") and hasattr(m, "to_kv")][-1]
     with torch.no_grad():
         last_attention.to_q.weight.add_(torch.randn(last_attention.to_q.weight.shape, generator=g, dtype=D))
-    assert made.stale()
     got, want = step(model, x[:, 10], cache), full(11)
-    assert cache.steps is not made and not cache.steps.stale()  # made anew, once
     assert (want - before).abs().max() > 1e-3
     assert (got - want).abs().max() <= 1e-12 * want.abs().max()
     got = step(model, x[:, 11], cache)  # and the steps after it
@@ -390,72 +386,29 @@ class OpLog(TorchDispatchMode):
 @pytest.mark.parametrize("name", list(LONG_CONFIGS))
 def test_step_makes_no_sync_and_keeps_its_buffers(name):
     """Over 60 steps (blocks completing, windows filling, the prompt's padding leaving the
-    window): no op reads a value back, eager or in the form a compiled step traces
-    (``model.step`` without the host's position), and every buffer keeps its shape and its
-    memory. The traced form runs the same ops on the same shapes at every position."""
+    window): no op reads a value back, and every buffer keeps its shape and its memory; each
+    step runs the same ops on the same shapes. The position table's length check reads the
+    position back on a CPU only, where that costs no wait (elsewhere a check on the device):
+    without a table (rotary positions) nothing at all is read."""
     cfg = LONG_CONFIGS[name]
     model = make_long(cfg, torch.float32)
     x, mask = padded_prompt(cfg)
     _, cache = prime(model, x, mask)
-    made = cache.steps
     layout = [(tuple(t.shape), t.data_ptr()) for t in cache.static_tensors()]
-    tokens = torch.tensor([3, 7])
-    column = tokens[:, None]
-    with OpLog() as log, torch.no_grad():
+    assert layout == [(tuple(t.shape), t.data_ptr()) for t in tensors_of(cache)]
+    column = torch.tensor([[3], [7]])
+    table = model.length_limit is not None
+    for mode in (torch.no_grad, torch.inference_mode):
+        per_step = []
         for _ in range(30):
-            model(column, cache=cache, return_cache=True)
-    assert log.syncs() == []
-    assert cache.steps is made  # made once, not again per step
-    per_step = []
-    with torch.inference_mode():
-        for _ in range(30):
-            with OpLog() as log:
-                model.step(tokens, cache, cache.steps)
-            assert log.syncs() == []
+            with OpLog() as log, mode():
+                model(column, cache=cache, return_cache=True)
+            syncs = log.syncs()
+            assert len(syncs) == table and set(syncs) <= {"aten::item", "aten::_local_scalar_dense"}
             per_step.append(log.ops)
-    assert all(ops == per_step[0] for ops in per_step)
+        assert all(ops == per_step[0] for ops in per_step)
     assert [(tuple(t.shape), t.data_ptr()) for t in cache.static_tensors()] == layout
-    assert [(tuple(t.shape), t.data_ptr()) for t in tensors_of(cache)] == layout[:len(tensors_of(cache))]
     assert cache.position == 5 + 60
-
-
-def test_the_step_reads_tensors_made_once_and_marked_static():
-    """What a step reads besides the parameters and the cache (each attention layer's
-    concatenated projection, the position table, ...) is made once per cache (``cache.steps``):
-    those tensors keep their memory over eager and compiled steps, ``cache.static_tensors()``
-    holds every one of them (marked with ``torch._dynamo.mark_static_address``, as generate
-    does on CUDA, a CUDA graph reads them where they are, with no copy per replay), and the
-    compiled one-token call's graph takes them as its inputs."""
-    cfg = LONG_CONFIGS["global gate per feature+conv+rotary+exact window+kv_heads"]
-    model = make_long(cfg, torch.float32)
-    x, mask = padded_prompt(cfg)
-    _, cache = prime(model, x, mask)
-    made = cache.steps
-    static = cache.static_tensors()
-    layout = [(t.data_ptr(), tuple(t.shape)) for t in static]
-    weights = [m.weight for pair in made.layers for _, _, m in pair if hasattr(m, "weight")]
-    assert len(weights) == 2 and all(any(w is t for t in static) for w in weights)
-    assert all(any(t is s for s in static) for t in tensors_of(cache) + made.tensors())
-    inputs = []
-
-    def backend(gm, example_inputs):
-        inputs.extend(example_inputs)
-        return gm.forward
-
-    torch._dynamo.reset()
-    for t in static:  # (generate marks them on CUDA only: a CPU has no graphs to capture)
-        torch._dynamo.mark_static_address(t)
-    compiled = AutoregressiveWrapper(model)._one_token_call({"backend": backend}, cache)
-    assert all(getattr(t, "_dynamo_static_input_type", None) == "unguarded" for t in static)
-    tokens = torch.tensor([3, 7])
-    with torch.no_grad():
-        for _ in range(3):
-            step(model, tokens, cache)
-            compiled(tokens[:, None], cache)
-    assert cache.steps is made
-    read = {t.data_ptr() for t in inputs if torch.is_tensor(t)}
-    assert all(w.data_ptr() in read for w in weights)
-    assert [(t.data_ptr(), tuple(t.shape)) for t in cache.static_tensors()] == layout
 
 
 def graphs(counter):
@@ -522,9 +475,9 @@ def test_compiled_step_equals_eager_steps(name):
 
 @pytest.mark.parametrize("use_axial_pos_emb", [True, False], ids=["axial", "absolute"])
 def test_steps_look_positions_up_as_the_full_forward_float64(use_axial_pos_emb):
-    """Steps look each position's embedding up (``PositionRows``: by an int on eager steps, by
-    the position's tensor on compiled ones) and give the full forward's logits: axial and
-    absolute embeddings, positions past one axial row."""
+    """Steps look each position's embedding up by the position's tensor, eager and compiled,
+    and give the full forward's logits: axial and absolute embeddings, positions past one
+    axial row."""
     cfg = dict(use_axial_pos_emb=use_axial_pos_emb, n_local_attn_heads=2, local_attn_window_size=4, blindspot_size=3)
     model = make_long(cfg)
     x, mask = padded_prompt(cfg)
@@ -554,46 +507,6 @@ def test_compiled_step_checks_max_seq_len_on_the_device():
         compiled(one, cache)  # 255: the last of max_seq_len = 256
         with pytest.raises(RuntimeError, match="max_seq_len"):
             compiled(one, cache)
-
-
-def test_eager_step_runs_on_step_threads_and_restores_torch_threads():
-    """On a CPU an eager step of a few rows runs its ops (all but views) on one thread
-    (``cache.steps.threads``) and leaves torch's thread count as it found it; threads None leaves it alone; more rows
-    than ONE_THREAD_MAX_BATCH keep torch's count."""
-    from linear_attention_transformer.lm import ONE_THREAD_MAX_BATCH
-
-    class Threads(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.seen = set()
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            if not func.is_view:  # (the forward's x[:, 0] and logits[:, None] around the step: views, no work)
-                self.seen.add(torch.get_num_threads())
-            return func(*args, **(kwargs or {}))
-
-    cfg = LONG_CONFIGS["local+blindspot+shift"]
-    model = make_long(cfg, torch.float32)
-    x, _ = padded_prompt(cfg)
-    _, cache = prime(model, x)
-    _, many = prime(model, x[:1].expand(ONE_THREAD_MAX_BATCH + 1, -1))
-    assert cache.steps.threads == 1 and many.steps.threads is None
-    tokens, more_tokens = torch.tensor([3, 7]), torch.full((ONE_THREAD_MAX_BATCH + 1,), 3)
-    before = torch.get_num_threads()
-    try:
-        torch.set_num_threads(2)
-        with Threads() as inside:
-            step(model, tokens, cache)
-        assert inside.seen == {1} and torch.get_num_threads() == 2
-        cache.steps = cache.steps._replace(threads=None)
-        with Threads() as inside:
-            step(model, tokens, cache)
-        assert inside.seen == {2}
-        with Threads() as inside:
-            step(model, more_tokens, many)
-        assert inside.seen == {2} and torch.get_num_threads() == 2
-    finally:
-        torch.set_num_threads(before)
 
 
 def test_step_refuses_bad_tokens():
@@ -649,20 +562,21 @@ def test_generate_compile_step_refusals():
 
 
 def test_piece_steps_equal_their_full_forms_float64():
-    """Token shift, the local convolution, the feed-forward and the local heads' ring readout:
-    each one-token step (in place on its buffer) equals its full form on the last position."""
-    from linear_attention_transformer.feedforward import FeedForward
-    from linear_attention_transformer.gating import LocalConv, local_conv_step
+    """Token shift, the local convolution and the local heads' ring readout: one position
+    continuing from the buffer of what came before (updated in place) equals the full form
+    on the last position."""
+    from linear_attention_transformer.gating import LocalConv
     from linear_attention_transformer.ops.windowed_attention import (Window, windowed_attention_by_position,
                                                                      windowed_attention_step)
-    from linear_attention_transformer.token_shift import shift_step, shift_tokens
+    from linear_attention_transformer.token_shift import shift_tokens
 
     g = torch.Generator().manual_seed(7)
     b, n, dim = 2, 6, 9
     x = torch.randn(b, n, dim, generator=g, dtype=D)
     previous = x[:, -2].clone()
     want = shift_tokens(x, (1, 0))[:, -1]
-    torch.testing.assert_close(shift_step(x[:, -1], previous), want, rtol=0, atol=0)
+    got = shift_tokens(x[:, -1:], (1, 0), previous=previous, keep=previous)[:, 0]
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
     assert torch.equal(previous, x[:, -1])  # the buffer now holds the token, for the next step
 
     torch.manual_seed(0)
@@ -671,16 +585,10 @@ def test_piece_steps_equal_their_full_forms_float64():
         conv.conv_weight.normal_()
     t = torch.randn(b, 3, n, 4, generator=g, dtype=D)
     buffer = t[:, :, -4:-1].clone()
-    got = local_conv_step(t[:, :, -1], buffer, conv.taps(3).detach())
-    torch.testing.assert_close(got, conv(t)[:, :, -1].detach(), rtol=1e-12, atol=1e-12)
+    with torch.no_grad():
+        got = conv(t[:, :, -1:], previous=buffer, keep=buffer)[:, :, 0]
+        torch.testing.assert_close(got, conv(t)[:, :, -1], rtol=1e-12, atol=1e-12)
     assert torch.equal(buffer, t[:, :, -3:])
-
-    for glu in (False, True):
-        ff = FeedForward(dim, mult=2, glu=glu).to(D).eval()
-        into = x[:, -1].clone()
-        with torch.no_grad():
-            ff.step(x[:, -1], None, ff.prepare_step(), into=into)
-            torch.testing.assert_close(into, x[:, -1] + ff(x)[:, -1], rtol=1e-12, atol=1e-12)
 
     window = Window(3, look_backward=1)
     q, k, v = (torch.randn(b, 2, n, 4, generator=g, dtype=D) for _ in range(3))

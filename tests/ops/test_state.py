@@ -414,8 +414,8 @@ def test_a_step_refuses_a_state_of_another_layout():
     q = k = torch.rand(1, 2, 3)
     v = torch.rand(1, 2, 4)
     zeros = CausalState.zeros(1, 2, 3, 4, blindspot_size=2, exp_features=True)
-    waiting = CausalState.zeros(1, 2, 3, 4, blindspot_size=2, waiting=True)
-    wrong = [(zeros, dict(blindspot_size=2)), (zeros, dict(exp_features=True)), (waiting, dict(blindspot_size=2))]
+    single = CausalState.zeros(1, 2, 3, 4)
+    wrong = [(zeros, dict(blindspot_size=2)), (zeros, dict(exp_features=True)), (single, dict(blindspot_size=2))]
     for state, kw in wrong:
         with pytest.raises(ValueError, match="state must be a CausalState of these exp_features and blindspot_size"):
             causal_linear_attention_step(q, k, v, state, **kw)

@@ -3,9 +3,8 @@
 
 The step writes in place into the state's fixed-shape buffers: a decoder steps its own state
 with nothing allocated that outlives the step, nothing read back to the host, one traced
-graph. A blindspot block's join is either skipped by a caller that knows the position on the
-host, or scaled by flags (``join_flags``) that leave every buffer bit for bit as it was except
-at the block's last position. ``causal_linear_attention_step`` steps a copy instead (a new
+graph. A blindspot block's join is scaled by flags (``join_flags``) that leave every buffer
+bit for bit as it was except at the block's last position. ``causal_linear_attention_step`` steps a copy instead (a new
 state per token, differentiable, masked keys allowed); over a sequence,
 ``recurrent_causal_linear_attention``, it is the judge the chunked forms are tested against.
 """
@@ -16,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from ..common import NEG_INF, append_ones, apply_key_mask, check_mask, compute_dtype
-from .scan import Summary, combine, join_factors, summarize
+from .scan import join_factors
 
 __all__ = ["CausalState", "causal_linear_attention_step", "recurrent_causal_linear_attention"]
 
@@ -32,36 +31,24 @@ class CausalState:
         pending, pending_ref: the same for the keys of the current unfinished blindspot block
             (None when ``blindspot_size`` is 1). After an in-place join, pending keeps its old
             sums under a reference of -inf (the next key's rescale, by 0, empties it).
-        keys (b, h, B, d), values (b, h, B, e + 1): with ``waiting`` (a blindspot without
-            decay) the in-place step keeps the block's keys in slots (position t in slot t mod
-            B; empty: key -inf or 0, value 0) and joins them at the block's end (``pending``
-            then holds only a prompt's part of the block). Else None.
         position: tokens consumed (an int), counted by ``causal_linear_attention_step``;
             ``step`` leaves the count to its caller (a decoder's cache position).
     ``causal_linear_attention_step`` never modifies a state: a caller may keep one and branch.
     """
 
-    fields = ("kv", "ref", "pending", "pending_ref", "keys", "values")
-    __slots__ = fields + ("position", "_slot_views")
+    fields = ("kv", "ref", "pending", "pending_ref")
+    __slots__ = fields + ("position",)
 
-    def __init__(self, kv, ref=None, pending=None, pending_ref=None, position=0, keys=None, values=None):
+    def __init__(self, kv, ref=None, pending=None, pending_ref=None, position=0):
         self.kv, self.ref, self.pending, self.pending_ref, self.position = kv, ref, pending, pending_ref, position
-        self.keys, self.values = keys, values
-        # eager in-place steps write a slot through these views, made once: (b, h, d) and (b, h, e)
-        self._slot_views = None if keys is None else (keys.unbind(2), values[..., :-1].unbind(2))
 
     @classmethod
-    def zeros(cls, b, h, d, e, blindspot_size=1, exp_features=False, device=None, dtype=torch.float32, waiting=False):
+    def zeros(cls, b, h, d, e, blindspot_size=1, exp_features=False, device=None, dtype=torch.float32):
         kv = torch.zeros(b, h, d, e + 1, device=device, dtype=dtype)
         ref = torch.full((b, h, d), NEG_INF, device=device, dtype=dtype) if exp_features else None
         if blindspot_size == 1:
             return cls(kv, ref)
-        state = cls(kv, ref, kv.clone(), None if ref is None else ref.clone())
-        if waiting:
-            state = cls(*state.buffers(True)[:4], 0, kv.new_empty(b, h, blindspot_size, d),
-                        kv.new_empty(b, h, blindspot_size, e + 1))
-            state._empty_slots()
-        return state
+        return cls(kv, ref, kv.clone(), None if ref is None else ref.clone())
 
     @classmethod
     def at_block_boundary(cls, kv, ref, position, blindspot=False):
@@ -71,19 +58,14 @@ class CausalState:
             return cls(kv, ref, position=position)
         return cls(kv, ref, torch.zeros_like(kv), None if ref is None else torch.full_like(ref, NEG_INF), position)
 
-    def _empty_slots(self):
-        self.keys.fill_(NEG_INF if self.ref is not None else 0.0)
-        self.values.zero_()
-        self.values[..., -1] = 1.0  # the normaliser's column of ones
-
     def buffers(self, all_fields=False):
         fields = [getattr(self, name) for name in self.fields]
         return fields if all_fields else [t for t in fields if t is not None]
 
     def map_tensors(self, fn):
         """A state of ``fn`` applied to each of this one's tensors (its position kept)."""
-        kv, ref, pending, pending_ref, keys, values = (None if t is None else fn(t) for t in self.buffers(True))
-        return CausalState(kv, ref, pending, pending_ref, self.position, keys, values)
+        kv, ref, pending, pending_ref = (None if t is None else fn(t) for t in self.buffers(True))
+        return CausalState(kv, ref, pending, pending_ref, self.position)
 
     def to(self, *args, **kwargs):
         return self.map_tensors(lambda t: t.to(*args, **kwargs))
@@ -92,62 +74,27 @@ class CausalState:
         return self.map_tensors(torch.Tensor.detach)
 
     def as_causal_state(self, position):
-        """New tensors: the state after ``position`` tokens without waiting slots (what
-        ``causal_linear_attention`` continues from)."""
+        """New tensors: the state after ``position`` tokens (what ``causal_linear_attention``
+        continues from)."""
         pending, pending_ref = self.pending, self.pending_ref
         if pending_ref is not None:  # (sums under -inf stand for nothing)
             pending = torch.where(torch.isfinite(pending_ref)[..., None], pending, 0.0)
-        if self.keys is not None:  # the slots of this block's keys so far join the block's sum
-            blindspot = self.keys.shape[2]
-            filled = (torch.arange(blindspot, device=self.keys.device) < position % blindspot)[:, None]
-            keys = self.keys.masked_fill(~filled, NEG_INF if pending_ref is not None else 0.0)
-            pending, pending_ref = _with_slots((pending,), (pending_ref,), keys, self.values)
         clone = (lambda t: None if t is None else t.clone())  # noqa: E731
         return CausalState(self.kv.clone(), clone(self.ref), clone(pending), clone(pending_ref), position)
 
     def load(self, state):
-        """Copy a state without waiting slots into the buffers (the slots emptied: the block's
-        keys so far are in ``pending``)."""
-        for buffer, value in zip(self.buffers(True), state.buffers(True)[:4]):
+        """Copy ``state``'s sums into the buffers."""
+        for buffer, value in zip(self.buffers(True), state.buffers(True)):
             if buffer is not None:
                 buffer.copy_(value)
-        if self.keys is not None:
-            self._empty_slots()
-
-    def where(self, p, blindspot_size, zero, hidden):
-        """What a step at position p (an int eagerly, else a long tensor) needs of its blindspot
-        block (None without one): with waiting slots (slot, joining), p mod B and whether p
-        completes the block; else ``join_flags`` (``zero``, ``hidden``: 0 and -inf)."""
-        if blindspot_size == 1:
-            return None
-        if self.keys is None:
-            return join_flags(p, blindspot_size, self.ref is not None, zero, hidden)
-        if isinstance(p, int):
-            return p % blindspot_size, (p + 1) % blindspot_size == 0
-        return torch.remainder(p, blindspot_size)[None], torch.remainder(p + 1, blindspot_size) == 0
 
     def step(self, q, k, v, log_decay=None, where=None, all_seen=False, out=None, masked_keys=False):
         """One token in place: q, k (b, h, d) (logits with exponential features), v (b, h, e)
         in the state's dtype, log_decay None, (b, h) or (b, h, d); ``where``: the position's
-        ``where`` (None: no join now); ``all_seen``: as ``read_state``; ``masked_keys``: k may
-        be a masked key (-inf), which needs ``join_factors``' guard (a decoder's keys are real).
-        Returns out (b, h, e), written into ``out`` when given. Differentiable on tensors of
-        their own (``causal_linear_attention_step`` steps a copy)."""
-        if self.keys is not None:  # the key and value wait in their slot; the block joins where it ends
-            slot, joining = where
-            if isinstance(slot, int):
-                key_slots, value_slots = self._slot_views
-                key_slots[slot].copy_(k)
-                value_slots[slot].copy_(v)
-            else:
-                self.keys.index_copy_(2, slot, k[:, :, None])
-                self.values[..., :-1].index_copy_(2, slot, v[:, :, None])
-            out = read_state(q, self.kv, self.ref, all_seen, out)  # (not its own block)
-            if joining is True:
-                self._join_waiting()
-            elif joining is not False:  # (traced: a tensor, computed always)
-                self._join_waiting(joining)
-            return out
+        ``join_flags`` (None: no join now); ``all_seen``: as ``read_state``; ``masked_keys``: k
+        may be a masked key (-inf), which needs ``join_factors``' guard (a decoder's keys are
+        real). Returns out (b, h, e), written into ``out`` when given. Differentiable on
+        tensors of their own (``causal_linear_attention_step`` steps a copy)."""
         kv, ref, pending, pending_ref = self.kv, self.ref, self.pending, self.pending_ref
         exp_features, blindspot = ref is not None, pending is not None
         v1 = append_ones(v)[:, :, None, :]
@@ -187,26 +134,6 @@ class CausalState:
         ref.copy_(new_ref)
         pending_ref.add_(b)
 
-    def _join_waiting(self, joining=None):
-        """The block's keys (and ``pending``) join the state: all (``joining`` None), or where the
-        bool tensor ``joining`` holds (elsewhere every buffer stays bit for bit)."""
-        kv, ref, pending, pending_ref = self.kv, self.ref, self.pending, self.pending_ref
-        joined, new_ref = _with_slots((kv, pending), (ref, pending_ref), self.keys, self.values)
-        if joining is None:
-            kv.copy_(joined)
-            if ref is not None:
-                ref.copy_(new_ref)
-                pending_ref.fill_(NEG_INF)  # (pending then adds nothing: its factor is 0)
-            else:
-                pending.zero_()
-            return
-        kv.copy_(torch.where(joining, joined, kv))
-        if ref is not None:
-            ref.copy_(torch.where(joining, new_ref, ref))
-            pending_ref.copy_(torch.where(joining, NEG_INF, pending_ref))
-        else:
-            pending.copy_(torch.where(joining, 0.0, pending))
-
 
 def causal_linear_attention_step(q, k, v, state: CausalState, log_decay=None, blindspot_size=1, exp_features=False):
     """One token of causal linear attention: S_t = a_t S_{t-1} + k_t v_tᵀ, out = q_t S_t / q_t z_t.
@@ -220,10 +147,10 @@ def causal_linear_attention_step(q, k, v, state: CausalState, log_decay=None, bl
         A masked token is simply not stepped; a masked key (-inf, or 0 with given features) is
         allowed.
     """
-    layout = (state.ref is not None, state.pending is not None, state.keys is not None)
-    if layout != (exp_features, blindspot_size > 1, False):
-        raise ValueError("state must be a CausalState of these exp_features and blindspot_size, without waiting "
-                         "slots (CausalState.zeros, or a decoder's state.as_causal_state)")
+    layout = (state.ref is not None, state.pending is not None)
+    if layout != (exp_features, blindspot_size > 1):
+        raise ValueError("state must be a CausalState of these exp_features and blindspot_size (CausalState.zeros, "
+                         "or a decoder's state.as_causal_state)")
     new = state.map_tensors(torch.clone)
     new.position = state.position + 1
     out_dtype, dtype = q.dtype, new.kv.dtype
@@ -269,17 +196,6 @@ def _emptied(state, rows):
 
     return CausalState(empty(state.kv, 0.0), empty(state.ref, NEG_INF), empty(state.pending, 0.0),
                        empty(state.pending_ref, NEG_INF), state.position)
-
-
-def _with_slots(sums, refs, keys, values):
-    """Sums (b, h, d, E) held under log references ``refs`` (b, h, d) (None: given features),
-    in order, then the keys (b, h, B, d) and values (b, h, B, E) of slots (a slot without a
-    key: key -inf, or 0) -> (one sum, its reference): ``scan.combine`` over their summaries."""
-    joined = Summary(sums[0], None, refs[0])
-    for s, r in zip(sums[1:], refs[1:]):
-        joined = combine(joined, Summary(s, None, r))
-    joined = combine(joined, summarize(keys, values, exp_features=refs[0] is not None)[0])
-    return joined.kv, joined.ref
 
 
 def join_flags(p, blindspot_size, exp_features, zero, hidden):
