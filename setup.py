@@ -14,6 +14,9 @@ HF_EXTRA = ["transformers>=4.57,<5.25", "safetensors>=0.4.3"]
 # eval: lm-evaluation-harness's HFLM (examples/evaluate.py, tests/test_hf_lm_eval.py); lm_eval imports
 # accelerate there though it lists it only under its own "hf" extra, which also pulls peft
 EVAL_EXTRA = ["lm_eval>=0.4.13,<0.5", "accelerate>=0.26", *HF_EXTRA]
+# export: linear_attention_transformer/export.py (torch.onnx's exporter needs onnxscript and onnx) and
+# examples/onnx_generate.py, tested on onnx 1.23.2, onnxscript 0.7.2, onnxruntime 1.32.0
+EXPORT_EXTRA = ["onnx>=1.23", "onnxscript>=0.7", "onnxruntime>=1.32"]
 
 setup(
     # the import name stays linear_attention_transformer; the distribution has a name of its own, since
@@ -37,7 +40,8 @@ setup(
     # cuda: the fla form's kernels (ops/causal/fla.py); Triton comes with CUDA builds of torch,
     # so it is never pinned here (the lines tested, 0.5 and 0.6, and how: docs/kernels.md)
     extras_require={"test": ["pytest>=7", "hypothesis>=6", *EXAMPLES_EXTRA], "examples": EXAMPLES_EXTRA,
-                    "cuda": ["fla-core>=0.5.1,<0.7"], "hf": HF_EXTRA, "eval": EVAL_EXTRA},
+                    "cuda": ["fla-core>=0.5.1,<0.7"], "hf": HF_EXTRA, "eval": EVAL_EXTRA,
+                    "export": EXPORT_EXTRA},
     classifiers=[
         "License :: OSI Approved :: MIT License",
         "Programming Language :: Python :: 3",

@@ -73,7 +73,8 @@ def one_thread():
 # where each optional module comes from, for the skip's reason
 INSTALLED_BY = {"fla": "the [cuda] extra installs fla-core", "triton": "torch's CUDA builds bring Triton",
                 "transformers": "the [hf] extra installs it", "safetensors": "the [hf] extra installs it",
-                "accelerate": "the [eval] extra installs it"}
+                "accelerate": "the [eval] extra installs it", "onnx": "the [export] extra installs it",
+                "onnxscript": "the [export] extra installs it", "onnxruntime": "the [export] extra installs it"}
 
 
 @pytest.hookimpl(tryfirst=True)
