@@ -133,6 +133,13 @@ class LocalCache(_Cache):
             self.kv[:, 1, :, slot].copy_(v[:, :, 0])
             self.positions[:, slot] = start if row_starts is None else start - row_starts
             return
+        if n == 1 and mask is None:  # (the position a tensor: one select per buffer, no scatter)
+            hit = torch.arange(slots, device=k.device) == torch.remainder(start, slots)
+            new = torch.stack((k, v), dim=1).to(self.kv.dtype)  # (b, 2, h, 1, d)
+            self.kv.copy_(torch.where(hit[:, None], new, self.kv))
+            key = start if row_starts is None else (start - row_starts)[:, None]
+            self.positions.copy_(torch.where(hit, key, self.positions))
+            return
         keep = min(n, slots)
         at = torch.arange(n - keep, n, device=k.device) + start
         where = at % slots
