@@ -297,7 +297,7 @@ class Attention(nn.Module):
                 return context_parallel_causal_linear_attention(q, k, v, group, log_gate, mask, self.chunk_size,
                                                                 exp_features, self.blindspot_size, self.kernel)
             if place.step:
-                return self._global_heads_step(q, k, v, log_gate, cache.state, place.start)
+                return self._global_heads_step(q, k, v, log_gate, cache.state, place.start, place.row_starts)
             out = causal_linear_attention(
                 q, k, v, log_gate, mask, blindspot_size=self.blindspot_size, chunk_size=self.chunk_size,
                 exp_features=exp_features, state=None if fresh else cache.state.as_causal_state(position),
@@ -317,7 +317,7 @@ class Attention(nn.Module):
         k, normalize = self.noncausal_keys(k, mask, x, segments)
         return linear_attention(fm.queries(q), k, v, mask, normalize=normalize, segments=segments)
 
-    def _global_heads_step(self, q, k, v, log_gate, state, position):
+    def _global_heads_step(self, q, k, v, log_gate, state, position, row_starts=None):
         """One token per row through the state (``CausalState.step``, in place): q, k (b, h, 1,
         d) (logits with exponential features), v (b, h, 1, e), log_gate (b, h, 1[, d]) or None;
         computed in the state's dtype (float32 or wider). ``position``: an int (a blindspot block
@@ -326,10 +326,14 @@ class Attention(nn.Module):
         q, k, v = (t[:, :, 0] if t.dtype == dtype else t[:, :, 0].to(dtype) for t in (q, k, v))
         if log_gate is not None:
             log_gate = log_gate[:, :, 0] if log_gate.dtype == dtype else log_gate[:, :, 0].to(dtype)
-        zero = state.kv.new_zeros(())
-        where = None if self.blindspot_size == 1 else join_flags(position, self.blindspot_size, state.ref is not None,
-                                                                  zero, zero + NEG_INF)
-        out = state.step(q, k, v, log_gate, where)[:, :, None]
+        where, blindspot = None, self.blindspot_size
+        if blindspot > 1 and not (isinstance(position, int) and (position + 1) % blindspot):  # (else no join now)
+            zero = state.kv.new_zeros(())
+            where = join_flags(position, blindspot, state.ref is not None, zero, zero + NEG_INF)
+        # every row has seen a key (read_state then needs no guard) once the first block is
+        # behind, where rows start together (left-padded rows count from their own start)
+        seen = isinstance(position, int) and row_starts is None and position >= (blindspot if blindspot > 1 else 0)
+        out = state.step(q, k, v, log_gate, where, all_seen=seen)[:, :, None]
         return out if out.dtype == out_dtype else out.to(out_dtype)
 
     def _convolve_context_parallel(self, q, k, v, mask, group):

@@ -41,7 +41,8 @@ class FeedForward(nn.Module):
         self.proj_out = nn.Linear(hidden, dim)
 
     def _forward(self, x):
-        return self.proj_out(self.dropout(_hidden(x, self.proj_in.weight, self.proj_in.bias, self.glu, self.activation)))
+        hidden = _hidden(x, self.proj_in.weight, self.proj_in.bias, self.glu, self.activation)
+        return self.proj_out(self.dropout(hidden) if self.training and self.dropout.p > 0 else hidden)
 
     def forward(self, x):
         if self.chunks == 1 or x.shape[1] <= 1:

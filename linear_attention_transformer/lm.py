@@ -195,7 +195,8 @@ class LinearAttentionTransformerLM(nn.Module):
         positions = place.positions(x.shape[1], x.device)
         h = self._embed(x)
         if self.pos_emb is not None:
-            h = h + self.pos_emb(positions).to(h.dtype)
+            embedded = self.pos_emb(positions)
+            h = h + (embedded if embedded.dtype == h.dtype else embedded.to(h.dtype))
         out = self.transformer.attend(self.project_in(h), place, input_mask, context, context_mask,
                                       for_call(cache, return_cache), positions)
         return out[0] if place.cached and not return_cache else out
