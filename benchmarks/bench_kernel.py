@@ -11,7 +11,7 @@ run, at the mean of the square matmul rates before and after are its floor. Each
 order, so that a drifting machine hits all alike); the median of the rounds' ratios is the figure.
 
 Usage:  python benchmarks/bench_kernel.py --threads 1 [--shapes 4,4,256,64 1,8,4096,64] [--map elu]
-        python benchmarks/bench_kernel.py --threads 1 --forms device parallel blocked
+        python benchmarks/bench_kernel.py --threads 1 --forms device parallel compiled
 """
 
 import argparse
@@ -65,7 +65,7 @@ def main(argv=None):
     p.add_argument("--device", default=common.default_device())
     p.add_argument("--shapes", type=parse_shape, nargs="+", default=[(4, 4, 256, 64), (1, 8, 4096, 64)])
     p.add_argument("--map", choices=["softmax", "elu"], default="softmax")
-    p.add_argument("--forms", nargs="+", choices=["device", "sequential", "parallel", "blocked"], default=["device"],
+    p.add_argument("--forms", nargs="+", choices=["device", "sequential", "parallel", "compiled"], default=["device"],
                    help="forms of this kernel, each timed against the first")
     p.add_argument("--rounds", type=int, default=3, help="alternating rounds (default: %(default)s)")
     p.add_argument("--threads", type=int, default=None)

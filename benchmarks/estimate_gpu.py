@@ -297,7 +297,7 @@ def by_op(ops):
 
 
 @contextlib.contextmanager
-def kernel_form(form):
+def causal_form(form):
     """The causal kernel's form for the trace (``ops/causal/forms.py``'s ``use_form`` scope):
     'gpu' picks the torch kernel's form on a CUDA device; 'parallel' / 'sequential' name one.
     Yields a note saying what was done."""
@@ -483,7 +483,7 @@ def main(argv=None):
         p.error(f"the LM rejects these arguments ({given}): {e}")
 
     results, traces = [], {}
-    with kernel_form(args.chunk_form) as form_note, loss_chunks(args.chunk_form) as loss_note:
+    with causal_form(args.chunk_form) as form_note, loss_chunks(args.chunk_form) as loss_note:
         form_note = f"{form_note}; {loss_note}"
         for loss in args.loss:
             for n in args.lengths:

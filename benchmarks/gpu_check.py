@@ -8,10 +8,10 @@ float64 reference computed on the CPU, cached decoding, and timings, in under 8 
 Sections (each row guarded: an exception is recorded and the script goes on; each section
 has a time budget, rows past it are recorded as skipped):
 
-``versions``     torch, CUDA, Triton, fla-core, the GPU; why the fla form cannot run, if so.
+``versions``     torch, CUDA, Triton, fla-core, the GPU; why the fla kernel cannot run, if so.
 ``correctness``  one attention layer, forward and backward (input and parameter gradients),
-                 on the device against the same layer in float64 on the CPU: the torch form
-                 (``kernel='torch'``), the fla form (``kernel='fla'``) and the flex local heads
+                 on the device against the same layer in float64 on the CPU: the torch kernel
+                 (``kernel='torch'``), the fla kernel (``kernel='fla'``) and the flex local heads
                  (a layer of local heads only), for the default, gated (``use_gate``),
                  given-feature (elu + 1 with the gate: fla's gated backward) and seed-like
                  (blindspot, local heads) configurations; float32, with tolerances that hold
@@ -20,9 +20,9 @@ has a time budget, rows past it are recorded as skipped):
 ``decoding``     an LM's cached decoding (the prompt, then a one-token forward a step), eager and
                  compiled (CUDA graphs: ``mode='reduce-overhead'``), against its full forward.
 ``timing``       n = 4096 and 16384, forward + backward: one attention layer and one LM
-                 training step, each in the torch form, the fla form, with fla's ``chunk_gla``
+                 training step, each with the torch kernel, the fla kernel, with fla's ``chunk_gla``
                  alone in place of the attention (in the layer also with the normaliser: v one
-                 column wider, as the fla form feeds it, or the keys' decayed sum apart, by fla's
+                 column wider, as the fla kernel feeds it, or the keys' decayed sum apart, by fla's
                  ``chunk_hgrn``), and with ``scaled_dot_product_attention`` (flash): tokens per
                  second and peak memory.
 
@@ -58,7 +58,7 @@ FULL = dict(budget=420, lengths=(4096, 16384), batch=1, heads=8, dim_head=128, w
 DRY = dict(budget=55, lengths=(64,), batch=1, heads=2,
            dim_head=16, window=8, blindspot=8, check_n=40, lm_dim=32, lm_depth=1, num_tokens=50, steps=1, warmup=0)
 # relative tolerances (max |error| / max |reference|): float32 under TF32 (fla, flex), float32
-# (the torch form: PyTorch's float32 matmuls are not TF32 by default), bf16 autocast; gradients x2
+# (the torch kernel: PyTorch's float32 matmuls are not TF32 by default), bf16 autocast; gradients x2
 TOLERANCE = {("fp32", "torch"): 1e-3, ("fp32", "fla"): 5e-3, ("fp32", "flex"): 5e-3, "bf16": 5e-2}
 NORMALISERS = ("fla, v + 1 column", "fla, normaliser apart")  # fla's kernel timed with the normaliser two ways
 
@@ -138,8 +138,8 @@ def versions(device):
     if device.type == "cuda":
         info["capability"] = ".".join(map(str, torch.cuda.get_device_capability(device)))
         info["tf32 matmul (torch)"] = torch.backends.cuda.matmul.allow_tf32
-    info["fla form"] = fla_missing(device) or "runs"
-    info["fla form, gated backward"] = fla_missing(device, gated_backward=True) or "runs"
+    info["fla kernel"] = fla_missing(device) or "runs"
+    info["fla kernel, gated backward"] = fla_missing(device, gated_backward=True) or "runs"
     return info
 
 
@@ -178,7 +178,7 @@ def check_layer(config, kernel, dtype, device, s):
     """Output and gradient errors of a layer on ``device`` against its float64 self on the CPU."""
     dim = s["heads"] * s["dim_head"]
     key = repr(sorted(config.items()))
-    if key not in _REFERENCES:  # (the reference, the torch form in float64, once per configuration)
+    if key not in _REFERENCES:  # (the reference, the torch kernel in float64, once per configuration)
         torch.manual_seed(0)
         layer = Attention(dim, kernel="torch", **config).double().eval()
         g = torch.Generator().manual_seed(1)
@@ -249,7 +249,7 @@ def check_decoding(device, s, compiled):
 
 
 def fla_alone(q, k, v):
-    """fla's chunk_gla on (b, n, h, d), as the fla form calls it for the default map."""
+    """fla's chunk_gla on (b, n, h, d), as the fla kernel calls it for the default map."""
     from fla.ops.gla import chunk_gla
 
     return chunk_gla(q.exp(), k.exp(), v, g=F.logsigmoid(k), scale=1.0)[0]
@@ -270,7 +270,7 @@ class PlainLayer(nn.Module):
         if self.attend == "sdpa":
             q, k, v = (t.transpose(1, 2) for t in (q, k, v))
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2)
-        else:  # the normaliser: none (fla alone), as a ones column of v (the fla form's way), or apart
+        else:  # the normaliser: none (fla alone), as a ones column of v (the fla kernel's way), or apart
             q, k, column = q.float() * 0.1, k.float() * 0.1, self.attend == "fla, v + 1 column"
             out = fla_alone(q, k, F.pad(v.float(), (0, 1), value=1.0) if column else v.float())
             out = out[..., :-1] / out[..., -1:] if column else out
@@ -380,7 +380,7 @@ def main(argv=None):
 
     report.begin("correctness")
     for name, config in layer_configs(s).items():
-        # ('auto' beside 'fla' where a known-bad pair may refuse fla: the torch form, with a warning)
+        # ('auto' beside 'fla' where a known-bad pair may refuse fla: the torch kernel, with a warning)
         kernels = ("auto",) if name == "local heads only" else ("torch", "fla", "auto") if name == "given-feature" \
             else ("torch", "fla")
         for kernel in kernels:

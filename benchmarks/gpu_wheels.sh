@@ -8,7 +8,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 WHEELS=(
-  fla-core==0.6.0                  # the fla form's kernels (the cuda extra's newest line)
+  fla-core==0.6.0                  # the fla kernel's Triton kernels (the cuda extra's newest line)
   einops==0.8.2                    # the library, fla-core and the three below
   local-attention==1.11.2          # the library
   axial-positional-embedding==0.3.12

@@ -25,7 +25,7 @@ from .ops.kernels import check_kernel
 from .ops.causal.recurrent import CausalState, join_flags
 from .ops.segments import aligned_layout, from_layout, to_layout
 from .ops.windowed_attention import Window, windowed_attention, windowed_attention_by_position, windowed_attention_step
-from .ops.windowed_flex import flex_windowed_attention, local_form
+from .ops.windowed_flex import flex_windowed_attention, local_implementation
 from .place import PLAIN, Place
 from .positional import apply_rotary
 
@@ -253,8 +253,8 @@ class Attention(nn.Module):
 
     def local_heads(self, q, k, v, mask, segments=None):
         """Windowed softmax attention (positions come from the model, not from the window); its
-        form by the kernel and the device (docs/kernels.md: flex_attention on CUDA)."""
-        if local_form(q.device, q.dtype, self.kernel, q.shape[-1]) == "flex":
+        implementation by the kernel and the device (docs/kernels.md: flex_attention on CUDA)."""
+        if local_implementation(q.device, q.dtype, self.kernel, q.shape[-1]) == "flex":
             return flex_windowed_attention(q, k, v, self.local_window, mask, segments)
         return windowed_attention(q, k, v, self.local_window, mask, segments)
 

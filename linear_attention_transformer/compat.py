@@ -37,7 +37,7 @@ def Linformer(dim, seq_len, depth, k=256, heads=8, dim_head=None, one_kv_head=Fa
     refuse_unknown_keywords("Linformer", options, LinearAttentionTransformer.option_names())
     settings, options = _linformer_options(k, one_kv_head, share_kv, dropout, options)
     return LinearAttentionTransformer(dim, depth, seq_len, heads=heads, dim_head=dim_head, reversible=reversible,
-                                      linformer_settings=settings, **options)
+                                      linformer_settings=settings, _keywords_checked=True, **options)
 
 
 def LinformerLM(num_tokens, dim, seq_len, depth, k=256, heads=8, dim_head=None, one_kv_head=False,
@@ -49,4 +49,5 @@ def LinformerLM(num_tokens, dim, seq_len, depth, k=256, heads=8, dim_head=None, 
     settings, options = _linformer_options(k, one_kv_head, share_kv, dropout, options)
     options.setdefault("use_axial_pos_emb", False)
     return LinearAttentionTransformerLM(num_tokens, dim, depth, seq_len, heads=heads, dim_head=dim_head,
-                                        reversible=reversible, linformer_settings=settings, **options)
+                                        reversible=reversible, linformer_settings=settings, _keywords_checked=True,
+                                        **options)

@@ -276,7 +276,8 @@ class LinearAttentionTransformerForCausalLM(PreTrainedModel, GenerationMixin):
         if config.return_embeddings:
             raise ValueError("return_embeddings=True: a causal LM returns logits; use LinearAttentionTransformerLM "
                              "for the hidden states")
-        self.model = LinearAttentionTransformerLM(**config.model_options())
+        # (model_options holds the library's option names only: the config checked the keys it was given)
+        self.model = LinearAttentionTransformerLM(**config.model_options(), _keywords_checked=True)
         self.post_init()
 
     @classmethod

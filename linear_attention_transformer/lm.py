@@ -69,10 +69,12 @@ class LinearAttentionTransformerLM(nn.Module):
 
     def __init__(
         self, num_tokens, dim, depth, max_seq_len, heads=HEADS, emb_dim=None, tie_embedding=False,
-        return_embeddings=False, use_axial_pos_emb=None, use_rotary_emb=False, use_pos_emb=True, **kwargs
+        return_embeddings=False, use_axial_pos_emb=None, use_rotary_emb=False, use_pos_emb=True,
+        _keywords_checked=False, **kwargs
     ):
         super().__init__()
-        refuse_unknown_keywords(type(self).__name__, kwargs, self.option_names())
+        if not _keywords_checked:
+            refuse_unknown_keywords(type(self).__name__, kwargs, self.option_names())
         check_int("num_tokens", num_tokens)
         emb_dim = dim if emb_dim is None else emb_dim
         check_int("emb_dim", emb_dim)
@@ -111,7 +113,7 @@ class LinearAttentionTransformerLM(nn.Module):
             self.pos_emb = AbsolutePositionalEmbedding(emb_dim, max_seq_len)
         self.project_in = nn.Linear(emb_dim, dim) if emb_dim != dim else nn.Identity()
         self.transformer = LinearAttentionTransformer(dim, depth, max_seq_len, heads=heads,
-                                                      use_rotary_emb=use_rotary_emb, **kwargs)
+                                                      use_rotary_emb=use_rotary_emb, _keywords_checked=True, **kwargs)
         if self.pos_emb is not None:
             self.transformer.limit_length(f"the length of the {'axial' if axial else 'absolute'} position table "
                                           "(use_rotary_emb=True or use_pos_emb=False read any length)")

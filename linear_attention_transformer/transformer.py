@@ -170,8 +170,10 @@ class ProductKeyMemory(nn.Module):
 
 
 def keyword_names(factory):
+    """The keywords ``factory`` takes by name; a private one (``_keywords_checked``) is no option."""
     kinds = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
-    return {name for name, p in inspect.signature(factory).parameters.items() if p.kind in kinds}
+    return {name for name, p in inspect.signature(factory).parameters.items()
+            if p.kind in kinds and not name.startswith("_")}
 
 
 # Attention options about a layer's own sequence. The strided axial layers have no local heads
@@ -186,7 +188,9 @@ _SET_BY_MODEL = frozenset({"dim", "heads", "dim_head", "causal", "receives_conte
 
 def refuse_unknown_keywords(owner, given, known):
     """TypeError naming the class the user called and each keyword of ``given`` not in ``known``,
-    with the closest valid name as a suggestion."""
+    with the closest valid name as a suggestion. Called once per model, by the constructor the
+    user called; a model built by another (the LM's stack, ``compat``, ``hf``) is handed
+    ``_keywords_checked=True``."""
     unknown = [name for name in given if name not in known]
     if not unknown:
         return
@@ -268,7 +272,7 @@ class LinearAttentionTransformer(nn.Module):
         attn_layer_dropout=0.0, reversible=False, checkpoint=False, receives_context=False, attend_axially=False,
         pkm_layers=(), pkm_num_keys=128, linformer_settings: Optional[LinformerSettings] = None,
         context_linformer_settings: Optional[LinformerContextSettings] = None, shift_tokens=False,
-        use_rotary_emb=False, **options
+        use_rotary_emb=False, _keywords_checked=False, **options
     ):
         super().__init__()
         check_int("depth", depth)
@@ -300,7 +304,8 @@ class LinearAttentionTransformer(nn.Module):
             self.limit_length("the length Linformer's projections are sized for")
         self.receives_context, self.attend_axially = receives_context, attend_axially
         shifts = token_shifts(causal) if shift_tokens else None
-        refuse_unknown_keywords(type(self).__name__, options, self.option_names())
+        if not _keywords_checked:
+            refuse_unknown_keywords(type(self).__name__, options, self.option_names())
         ff_options = {name[3:]: options.pop(name) for name in list(options) if name.startswith("ff_")}
         options = _AttentionOptions(options)
         shared = dict(heads=heads, dim_head=dim_head)

@@ -292,7 +292,7 @@ def test_global_heads_of_dim_qk_equal_their_explicit_weights(feature_map, causal
         if causal:
             w = w.tril()
         ref = layer.to_out(rearrange(w @ v / w.sum(-1, keepdim=True), "b h n d -> b n (h d)"))
-        for form in ("sequential", "parallel", "blocked") if causal else (None,):
+        for form in ("sequential", "parallel", "compiled") if causal else (None,):
             with use_form(form):
                 out = layer(x, input_mask=mask, rotary=tables)
             torch.testing.assert_close(out[mask], ref[mask], rtol=1e-9, atol=1e-12, msg=f"n={n}, form {form}")

@@ -212,6 +212,46 @@ def test_misspelt_options_of_the_other_models():
         LinearAttentionTransformer(DIM, 1, MAX_LEN, zzz=1)
 
 
+def count_keyword_checks(monkeypatch, *modules):
+    """The owners named by every call of ``refuse_unknown_keywords``, in every module that calls it."""
+    from linear_attention_transformer import lm as lm_module, transformer as transformer_module
+
+    real, owners = transformer_module.refuse_unknown_keywords, []
+
+    def counted(owner, given, known):
+        owners.append(owner)
+        return real(owner, given, known)
+
+    for module in (transformer_module, lm_module, compat, *modules):
+        monkeypatch.setattr(module, "refuse_unknown_keywords", counted)
+    return owners
+
+
+@pytest.mark.parametrize("build, owner", [
+    (lambda: LinearAttentionTransformerLM(TOKENS, DIM, 1, MAX_LEN, heads=2, ff_mult=2, use_gate=True),
+     "LinearAttentionTransformerLM"),
+    (lambda: LinearAttentionTransformer(DIM, 1, MAX_LEN, heads=2, ff_mult=2, use_gate=True), "LinearAttentionTransformer"),
+    (lambda: compat.Linformer(DIM, MAX_LEN, 1, k=4, ff_mult=2), "Linformer"),
+    (lambda: compat.LinformerLM(TOKENS, DIM, MAX_LEN, 1, k=4, ff_mult=2), "LinformerLM"),
+])
+def test_keywords_are_checked_once_by_the_constructor_called(monkeypatch, build, owner):
+    """A model built inside another (the LM's stack, compat's models) takes the keywords its
+    builder checked: one check per model, naming what the user called."""
+    checks = count_keyword_checks(monkeypatch)
+    build()
+    assert checks == [owner]
+
+
+def test_the_hugging_face_config_checks_keywords_once_and_its_model_not_again(monkeypatch):
+    hf = pytest.importorskip("linear_attention_transformer.hf")
+    checks = count_keyword_checks(monkeypatch, hf)
+    config = hf.LinearAttentionTransformerConfig(num_tokens=TOKENS, dim=DIM, depth=1, max_seq_len=MAX_LEN, heads=2,
+                                                 use_gate=True)
+    assert checks == ["LinearAttentionTransformerConfig"]
+    model = hf.LinearAttentionTransformerForCausalLM(config)
+    assert checks == ["LinearAttentionTransformerConfig"] and model.model.transformer.attention_layers[0].forget_gate
+
+
 # ------------------------------------------------------------------ generate's keywords
 
 

@@ -161,19 +161,19 @@ TINY = dict(num_tokens=64, dim=32, heads=2, depth=1, max_seq_len=48, causal=True
 @pytest.mark.parametrize("loss", ["wrapper"])
 def test_fake_trace_costs_what_a_real_one_does(loss):
     """The estimator traces on fake tensors: on real ones the same ops cost the same."""
-    with estimate_gpu.kernel_form("gpu"):
+    with estimate_gpu.causal_form("gpu"):
         fake = estimate_gpu.trace_lm_step(TINY, 48, loss=loss, hw=HW).ops
         real = estimate_gpu.trace_lm_step(TINY, 48, loss=loss, hw=HW, real=True).ops
     assert len(fake) > 100
     assert [(o.name, o.flops, o.bytes) for o in fake] == [(o.name, o.flops, o.bytes) for o in real]
 
 
-def test_kernel_form_is_scoped_and_restored():
+def test_causal_form_is_scoped_and_restored():
     forms = pytest.importorskip("linear_attention_transformer.ops.causal.forms")
     before = forms.scoped_form()
-    with estimate_gpu.kernel_form("sequential"):
+    with estimate_gpu.causal_form("sequential"):
         assert forms.scoped_form() == "sequential"
-    with estimate_gpu.kernel_form("gpu"):
+    with estimate_gpu.causal_form("gpu"):
         assert forms.scoped_form() == "parallel"
     assert forms.scoped_form() == before
 
@@ -226,7 +226,7 @@ def test_gpu_check_dry_run_on_the_cpu(tmp_path, capsys):
     code = gpu_check.main(["--cpu-dry-run", "--out", str(tmp_path), "--budget", "600"])  # (none skipped: busy CPU)
     report = json.loads((tmp_path / "gpu_check.json").read_text())
     assert code == 0, capsys.readouterr().out
-    assert {"torch", "cuda", "triton", "fla-core", "device", "fla form"} <= set(report["versions"])
+    assert {"torch", "cuda", "triton", "fla-core", "device", "fla kernel"} <= set(report["versions"])
     rows = {row["name"]: row for row in report["rows"]}
     assert {row["section"] for row in report["rows"]} == {"correctness", "decoding", "timing"}
     for name in ("default", "gated", "given-feature", "seed-like"):

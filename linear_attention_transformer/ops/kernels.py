@@ -5,14 +5,14 @@
   and the local heads on ``flex_attention`` (``windowed_flex.py``); where fla cannot serve a
   call, the torch kernel runs and warns once per reason.
 * 'torch': this library's kernels only: the chunked causal kernel (``causal/chunk.py``) and
-  the blocked windowed softmax (``windowed_attention.py``).
+  the windowed softmax in blocks of the window (``windowed_attention.py``).
 * 'fla': the causal global heads on fla, or a ValueError naming why it cannot run the call;
   the local heads as 'auto'.
 
 The table of what each choice runs for the global and the local heads on each device is in
 docs/kernels.md ("Which kernel runs"), whose code checks it against the two pickers:
-``causal/forms.py``'s ``pick_form`` (the global heads, and how the torch kernel runs there)
-and ``windowed_flex.py``'s ``local_form`` (the local heads). Global heads without a causal
+``causal/forms.py``'s ``pick_form`` (the global heads, and the torch kernel's form there)
+and ``windowed_flex.py``'s ``local_implementation`` (the local heads). Global heads without a causal
 order are two matmuls on every device: a non-causal layer refuses ``kernel='fla'``.
 """
 

@@ -14,11 +14,12 @@ query i sees exactly the last L * w keys, itself included,
 ``Window.visible`` states the rule once (lower bound ``Window.first_key``).
 ``windowed_attention_by_position`` is its plain O(n m) masked softmax (also cached decoding's,
 keys in a ring at any positions), ``windowed_attention_step`` one decoder query over that ring,
-and ``windowed_attention`` the blocked form, O(n (L + F + 1) w): each window of queries meets
-the L + F + 1 windows of keys around it, masked by the same rule.
+and ``windowed_attention`` the local heads' 'windowed' implementation (``windowed_flex.py``'s
+``local_implementation`` names the two), O(n (L + F + 1) w): each window of queries meets the
+L + F + 1 windows of keys around it, masked by the same rule.
 
 With ``segments`` (``segments.py``) positions count from each query's segment start and only
-its own segment's keys are visible; the blocked form then meets one more window each side.
+its own segment's keys are visible; ``windowed_attention`` then meets one more window each side.
 """
 
 from __future__ import annotations
@@ -82,9 +83,10 @@ def windowed_attention_by_position(q, k, v, q_positions, k_positions, window, ke
 
 
 def windowed_attention(q, k, v, window, key_mask=None, segments=None):
-    """The blocked form over positions 0 .. n - 1: q, k, v (b, h, n, d), ``key_mask`` (b, n),
-    ``segments`` (b, n) ids (each segment as if alone) -> (b, h, n, d). Each block of w queries
-    meets the windows of keys around it (one more each side with segments), padded and masked."""
+    """The local heads' 'windowed' implementation over positions 0 .. n - 1: q, k, v (b, h, n,
+    d), ``key_mask`` (b, n), ``segments`` (b, n) ids (each segment as if alone) -> (b, h, n, d).
+    Each block of w queries meets the windows of keys around it (one more each side with
+    segments), padded and masked."""
     b, _, n, _ = q.shape
     w = window.size
     runs = None if segments is None else segment_runs(segments)

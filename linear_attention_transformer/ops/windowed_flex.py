@@ -6,19 +6,19 @@
 tokens' positions (segment-relative with ``segments``), and also whether they share a segment
 and whether the key is real. A block-sparse mask (below) makes a compiled kernel visit only
 the key blocks inside some query's window, and it never stores the (n, n) scores. A query
-that sees no key gets 0, as in the blocked form.
+that sees no key gets 0, as in ``windowed_attention``.
 
-Non-finite inputs (``non_finite.py``) are read as 0, as in the blocked form; a query is then
+Non-finite inputs (``non_finite.py``) are read as 0, as in ``windowed_attention``; a query is then
 NaN when its own token or a key it sees is non-finite. The keys a query sees lie between
 two positions (the window's first and last visible key, clipped to the query's segment and
 the sequence), so ``non_finite.seen`` answers that from a running count of the bad keys,
 without a second pass over the window.
 
-Whether a local head's call runs here or in the blocked form is ``local_form``'s answer, the
-local heads' column of docs/kernels.md's table: on CUDA for float16 / bfloat16 / float32
-heads of at least ``FLEX_MIN_HEAD_DIM`` features (the Triton kernel's smallest dot) unless the
-layer's kernel is 'torch'; on the CPU never (torch has no flex backward there), except where
-a test calls ``flex_windowed_attention`` itself.
+Whether a local head's call runs here ('flex') or in ``windowed_attention`` ('windowed') is
+``local_implementation``'s answer, the local heads' column of docs/kernels.md's table: on
+CUDA for float16 / bfloat16 / float32 heads of at least ``FLEX_MIN_HEAD_DIM`` features (the
+Triton kernel's smallest dot) unless the layer's kernel is 'torch'; on the CPU never (torch
+has no flex backward there), except where a test calls ``flex_windowed_attention`` itself.
 
 The block mask is built from the window alone (``window_blocks``): for each block of
 queries the keys it may see lie between two positions that only grow with the query, so the
@@ -27,7 +27,7 @@ O((n / 128)²) comparisons of block ends, never from evaluating ``mask_mod`` ove
 grid as ``create_block_mask`` does. It is kept per (n, window, device) and shared by every
 call and layer with that window. A key mask or segments are applied by ``mask_mod`` in every
 visited block (then no block is full); segments widen the window by one window each side,
-as in the blocked form, since their windows start at each segment's first token.
+as in ``windowed_attention``, since their windows start at each segment's first token.
 
 On CUDA outside torch.compile the kernel is compiled here, once per static configuration
 (window, key mask or not, segments or not, dtype, grad mode): each has its own compiled
@@ -35,10 +35,10 @@ function, and so its own recompile budget (a second length recompiles it once, t
 shapes), so that many layers, windows and modes never push one function past dynamo's limit,
 where it would fall back to the eager flex and its (b, h, n, n) scores. Inside a compiled
 model the call is traced with the rest. The tests run it eagerly on the CPU (unfused,
-forward only), equal to the blocked form in float64. The CPU's compiled flex is not used:
+forward only), equal to ``windowed_attention`` in float64. The CPU's compiled flex is not used:
 torch's CPU template returned wrong values and NaN on some calls (docs/kernels.md) where the
-compiled block mask was right. No GPU has run this form yet: the CUDA kernel, its backward and its timing are
-unmeasured; ``kernel='torch'`` on a layer keeps the blocked form.
+compiled block mask was right. No GPU has run this implementation yet: the CUDA kernel, its
+backward and its timing are unmeasured; ``kernel='torch'`` on a layer keeps ``windowed_attention``.
 """
 
 from __future__ import annotations
@@ -56,16 +56,17 @@ from .windowed_attention import Window, quarantine_inputs
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
 FLEX_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-FLEX_MIN_HEAD_DIM = 16  # the Triton kernel's smallest dot: smaller heads keep the blocked form
+FLEX_MIN_HEAD_DIM = 16  # the Triton kernel's smallest dot: smaller heads keep windowed_attention
 BLOCK = 128  # flex_attention's block of queries and of keys
 BACKEND = "inductor"  # torch.compile's backend for the kernel (the tests count traces with their own)
 
 
-def local_form(device, dtype=torch.float32, kernel="auto", head_dim=FLEX_MIN_HEAD_DIM) -> str:
-    """'flex' or 'blocked': the form of a local head's call for a layer's ``kernel`` (the local
-    heads' column of docs/kernels.md's table). device, dtype, head_dim: the inputs'."""
+def local_implementation(device, dtype=torch.float32, kernel="auto", head_dim=FLEX_MIN_HEAD_DIM) -> str:
+    """What runs a local head's call for a layer's ``kernel`` (the local heads' column of
+    docs/kernels.md's table): 'flex' (``flex_windowed_attention``) or 'windowed'
+    (``windowed_attention``). device, dtype, head_dim: the inputs'."""
     fits = device.type == "cuda" and dtype in FLEX_DTYPES and head_dim >= FLEX_MIN_HEAD_DIM
-    return "flex" if check_kernel(kernel) != "torch" and fits else "blocked"
+    return "flex" if check_kernel(kernel) != "torch" and fits else "windowed"
 
 
 def _key_bounds(window: Window, n, widen):

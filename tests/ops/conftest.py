@@ -158,12 +158,12 @@ def helpers():
     )
 
 
-@pytest.fixture(params=["sequential", "parallel", "blocked"])
-def kernel_form(request):
+@pytest.fixture(params=["sequential", "parallel", "compiled"])
+def causal_form(request):
     """Runs a test under the forms of ``causal_linear_attention`` (``forms.use_form``): the
     loop over chunks that the CPU takes, the scan without host sync that other devices take,
     and the blocked scan that torch.compile traces (run eagerly). All must equal the same
-    naive forms."""
+    naive views."""
     from linear_attention_transformer.ops.causal.forms import use_form
 
     with use_form(request.param):

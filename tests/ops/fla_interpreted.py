@@ -1,4 +1,4 @@
-"""Runs test_fla.py's cases, and an LM's training step and cached forward, through the fla form on fla's real
+"""Runs test_fla.py's cases, and an LM's training step and cached forward, through the fla kernel on fla's real
 Triton kernels, in Triton's interpreter on the CPU, and saves outputs and gradients for
 test_fla.py to judge; some cases again inside torch.compile (``COMPILED``), counting the
 kernels' calls.
@@ -47,7 +47,7 @@ interpreter.FunctionRewriter.ast_transformer = _LoopIndexAsTensor()
 
 
 def outputs(case, leaves):
-    """The case's output from its leaves (q, k, v, log_decay) in the fla form."""
+    """The case's output from its leaves (q, k, v, log_decay) in the fla kernel."""
     options = dict(exp_features=case["exp_features"], blindspot_size=case["blindspot_size"], kernel="fla")
     split = case["split"]
     if split is None:
@@ -73,7 +73,7 @@ def run(case, forward=outputs):
 
 
 def run_lm(config, tokens):
-    """An LM's logits and parameter gradients (cross-entropy of the next token) in the fla form,
+    """An LM's logits and parameter gradients (cross-entropy of the next token) in the fla kernel,
     with its parameters."""
     torch.manual_seed(0)
     model = LinearAttentionTransformerLM(**config, kernel="fla")

@@ -1,4 +1,4 @@
-"""The fla form (``ops/causal/fla.py``): ``causal_linear_attention`` on flash-linear-attention's
+"""The fla kernel (``ops/causal/fla.py``): ``causal_linear_attention`` on flash-linear-attention's
 chunk kernels, judged by ``naive_causal_linear_attention`` in float64.
 
 Two halves:
@@ -255,7 +255,7 @@ def fla_importable(monkeypatch):
 
 
 def test_auto_takes_fla_on_cuda_when_it_maps(monkeypatch, fla_importable):
-    """On a CUDA machine with fla importable 'auto' is the fla form, compiled or not, except
+    """On a CUDA machine with fla importable 'auto' is the fla kernel, compiled or not, except
     where it does not map (float64) or fla does not import: then today's form."""
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
@@ -265,7 +265,7 @@ def test_auto_takes_fla_on_cuda_when_it_maps(monkeypatch, fla_importable):
     assert forms.pick_form(CUDA, compiling=True, exp_features=True) == forms.FLA
     assert forms.pick_form(CUDA, exp_features=True, dtype=DOUBLE) == ("log_depth", True, 16)
     monkeypatch.setattr(fla_form, "_import_error", lambda: "fla-core does not import")
-    with pytest.warns(RuntimeWarning, match="torch form on CUDA instead of fla's kernels: fla-core does not import"):
+    with pytest.warns(RuntimeWarning, match="torch kernel on CUDA instead of fla's kernels: fla-core does not import"):
         assert forms.pick_form(CUDA, exp_features=True) == ("log_depth", True, 16)
     assert forms.pick_form(CUDA, compiling=True, exp_features=True) == ("blocked", True, 16)
 
@@ -284,7 +284,7 @@ def test_auto_warns_once_per_reason(monkeypatch, recwarn):
     for _ in range(3):
         forms.pick_form(CUDA)
     assert [str(w.message) for w in recwarn.list] == [
-        "kernel 'auto' runs the torch form on CUDA instead of fla's kernels: fla-core is not installed; "
+        "kernel 'auto' runs the torch kernel on CUDA instead of fla's kernels: fla-core is not installed; "
         "pip install -e '.[cuda]' in a clone of this library, or pip install 'fla-core>=0.5.1,<0.7' (kernel='torch' "
         "chooses it without this warning)"]
     monkeypatch.setattr(fla_form, "_import_error", lambda: "fla-core does not import (ImportError: x)")
@@ -314,7 +314,7 @@ def test_the_known_bad_pair(triton_version, capability, tilelang, bad):
 
 def test_the_known_bad_pair_runs_the_torch_form_for_what_it_affects(monkeypatch, fla_importable, recwarn):
     """On a Hopper with Triton 3.6 and no tilelang, given features with a per-head decay that
-    need gradients run the torch form (one warning; a ValueError when fla is forced); every
+    need gradients run the torch kernel (one warning; a ValueError when fla is forced); every
     other configuration keeps fla."""
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
@@ -426,8 +426,8 @@ def interpreter_cases():
     return cases
 
 
-# a small LM with every option the fla form meets inside a model: a blindspot, gates, local
-# heads beside the global ones, token shift (``fla_interpreted.py`` runs it in the fla form)
+# a small LM with every option the fla kernel meets inside a model: a blindspot, gates, local
+# heads beside the global ones, token shift (``fla_interpreted.py`` runs it in the fla kernel)
 LM = dict(num_tokens=50, dim=32, heads=4, depth=1, max_seq_len=100, causal=True, dim_head=8, blindspot_size=8,
           n_local_attn_heads=2, local_attn_window_size=16, use_gate=True, shift_tokens=True)
 
@@ -470,7 +470,7 @@ def test_flas_kernels_interpreted_equal_the_naive_form(interpreted, index):
 @pytest.mark.requires("fla", "triton")
 @pytest.mark.parametrize("index", [0, 2], ids=[interpreter_cases()[i]["name"] for i in (0, 2)])
 def test_the_fla_form_inside_torch_compile(interpreted, index):
-    """Inside torch.compile the fla form runs fla's kernels (between graphs: their entry points
+    """Inside torch.compile the fla kernel runs fla's kernels (between graphs: their entry points
     are torch.compiler.disable'd), forward and backward, with the eager results."""
     cases, results, _, compiled = interpreted
     result = compiled[index]
@@ -522,7 +522,7 @@ def test_the_layers_kernel_option_reaches_the_kernel(monkeypatch):
     # without the interpreter, the CPU cannot run fla: the forced kernel says why
     with pytest.raises(ValueError, match="kernel='fla' cannot run this call: on the CPU"):
         layers["fla"](x)
-    # where fla can run, the layer's call goes to the fla form (here its adapter, spied on)
+    # where fla can run, the layer's call goes to the fla kernel (here its adapter, spied on)
     calls = []
     monkeypatch.setattr(forms, "fla_missing", lambda *args, **kwargs: None)
     monkeypatch.setattr(chunk_module, "fla_causal_linear_attention",

@@ -13,8 +13,8 @@ from linear_attention_transformer.ops import (
     recurrent_causal_linear_attention,
 )
 
-# every test here runs under both forms of the causal kernel (conftest.kernel_form)
-pytestmark = pytest.mark.usefixtures("kernel_form")
+# every test here runs under each form of the causal kernel (conftest.causal_form)
+pytestmark = pytest.mark.usefixtures("causal_form")
 
 B, H, N, D, E = 1, 2, 10, 3, 2
 EXP = [False, True]

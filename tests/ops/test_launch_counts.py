@@ -244,7 +244,7 @@ CPU, CUDA, META = torch.device("cpu"), torch.device("cuda"), torch.device("meta"
 @pytest.fixture
 def without_fla(monkeypatch):
     """The table's rows for a machine without fla (on a GPU with fla installed, 'auto' on
-    CUDA is the fla form: tests/ops/test_fla.py checks that row)."""
+    CUDA is the fla kernel: tests/ops/test_fla.py checks that row)."""
     monkeypatch.setattr(FORMS, "fla_missing", lambda *args, **kwargs: "fla is not installed")
 
 
@@ -254,7 +254,7 @@ def without_fla(monkeypatch):
     (META, False, "auto", None, ("log_depth", True, 16)),
     (CPU, False, "auto", "parallel", ("log_depth", True, 16)),
     (CUDA, False, "auto", "sequential", ("loop", False, 64)),
-    (CPU, False, "auto", "blocked", ("blocked", False, 64)),
+    (CPU, False, "auto", "compiled", ("blocked", False, 64)),
     (CPU, True, "auto", None, ("blocked", False, 64)),
     (CUDA, True, "auto", None, ("blocked", True, 16)),
     (CUDA, True, "auto", "sequential", ("blocked", False, 64)),
@@ -280,7 +280,7 @@ def test_pick_form_options_decide_exact_chunks_and_the_chunk(without_fla):
 def test_a_bad_form_is_refused_naming_the_choices():
     q = k = v = torch.rand(1, 1, 4, 2)
     for bad in ("fast", "Parallel", "auto", "fla", 0):
-        with pytest.raises(ValueError, match=r"form must be None or one of 'sequential', 'parallel', 'blocked', got"):
+        with pytest.raises(ValueError, match=r"form must be None or one of 'sequential', 'parallel', 'compiled', got"):
             FORMS.pick_form(CPU, form=bad)
         with pytest.raises(ValueError, match="form must be None or one of"):
             with FORMS.use_form(bad):
@@ -292,14 +292,24 @@ def test_a_bad_form_is_refused_naming_the_choices():
             causal_linear_attention(q, k, v, kernel=bad)
 
 
+@pytest.mark.parametrize("scan, form", [("blocked", "compiled"), ("loop", "sequential"), ("log_depth", "parallel")])
+def test_a_scan_named_as_a_form_is_refused_naming_the_form_that_runs_it(scan, form):
+    with pytest.raises(ValueError, match=rf"got {scan!r}: {scan!r} is a scan, which form={form!r} runs"):
+        causal_linear_attention(*(torch.rand(1, 1, 4, 2) for _ in range(3)), form=scan)
+    with pytest.raises(ValueError, match=rf"which form={form!r} runs"):
+        with FORMS.use_form(scan):
+            pass
+    assert FORMS.FORMS[form].scan == scan
+
+
 def test_use_form_is_scoped_and_restored():
     """The scope nests, is restored on exit (an exception's included), and an explicit
     ``form=`` wins over it; outside any scope the device decides (None)."""
     assert FORMS.scoped_form() is None
     with FORMS.use_form("parallel"):
         with pytest.raises(RuntimeError):
-            with FORMS.use_form("blocked"):
-                assert FORMS.scoped_form() == "blocked"
+            with FORMS.use_form("compiled"):
+                assert FORMS.scoped_form() == "compiled"
                 raise RuntimeError
         assert FORMS.scoped_form() == "parallel"
     assert FORMS.scoped_form() is None

@@ -44,7 +44,7 @@ def _segments(seed):
 @pytest.mark.parametrize("decay", [None, "head", "feature"])
 @pytest.mark.parametrize("blindspot_size", [1, 4])
 @pytest.mark.parametrize("packed", [False, True])
-def test_a_later_non_finite_token_leaves_earlier_outputs(kernel_form, bad_value, where, exp_features, decay,
+def test_a_later_non_finite_token_leaves_earlier_outputs(causal_form, bad_value, where, exp_features, decay,
                                                          blindspot_size, packed):
     if where == "log_decay" and decay is None:
         where = "v"
@@ -92,7 +92,7 @@ def test_a_later_non_finite_token_leaves_earlier_outputs(kernel_form, bad_value,
 
 
 @pytest.mark.parametrize("exp_features", [True, False])
-def test_state_after_a_non_finite_token_is_not_finite(kernel_form, exp_features):
+def test_state_after_a_non_finite_token_is_not_finite(causal_form, exp_features):
     """A decode continuing from the returned state must not silently differ from the full
     forward (which is NaN after the bad token)."""
     q, k, v, _ = _inputs(3, exp_features, None)

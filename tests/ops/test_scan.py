@@ -8,6 +8,7 @@ import torch
 from torch.autograd import gradcheck
 
 from linear_attention_transformer.ops.causal.scan import (
+    ALGORITHMS,
     SCAN_BLOCK,
     Summary,
     blocked_linear_scan,
@@ -199,11 +200,12 @@ def assert_same(s, t, what):
                                           ("head", True), ("feature", True)])
 @pytest.mark.parametrize("exp", [False, True], ids=["given", "exp"])
 @pytest.mark.parametrize("with_initial", [False, True])
-def test_scan_equals_the_sequential_fold_of_combine(c, decay, exp, drops, with_initial):
+@pytest.mark.parametrize("algorithm", sorted(ALGORITHMS))
+def test_scan_equals_the_sequential_fold_of_combine(c, decay, exp, drops, with_initial, algorithm):
     d, e = 3, 4
     s = summaries(c, d, e, decay, exp, seed=c + 10 * drops, drops=drops, empty=exp)
     initial = initial_summary(d, e, exp, c, empty=True) if with_initial else None
-    before, final = scan(s, initial, dim=1, drops=drops)
+    before, final = scan(s, initial, dim=1, drops=drops, algorithm=algorithm)
     ref_before, ref_final = sequential_scan(s, initial, dim=1)
     assert_same(before, ref_before, "before")
     assert_same(final, ref_final, "final")
@@ -270,6 +272,9 @@ def test_bad_input_names_the_argument():
         scan(Summary(s.kv, None, s.ref[..., None]), dim=1)
     with pytest.raises(ValueError, match="initial"):
         scan(s, Summary(s.kv[:, 0]), dim=1)
+    for bad in ("compiled", "sequential", "fla", None):  # (forms and fla's kernels are not scans)
+        with pytest.raises(ValueError, match=r"algorithm must be one of 'log_depth', 'loop', 'blocked', got"):
+            scan(s, dim=1, algorithm=bad)
     with pytest.raises(ValueError, match="ref"):
         combine(Summary(s.kv[:, 0]), Summary(s.kv[:, 1], None, s.ref[:, 1]))
     with pytest.raises(ValueError, match="a must"):

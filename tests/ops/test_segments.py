@@ -31,8 +31,8 @@ from linear_attention_transformer.ops.windowed_attention import (
 )
 from linear_attention_transformer.token_shift import shift_tokens
 
-# every test here runs under both forms of the causal kernel (conftest.kernel_form)
-pytestmark = pytest.mark.usefixtures("kernel_form")
+# every test here runs under each form of the causal kernel (conftest.causal_form)
+pytestmark = pytest.mark.usefixtures("causal_form")
 
 D = torch.float64
 

@@ -1,5 +1,6 @@
-"""The local heads' flex_attention form (``ops/windowed_flex.py``) against the plain masked
-softmax (``windowed_attention_by_position``), and the choice of form (``local_form``).
+"""The local heads' flex_attention implementation (``ops/windowed_flex.py``) against the plain
+masked softmax (``windowed_attention_by_position``), and the choice of implementation
+(``local_implementation``).
 
 There is no GPU here: flex_attention runs eagerly on the CPU (unfused, forward only, float64
 accepted), which checks the mask and the readout, not the CUDA kernel (the CPU's compiled
@@ -13,7 +14,7 @@ from linear_attention_transformer.attention import Attention
 from linear_attention_transformer.ops.segments import positions_in_segment, segment_runs
 from linear_attention_transformer.ops.windowed_attention import Window, windowed_attention_by_position
 from linear_attention_transformer.ops import windowed_flex
-from linear_attention_transformer.ops.windowed_flex import flex_windowed_attention, local_form
+from linear_attention_transformer.ops.windowed_flex import flex_windowed_attention, local_implementation
 
 pytestmark = pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
 
@@ -62,7 +63,7 @@ def test_flex_equals_the_plain_form(options, n, masked, packed):
     assert torch.isfinite(out).all()
     err = (out - reference).abs().max().item()
     assert err <= 1e-12, f"max error {err:.2e}"
-    if masked and window.causal:  # no visible key: 0, as the blocked form gives
+    if masked and window.causal:  # no visible key: 0, as windowed_attention gives
         assert torch.equal(out[1, :, :12], torch.zeros_like(out[1, :, :12]))
 
 
@@ -82,23 +83,23 @@ def test_non_finite_inputs_poison_what_sees_them(options):
     assert err <= 1e-12, f"max error {err:.2e}"
 
 
-def test_the_form_by_device():
+def test_the_implementation_by_device():
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
-    assert local_form(cpu, D) == "blocked"
-    assert local_form(cpu, torch.float32) == "blocked"
-    assert local_form(cuda, torch.float32, head_dim=64) == "flex"
-    assert local_form(cuda, torch.bfloat16, head_dim=16) == "flex"
-    assert local_form(cuda, torch.bfloat16, head_dim=8) == "blocked"  # under the kernel's smallest dot
-    assert local_form(cuda, D, head_dim=64) == "blocked"
-    assert local_form(cuda, torch.float32, "torch", head_dim=64) == "blocked"
-    assert local_form(cuda, torch.float32, "fla", head_dim=64) == "flex"
-    assert local_form(cpu, torch.float32, "fla", head_dim=64) == "blocked"
+    assert local_implementation(cpu, D) == "windowed"
+    assert local_implementation(cpu, torch.float32) == "windowed"
+    assert local_implementation(cuda, torch.float32, head_dim=64) == "flex"
+    assert local_implementation(cuda, torch.bfloat16, head_dim=16) == "flex"
+    assert local_implementation(cuda, torch.bfloat16, head_dim=8) == "windowed"  # under the kernel's smallest dot
+    assert local_implementation(cuda, D, head_dim=64) == "windowed"
+    assert local_implementation(cuda, torch.float32, "torch", head_dim=64) == "windowed"
+    assert local_implementation(cuda, torch.float32, "fla", head_dim=64) == "flex"
+    assert local_implementation(cpu, torch.float32, "fla", head_dim=64) == "windowed"
     with pytest.raises(ValueError, match="kernel must be one of 'auto', 'torch', 'fla'"):
-        local_form(cpu, D, "triton")
+        local_implementation(cpu, D, "triton")
 
 
 @torch.no_grad()  # flex_attention has no backward on the CPU
-def test_the_layer_runs_the_picked_form(monkeypatch):
+def test_the_layer_runs_the_picked_implementation(monkeypatch):
     torch.manual_seed(0)
     layer = Attention(32, heads=4, causal=True, n_local_attn_heads=2, local_attn_window_size=W).to(D).eval()
     x = torch.randn(2, 37, 32, dtype=D)
@@ -106,23 +107,23 @@ def test_the_layer_runs_the_picked_form(monkeypatch):
     segment_ids = torch.tensor([[0] * 15 + [1] * 22, [0] * 37])
 
     def refuse(*args):
-        raise AssertionError("flex form called on the CPU")
+        raise AssertionError("flex called on the CPU")
 
     monkeypatch.setattr(attention_module, "flex_windowed_attention", refuse)
-    blocked = layer(x, input_mask=mask, segment_ids=segment_ids)  # 'auto' on the CPU: today's form
+    windowed = layer(x, input_mask=mask, segment_ids=segment_ids)  # 'auto' on the CPU: 'windowed'
     monkeypatch.undo()
-    monkeypatch.setattr(attention_module, "local_form", lambda *args: "flex")
+    monkeypatch.setattr(attention_module, "local_implementation", lambda *args: "flex")
     flex = layer(x, input_mask=mask, segment_ids=segment_ids)
-    err = (flex - blocked).abs().max().item()
+    err = (flex - windowed).abs().max().item()
     assert err <= 1e-12, f"max error {err:.2e}"
 
 
 @torch.no_grad()
-def test_the_layers_kernel_option_picks_the_local_form(monkeypatch):
-    """The layer hands its kernel to ``local_form`` (whose answer for 'torch' is the blocked form
-    on every device)."""
+def test_the_layers_kernel_option_picks_the_local_implementation(monkeypatch):
+    """The layer hands its kernel to ``local_implementation`` (whose answer for 'torch' is
+    'windowed' on every device)."""
     asked = []
-    monkeypatch.setattr(attention_module, "local_form", lambda *args: asked.append(args[2:]) or "blocked")
+    monkeypatch.setattr(attention_module, "local_implementation", lambda *args: asked.append(args[2:]) or "windowed")
     x = torch.randn(2, 20, 32)
     for kernel in ("auto", "torch"):  # (a layer without a causal order takes 'torch' too)
         Attention(32, heads=4, n_local_attn_heads=2, local_attn_window_size=W, kernel=kernel)(x)
@@ -200,7 +201,7 @@ def test_one_block_structure_serves_every_call_and_layer():
               for _ in range(2)]
     x = torch.randn(2, 37, 32, dtype=D)
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(attention_module, "local_form", lambda *args: "flex")
+        patch.setattr(attention_module, "local_implementation", lambda *args: "flex")
         for _ in range(2):
             for layer in layers:
                 layer(x)

@@ -289,10 +289,10 @@ def causal_linear_attention(q, k, v, log_decay=None, mask=None, blindspot_size=1
         segments: optional (b, n) segment ids (``segments.py``): a query sees only keys of
             its own segment. Not with ``state`` / ``return_state``.
         kernel: 'auto', 'torch' or 'fla' (docs/kernels.md's table).
-        form: how the torch kernel runs, one of ``forms.FORM_NAMES``; None: the
-            ``forms.use_form`` scope's, else by the device (``forms.pick_form``). Refused
-            beside kernel='fla'. (One token from a state is the recurrence, whatever the
-            kernel.)
+        form: how the torch kernel runs, one of ``forms.FORM_NAMES`` ('sequential',
+            'parallel', 'compiled'); None: the ``forms.use_form`` scope's, else by the device
+            (``forms.pick_form``). Refused beside kernel='fla'. (One token from a state is the
+            recurrence, whatever the kernel.)
     Returns:
         (b, h, n, e), and the state when ``return_state``.
     """
@@ -398,7 +398,7 @@ def causal_linear_attention(q, k, v, log_decay=None, mask=None, blindspot_size=1
         initial = None if state is None else Summary(state.kv.to(dtype), None, None if state.ref is None
                                                      else state.ref.to(dtype))
         before, final = scan(chunk_summary._replace(log_decay=state_log_decay), initial, dim=2,
-                             drops=carries is not None, form=plan.scan)
+                             drops=carries is not None, algorithm=plan.scan)
         (states, _, r_prev), kv = before, final.kv
 
         if exp_features:

@@ -46,8 +46,8 @@ Under torch.compile the kernels run between graphs: fla's entry points are
 ``torch.compiler.disable``d, so a compiled model breaks its graph at each call (with
 ``fullgraph=True``, name ``kernel='torch'``). Not mapped: float64 (the kernels are float32).
 Where fla cannot serve 'auto' on CUDA (not installed, does not import, ``known_bad_pair``),
-the torch form runs and says why once (``warn_unavailable``). Non-finite
-inputs are quarantined by the caller as for every form (``non_finite.py``): read as 0 here,
+the torch kernel runs and says why once (``warn_unavailable``). Non-finite
+inputs are quarantined by the caller as for every kernel (``non_finite.py``): read as 0 here,
 then the queries that see one are NaN.
 
 fla is imported only when this form is asked for; the package imports and runs without it.
@@ -158,16 +158,16 @@ _WARNED = set()
 
 
 def warn_unavailable(reason):
-    """One RuntimeWarning per process and reason: 'auto' runs the torch form where it would
+    """One RuntimeWarning per process and reason: 'auto' runs the torch kernel where it would
     have run fla's kernels."""
     if reason not in _WARNED:
         _WARNED.add(reason)
-        warnings.warn(f"kernel 'auto' runs the torch form on CUDA instead of fla's kernels: {reason} "
+        warnings.warn(f"kernel 'auto' runs the torch kernel on CUDA instead of fla's kernels: {reason} "
                       "(kernel='torch' chooses it without this warning)", RuntimeWarning, stacklevel=4)
 
 
 def fla_missing(device, dtype=torch.float32, gated_backward=False):
-    """Why the fla form cannot run such a call on ``device`` in compute dtype ``dtype`` (a
+    """Why the fla kernel cannot run such a call on ``device`` in compute dtype ``dtype`` (a
     phrase), or None when it can. ``gated_backward``: given features with a per-head decay,
     needing gradients (``known_bad_pair``). Imports fla only once the cheaper reasons are
     ruled out."""

@@ -6,9 +6,10 @@ global heads, then, where the torch kernel runs, chooses its form. Every form co
 thing (each is tested against ``naive.py`` in float64); they differ in two choices, which a
 ``Form`` names:
 
-* ``scan``: how the state crosses the chunks (``scan.py``): a Python ``loop`` over them,
-  the work-efficient ``log_depth`` scan (launches grow as log n, not n), or the ``blocked``
-  scan (a graph whose size does not depend on n);
+* ``scan``: the algorithm that carries the state across the chunks (``scan.py``'s
+  ``algorithm``): a Python ``loop`` over them, the work-efficient ``log_depth`` scan
+  (launches grow as log n, not n), or the ``blocked`` scan (blocks of chunks: a graph whose
+  size does not depend on n); ``fla`` where fla's kernels run instead;
 * ``exact_chunks``: exponential-feature chunks exact by construction (``chunk.py``,
   ``_exact_chunk_factors``: no recompute, nothing read back to the host), or the fast
   chunks whose rare lost chunks are found and recomputed (one host sync per call eagerly,
@@ -26,7 +27,8 @@ None         any other device    log_depth  yes           no host sync in forwar
                                                           (segments included), launches ~ log n
 sequential   anywhere, eager     loop       no            the CPU's form, on any device
 parallel     anywhere, eager     log_depth  yes           the accelerators' form, on any device
-blocked      anywhere, eager     blocked    no            what torch.compile traces on the CPU
+compiled     anywhere, eager     blocked    no            what torch.compile traces on the CPU,
+                                                          run eagerly
 any          torch.compile       blocked    as above      the loop would unroll (a graph ~ n, a
                                                           recompile per chunk count under dynamic
                                                           shapes); the log-depth scan branches on
@@ -68,7 +70,7 @@ PER_FEATURE_CHUNK = 16
 class Form(NamedTuple):
     """How ``causal_linear_attention`` computes (see the module docstring)."""
 
-    scan: str  # "loop", "log_depth", "blocked", or "fla" (fla's own kernels, ``fla.py``)
+    scan: str  # ``scan.py``'s algorithm: "loop", "log_depth" or "blocked"; "fla": fla's own kernels (``fla.py``)
     exact_chunks: bool
     chunk: int = 0  # the chunk length (0 in ``FORMS``: set by ``pick_form``)
 
@@ -76,7 +78,7 @@ class Form(NamedTuple):
 FORMS = {
     "sequential": Form("loop", False),
     "parallel": Form("log_depth", True),
-    "blocked": Form("blocked", False),
+    "compiled": Form("blocked", False),
 }
 FORM_NAMES = tuple(FORMS)
 FLA = Form("fla", False, 64)  # kernel='fla': fla's kernels carry the state, exact by their own factors (fla.py)
@@ -85,9 +87,12 @@ _SCOPED = contextvars.ContextVar("causal_linear_attention_form", default=None)
 
 
 def check_form(form):
-    """``form`` if it is None or names a form, else a ValueError naming the choices."""
+    """``form`` if it is None or names a form, else a ValueError naming the choices (and, for
+    the name of a scan, the form that runs it)."""
     if form is not None and (not isinstance(form, str) or form not in FORMS):
-        raise ValueError(f"form must be None or one of {', '.join(map(repr, FORM_NAMES))}, got {form!r}")
+        runs_it = [name for name, known in FORMS.items() if known.scan == form] if isinstance(form, str) else []
+        hint = f": {form!r} is a scan, which form={runs_it[0]!r} runs" if runs_it else ""
+        raise ValueError(f"form must be None or one of {', '.join(map(repr, FORM_NAMES))}, got {form!r}{hint}")
     return form
 
 

@@ -36,8 +36,8 @@ import torch
 
 from ..common import NEG_INF, exp_ratio, log_ratio
 
-__all__ = ["Summary", "summarize", "key_factors", "combine", "common_reference", "join_factors", "scan", "references",
-           "linear_scan", "sequential_linear_scan", "blocked_linear_scan"]
+__all__ = ["ALGORITHMS", "Summary", "summarize", "key_factors", "combine", "common_reference", "join_factors", "scan",
+           "references", "linear_scan", "sequential_linear_scan", "blocked_linear_scan"]
 
 
 class Summary(NamedTuple):
@@ -121,13 +121,16 @@ def _check_summary(s: Summary, name: str, dim: int | None):
 
 
 def scan(summaries: Summary, initial: Optional[Summary] = None, dim: int = 0, drops: bool = True,
-         form: str = "log_depth"):
+         algorithm: str = "log_depth"):
     """``combine`` folded over the spans along ``dim`` (before kv's last two), after ``initial``
     (None: nothing). ``drops``: whether some log_decay may be -inf; False lets the references
-    take their O(1) form, which takes a -inf as a decay of -1e4. ``form``: the linear scan,
-    'log_depth' (``linear_scan``), 'loop' (``sequential_linear_scan``) or 'blocked'
-    (``blocked_linear_scan``, the references too). Returns (before, final): the summary of
-    everything before each span (``before.log_decay`` not formed: None) and of everything."""
+    take their O(1) form, which takes a -inf as a decay of -1e4. ``algorithm``: one of
+    ``ALGORITHMS``, the linear scan: 'log_depth' (``linear_scan``), 'loop'
+    (``sequential_linear_scan``) or 'blocked' (``blocked_linear_scan``, the references too).
+    Returns (before, final): the summary of everything before each span (``before.log_decay``
+    not formed: None) and of everything."""
+    if not isinstance(algorithm, str) or algorithm not in ALGORITHMS:
+        raise ValueError(f"algorithm must be one of {', '.join(map(repr, ALGORITHMS))}, got {algorithm!r}")
     _check_summary(summaries, "summaries", dim)
     if initial is not None:
         _check_summary(initial, "initial", None)
@@ -138,15 +141,14 @@ def scan(summaries: Summary, initial: Optional[Summary] = None, dim: int = 0, dr
     total = None if initial is None else initial.log_decay
     if g is not None:
         total = g.sum(dim) if total is None else g.sum(dim) + total
-    blocked = form == "blocked"  # (its scan takes log a_c: -inf where a_c is 0)
+    blocked = algorithm == "blocked"  # (its scan takes log a_c: -inf where a_c is 0)
     a, r_prev, r = (g if blocked or g is None else g.exp()), None, None
     if m is not None:  # step 2 of the module docstring; the gradient reaches g through a
         r_prev, r = references(m, g, None if initial is None else initial.ref, dim, drops, blocked)
         a = (log_ratio if blocked else exp_ratio)(r_prev if g is None else r_prev + g, r)
         kv = kv * exp_ratio(m, r).unsqueeze(-1)
     a = None if a is None else a.unsqueeze(-1)
-    linear = {"log_depth": linear_scan, "loop": sequential_linear_scan, "blocked": blocked_linear_scan}[form]
-    before, final = linear(a, kv, start, dim)
+    before, final = ALGORITHMS[algorithm](a, kv, start, dim)
     return Summary(before, None, r_prev), Summary(final, total, None if r is None else r.select(dim, -1))
 
 
@@ -395,3 +397,7 @@ def sequential_linear_scan(a, x, initial=None, dim=0):
         before.append(state)
         state = x_c + (state if a_c is None else state * a_c)
     return torch.stack(before, dim=dim), state
+
+
+# ``scan``'s algorithms, by name (``forms.Form.scan`` names one of them, or fla's kernels)
+ALGORITHMS = {"log_depth": linear_scan, "loop": sequential_linear_scan, "blocked": blocked_linear_scan}
