@@ -12,7 +12,7 @@ start from the empty state and are fed the same tokens; the printed logit differ
 largest over the last round. The floor: one pass of a vector through every weight matrix the
 step reads, warm (``bench_generate.weight_floors``).
 
-Usage:  python benchmarks/bench_export.py --threads 1 [--tokens 64] [--rounds 5]
+Usage:  python benchmarks/bench_export.py --threads 1 [--tokens 64] [--rounds 5] [--record export]
 """
 
 import argparse
@@ -32,10 +32,8 @@ LARGE = dict(num_tokens=256, dim=512, depth=6, heads=8, n_local_attn_heads=4, lo
              max_seq_len=2048)
 
 
-def per_token(model, session, tokens, threads):
+def per_token(model, session, tokens):
     """(library seconds, runtime seconds, largest logit difference) for one round of ``tokens``."""
-    import onnxruntime  # noqa: F401  (the session's module)
-
     cache = model.empty_cache(1)
     names = [i.name for i in session.get_inputs()]
     state = [np.zeros([d for d in i.shape], dtype=_numpy_dtype(i.type)) for i in session.get_inputs()[1:]]
@@ -66,6 +64,7 @@ def main(argv=None):
     p.add_argument("--threads", type=int, default=None, help="torch's and the runtime's threads (default: as is)")
     p.add_argument("--tokens", type=int, default=64)
     p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--record", metavar="NAME", default=None, help="write the figures to results/NAME.json")
     args = p.parse_args(argv)
     import onnxruntime
 
@@ -74,7 +73,7 @@ def main(argv=None):
 
     common.set_threads(args.threads)
     common.print_header("cpu", args.threads)
-    rows = []
+    rows, figures = [], {}
     for name, options in (("bench_generate's", MODEL), ("dim 512, depth 6", LARGE)):
         torch.manual_seed(0)
         model = LinearAttentionTransformerLM(**options).eval()
@@ -86,14 +85,19 @@ def main(argv=None):
                 settings.intra_op_num_threads = settings.inter_op_num_threads = args.threads
             session = onnxruntime.InferenceSession(path, settings, providers=["CPUExecutionProvider"])
         tokens = torch.randint(0, options["num_tokens"], (args.tokens,), generator=torch.Generator().manual_seed(1))
-        per_token(model, session, tokens[:8].tolist(), args.threads)  # warm both
-        rounds = [per_token(model, session, tokens.tolist(), args.threads) for _ in range(args.rounds)]
+        per_token(model, session, tokens[:8].tolist())  # warm both
+        rounds = [per_token(model, session, tokens.tolist()) for _ in range(args.rounds)]
         library, runtime = min(r[0] for r in rounds), min(r[1] for r in rounds)
         warm, _ = weight_floors(model, "cpu")
+        figures[name] = dict(library_ms_per_token=1e3 * library, runtime_ms_per_token=1e3 * runtime,
+                             runtime_over_library=runtime / library, warm_floor_ms=1e3 * warm,
+                             max_logit_difference=rounds[-1][2])
         rows.append([name, f"{1e3 * library:.3f}", f"{1e3 * runtime:.3f}", f"{runtime / library:.2f}x",
                      f"{1e3 * warm:.3f}", f"{rounds[-1][2]:.1e}"])
     print(common.table(["model", "library ms/token", "ONNX Runtime ms/token", "runtime / library",
                         "warm floor ms", "max |logit diff|"], rows))
+    if args.record:
+        print("recorded in", common.record(args.record, "cpu", figures))
 
 
 if __name__ == "__main__":
