@@ -10,7 +10,7 @@ from linear_attention_transformer.place import PLAIN, Place, check_modes
 
 
 class _Cache:
-    position = 5
+    position = torch.tensor(5)  # (a cache's count: a long tensor of no dimension)
 
 
 def test_positions_in_each_mode():
@@ -25,6 +25,15 @@ def test_positions_in_each_mode():
     slice_ = Place(group=ContextParallel(None, rank=2, world_size=4, length=4))
     assert slice_.start == 8 and torch.equal(slice_.positions(4), torch.arange(8, 12))
     assert Place.of(x, return_cache=True).cached and not Place.of(x).cached
+    # one token per row with a cache and no gradient recorded: the step, its position from the
+    # cache's tensor (on a CPU, and eagerly, also the count on the host)
+    with torch.no_grad():
+        step = Place.of(x[:, :1], cache=_Cache())
+    assert step.step and step.tensor is _Cache.position and step.position == 5
+    assert torch.equal(step.positions(1), torch.tensor([5]))
+    assert not Place.of(x[:, :1], cache=_Cache()).step  # (a gradient recorded: the general cached path)
+    with torch.no_grad():
+        assert not Place.of(x[:, :2], cache=_Cache()).step
 
 
 @pytest.mark.parametrize("modes, named", [
