@@ -47,6 +47,7 @@ QUOTES = [
     ("docs/layers.md", "recall", ["64:4 softmax+conv seed 0", "steps_to_pass"],
      "| 64, 4 | **softmax + short convolution** | `softmax+conv` | {:,} /"),
     ("benchmarks/README.md", "generate_past", ["past", "past_over_within"], "| {:.2f}x | `generate_past`"),
+    ("benchmarks/README.md", "export", ["bench_generate's", "runtime_over_library"], "| {:.2f}x | `export`"),
     ("docs/layers.md", "generate_past", ["past", "past_over_within"], "a token at the end costs {:.2f}x one"),
     ("docs/layers.md", "generate_past_recommended", ["past", "past_over_within"], "the end costs {:.2f}x ("),
     ("docs/layers.md", "length", ["recommended-rotary mean", "1x"], "| recommended heads, rotary | {:.3f} |"),
