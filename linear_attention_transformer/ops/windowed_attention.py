@@ -120,13 +120,13 @@ def windowed_attention(q, k, v, window, key_mask=None, segments=None):
     return rearrange(out, "b h u i d -> b h (u i) d")[:, :, :n]
 
 
-def windowed_attention_step(q, keys, values, bias, out=None):
+def windowed_attention_step(q, keys, values, bias):
     """One query over a ring of stored keys (cached decoding): q (b, h, 1, d) scaled by d^-1/2,
     keys and values (b, h, slots, d), bias (b or 1, 1, slots) 0 where visible, -inf elsewhere
-    -> (b, h, d), written into ``out`` when given. Products and sums, not matmuls: a batched
+    -> (b, h, d). Products and sums, not matmuls: a batched
     matmul of tiny shapes runs on every thread, and waiting for a busy one costs milliseconds."""
     sim = (q * keys).sum(dim=-1) + bias
-    return torch.sum(sim.softmax(dim=-1)[..., None] * values, dim=-2, out=out)
+    return torch.sum(sim.softmax(dim=-1)[..., None] * values, dim=-2)
 
 
 def quarantine_inputs(q, k, v):

@@ -88,13 +88,13 @@ class CausalState:
             if buffer is not None:
                 buffer.copy_(value)
 
-    def step(self, q, k, v, log_decay=None, where=None, all_seen=False, out=None, masked_keys=False):
+    def step(self, q, k, v, log_decay=None, where=None, all_seen=False, masked_keys=False):
         """One token in place: q, k (b, h, d) (logits with exponential features), v (b, h, e)
         in the state's dtype, log_decay None, (b, h) or (b, h, d); ``where``: the position's
         ``join_flags`` (None: no join now); ``all_seen``: as ``read_state``; ``masked_keys``: k
         may be a masked key (-inf), which needs ``join_factors``' guard (a decoder's keys are
-        real). Returns out (b, h, e), written into ``out`` when given. Differentiable on
-        tensors of their own (``causal_linear_attention_step`` steps a copy)."""
+        real). Returns out (b, h, e). Differentiable on tensors of their own
+        (``causal_linear_attention_step`` steps a copy)."""
         kv, ref, pending, pending_ref = self.kv, self.ref, self.pending, self.pending_ref
         exp_features, blindspot = ref is not None, pending is not None
         v1 = append_ones(v)[:, :, None, :]
@@ -116,7 +116,7 @@ class CausalState:
             acc_ref.copy_(new_ref)
         else:
             acc.addcmul_(k[..., None], v1)
-        out = read_state(q, kv, ref, all_seen, out)
+        out = read_state(q, kv, ref, all_seen)
         if blindspot and where is not None:
             self._join(*where)
         return out
@@ -214,10 +214,10 @@ def join_flags(p, blindspot_size, exp_features, zero, hidden):
     return flag, 1 - flag
 
 
-def read_state(q, kv, ref, all_seen=False, out=None):
-    """A query reads a state (the numbers of ``queries_relative_to`` and ``divide_by_normaliser``, written
-    into ``out`` when given): q (b, h, d), kv (b, h, d, e + 1) on
-    ref (b, h, d) (None: given features) -> (b, h, e); 0 for a row before any key.
+def read_state(q, kv, ref, all_seen=False):
+    """A query reads a state (the numbers of ``queries_relative_to`` and ``divide_by_normaliser``):
+    q (b, h, d), kv (b, h, d, e + 1) on ref (b, h, d) (None: given features) -> (b, h, e); 0 for
+    a row before any key.
     ``all_seen``: the caller knows every row has seen a key (the factors are then a softmax,
     and the guards are left out). Products and sums, not a batched matmul: see
     ``windowed_attention_step``."""
@@ -225,7 +225,7 @@ def read_state(q, kv, ref, all_seen=False, out=None):
         num = (q[..., None] * kv).sum(dim=-2)
     elif all_seen:
         num = (torch.softmax(q + ref, dim=-1)[..., None] * kv).sum(dim=-2)
-        return torch.div(num[..., :-1], num[..., -1:], out=out)
+        return num[..., :-1] / num[..., -1:]
     else:
         logits = q + ref
         # a row before any key: ref and top are -inf; a finite top gives 0 / 0, read as 0
@@ -233,4 +233,4 @@ def read_state(q, kv, ref, all_seen=False, out=None):
         num = ((logits - top).exp()[..., None] * kv).sum(dim=-2)
     # (a denominator may be just below 1 where a prefill's reference is rounded: only 0 is guarded)
     den = num[..., -1:]
-    return torch.div(num[..., :-1], torch.where(den > 0, den, 1.0), out=out)
+    return num[..., :-1] / torch.where(den > 0, den, 1.0)
