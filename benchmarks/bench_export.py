@@ -6,7 +6,7 @@ and 2 global heads, window 64, blindspot 64) and a larger one (dim 512, depth 6,
 which 4 local, window 64). Each is exported with ``export.export_onnx`` and read by an
 ``onnxruntime.InferenceSession`` on the CPU. Timed: one token per call, the library's
 ``model(token, cache=cache, return_cache=True)`` under ``torch.inference_mode`` and the
-graph's ``session.run`` with the state fed back, the two in turn over ``--rounds`` rounds of
+``InferenceSession.run`` with the state fed back, the two in turn over ``--rounds`` rounds of
 ``--tokens`` tokens (a change of the machine's load hits both); the best round of each. Both
 start from the empty state and are fed the same tokens; the printed logit difference is the
 largest over the last round. The floor: one pass of a vector through every weight matrix the
@@ -32,11 +32,11 @@ LARGE = dict(num_tokens=256, dim=512, depth=6, heads=8, n_local_attn_heads=4, lo
              max_seq_len=2048)
 
 
-def per_token(model, session, tokens):
+def per_token(model, graph, tokens):
     """(library seconds, runtime seconds, largest logit difference) for one round of ``tokens``."""
     cache = model.empty_cache(1)
-    names = [i.name for i in session.get_inputs()]
-    state = [np.zeros([d for d in i.shape], dtype=_numpy_dtype(i.type)) for i in session.get_inputs()[1:]]
+    names = [i.name for i in graph.get_inputs()]
+    state = [np.zeros([d for d in i.shape], dtype=_numpy_dtype(i.type)) for i in graph.get_inputs()[1:]]
     worst = 0.0
     library = runtime = 0.0
     for token in tokens:
@@ -45,7 +45,7 @@ def per_token(model, session, tokens):
         with torch.inference_mode():
             logits, cache = model(ids, cache=cache, return_cache=True)
         t1 = time.perf_counter()
-        out = session.run(None, dict(zip(names, [ids.numpy(), *state])))
+        out = graph.run(None, dict(zip(names, [ids.numpy(), *state])))
         t2 = time.perf_counter()
         state = out[1:]
         library += t1 - t0
@@ -83,10 +83,10 @@ def main(argv=None):
             settings = onnxruntime.SessionOptions()
             if args.threads is not None:
                 settings.intra_op_num_threads = settings.inter_op_num_threads = args.threads
-            session = onnxruntime.InferenceSession(path, settings, providers=["CPUExecutionProvider"])
+            graph = onnxruntime.InferenceSession(path, settings, providers=["CPUExecutionProvider"])
         tokens = torch.randint(0, options["num_tokens"], (args.tokens,), generator=torch.Generator().manual_seed(1))
-        per_token(model, session, tokens[:8].tolist())  # warm both
-        rounds = [per_token(model, session, tokens.tolist()) for _ in range(args.rounds)]
+        per_token(model, graph, tokens[:8].tolist())  # warm both
+        rounds = [per_token(model, graph, tokens.tolist()) for _ in range(args.rounds)]
         library, runtime = min(r[0] for r in rounds), min(r[1] for r in rounds)
         warm, _ = weight_floors(model, "cpu")
         figures[name] = dict(library_ms_per_token=1e3 * library, runtime_ms_per_token=1e3 * runtime,

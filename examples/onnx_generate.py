@@ -22,8 +22,8 @@ DTYPES = {"tensor(float)": np.float32, "tensor(float16)": np.float16, "tensor(do
           "tensor(int64)": np.int64, "tensor(int32)": np.int32, "tensor(bool)": np.bool_}
 
 
-def open_session(path, threads=None):
-    """An onnxruntime session on the CPU (``threads``: its intra-op threads, None: its own choice)."""
+def load_graph(path, threads=None):
+    """The graph at ``path`` in onnxruntime on the CPU (``threads``: its intra-op threads, None: its own)."""
     options = ort.SessionOptions()
     if threads is not None:
         options.intra_op_num_threads = threads
@@ -31,10 +31,10 @@ def open_session(path, threads=None):
     return ort.InferenceSession(path, options, providers=["CPUExecutionProvider"])
 
 
-def zero_state(session):
+def zero_state(graph):
     """The first state: zeros of each state input's declared shape and dtype."""
     state = []
-    for spec in session.get_inputs()[1:]:
+    for spec in graph.get_inputs()[1:]:
         if spec.type not in DTYPES or not all(isinstance(d, int) for d in spec.shape):
             raise ValueError(f"state input {spec.name} is {spec.type} of shape {spec.shape}: expected a fixed "
                              "shape of a numeric type")
@@ -45,17 +45,17 @@ def zero_state(session):
 class Decoder:
     """One exported step and its state: ``feed(tokens)`` -> logits (batch, num_tokens)."""
 
-    def __init__(self, session):
-        self.session = session
-        ids = session.get_inputs()[0]
+    def __init__(self, graph):
+        self.graph = graph
+        ids = graph.get_inputs()[0]
         self.batch = ids.shape[0]
-        self.names = [spec.name for spec in session.get_inputs()]
-        self.state = zero_state(session)
+        self.names = [spec.name for spec in graph.get_inputs()]
+        self.state = zero_state(graph)
 
     def feed(self, tokens):
         """One token per row (a sequence of ``batch`` ints); the state advances by one."""
         ids = np.asarray(tokens, dtype=np.int64).reshape(self.batch, 1)
-        logits, *self.state = self.session.run(None, dict(zip(self.names, [ids, *self.state])))
+        logits, *self.state = self.graph.run(None, dict(zip(self.names, [ids, *self.state])))
         return logits
 
 
@@ -71,10 +71,10 @@ def pick(logits, temperature, rng):
     return np.array([rng.choice(len(row), p=row) for row in probs])
 
 
-def generate(session, prompt, length, temperature=0.0, seed=0):
+def generate(graph, prompt, length, temperature=0.0, seed=0):
     """``length`` new tokens after the token ids ``prompt`` (a non-empty list), for the one row
     of a graph exported with batch_size=1."""
-    decoder = Decoder(session)
+    decoder = Decoder(graph)
     if decoder.batch != 1:
         raise ValueError(f"this script decodes one row; the graph was exported for {decoder.batch}")
     if not prompt:
@@ -111,12 +111,12 @@ def parse_args(argv=None):
 
 def main(argv=None):
     args = parse_args(argv)
-    session = open_session(args.model, args.threads)
-    vocabulary = session.get_outputs()[0].shape[-1]
+    graph = load_graph(args.model, args.threads)
+    vocabulary = graph.get_outputs()[0].shape[-1]
     if vocabulary < 256:
         raise SystemExit(f"a byte-level model has at least 256 tokens; this graph's logits have {vocabulary}")
     prompt = list(args.prompt.encode("utf-8"))
-    tokens = generate(session, prompt, args.length, args.temperature, args.seed)
+    tokens = generate(graph, prompt, args.length, args.temperature, args.seed)
     # an id past 255 (a vocabulary larger than the bytes) becomes 0xFF, never valid UTF-8: shown as U+FFFD
     text = bytes(prompt + [t if t < 256 else 0xFF for t in tokens]).decode("utf-8", errors="replace")
     print(text)

@@ -20,7 +20,7 @@ from .context_parallel import (context_parallel_causal_linear_attention, context
 from .gating import ForgetGate, LocalConv, OutputGate
 from .ops import FeatureMap, causal_linear_attention, linear_attention, linear_attention_readout, linear_attention_summary
 from .ops.causal.forms import CHUNK_SIZE
-from .ops.common import NEG_INF, check_int, check_mask
+from .ops.common import NEG_INF, check_int, check_mask, dropout
 from .ops.kernels import check_kernel
 from .ops.causal.recurrent import CausalState, join_flags
 from .ops.segments import aligned_layout, from_layout, to_layout
@@ -219,8 +219,8 @@ class Attention(nn.Module):
             q, k = self._by_kind(q), self._by_kind(self._query_heads(k))
         else:
             group = self.heads // self.kv_heads
-            q = _split_heads(self.to_q(x), self.n_local, self.heads - self.n_local, self.dim_head, self.dim_qk)
-            k = _split_heads(k, self.n_local // group, (self.heads - self.n_local) // group, self.dim_head, self.dim_qk)
+            q = _split_kinds(self.to_q(x), self.n_local, self.heads - self.n_local, self.dim_head, self.dim_qk)
+            k = _split_kinds(k, self.n_local // group, (self.heads - self.n_local) // group, self.dim_head, self.dim_qk)
             k = [None if t is None else self._query_heads(t) for t in k]
         return tuple(None if t[0] is None else t for t in zip(q, k, v))
 
@@ -540,7 +540,7 @@ class Attention(nn.Module):
 
     def read_context(self, x, summary):
         """Queries from x (b, n, dim) read the context's kᵀv ``summary`` -> (b, n, dim)."""
-        q = rearrange(self.to_q(x), "b n (h d) -> b h n d", h=self.heads)
+        q = split_heads(self.to_q(x), self.heads)
         return self._combine([linear_attention_readout(self.feature_map.queries(q), summary)], x)
 
     def empty_cache(self, batch_size, device=None, dtype=torch.float32, position=None):
@@ -594,13 +594,7 @@ def split_heads(t, heads):
     return t.unflatten(-1, (heads, -1)).transpose(1, 2)
 
 
-def dropout(module, x):
-    """``module`` (an ``nn.Dropout``) on x, skipped where it is the identity (eval mode, p = 0:
-    a decoding step calls several)."""
-    return module(x) if module.training and module.p > 0 else x
-
-
-def _split_heads(t, local_heads, global_heads, local_width, global_width):
+def _split_kinds(t, local_heads, global_heads, local_width, global_width):
     """(b, n, local_heads * local_width + global_heads * global_width) -> (local (b, local_heads,
     n, local_width), global (b, global_heads, n, global_width)), None for a kind without heads."""
     counts, widths = (local_heads, global_heads), (local_width, global_width)

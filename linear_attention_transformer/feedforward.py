@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .ops.common import check_int
+from .ops.common import check_int, dropout
 
 _ACTIVATIONS = {"gelu": F.gelu, "relu": F.relu}
 
@@ -42,7 +42,7 @@ class FeedForward(nn.Module):
 
     def _forward(self, x):
         hidden = _hidden(x, self.proj_in.weight, self.proj_in.bias, self.glu, self.activation)
-        return self.proj_out(self.dropout(hidden) if self.training and self.dropout.p > 0 else hidden)
+        return self.proj_out(dropout(self.dropout, hidden))
 
     def forward(self, x):
         if self.chunks == 1 or x.shape[1] <= 1:

@@ -4,9 +4,10 @@ One forward serves training, prefill and decoding. Given a cache, x holds the to
 continue the cached sequence. One token per row while no gradient is recorded is a step
 (``Place.step``): each stateful layer takes its recurrent form inside its own forward and
 writes its entry of the cache in place. The position is the cache's one count, a tensor on the
-model's device advanced in place; a step reads it only as a tensor, so a compiled forward of
-one token (``torch.compile(model, fullgraph=True)``) traces one graph for every position (on
-CUDA with ``mode="reduce-overhead"`` a CUDA graph, ``DecodingCache.static_tensors`` at static
+model's device advanced in place. A step reads it back only eagerly on a CPU, where that costs
+no wait, and as a tensor elsewhere: a compiled forward of one token (``torch.compile(model,
+fullgraph=True)``) traces one graph for every position (on CUDA with
+``mode="reduce-overhead"`` a CUDA graph, ``DecodingCache.static_tensors`` at static
 addresses), and the step exports (``export.py``). A model with axial attention
 (``attend_axially``) steps that layer on its cached path: eager only.
 """

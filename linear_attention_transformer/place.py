@@ -5,8 +5,9 @@ A forward runs x (b, n, …) in one of four modes:
 * plain: x is a whole sequence, its first token at position 0;
 * cached: x continues a sequence after ``position`` earlier tokens, and every layer reads and
   updates its cache (``cache.py``); one token per row while no gradient is recorded is a
-  ``step``, where each stateful layer takes its recurrent form and the position is read from
-  the cache's tensor only (nothing read back to the host: one traced graph for every position);
+  ``step``, where each stateful layer takes its recurrent form. A step reads the position back
+  to the host only eagerly on a CPU, where that costs no wait; elsewhere, and when traced, it
+  reads the cache's tensor alone (one traced graph for every position);
 * packed: x holds several sequences per row, ``segments`` (``ops/segments.py``);
 * context parallel: x is one rank's slice of a sequence split over ``group``
   (``context_parallel.py``), its first token at ``group.start``.

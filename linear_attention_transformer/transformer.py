@@ -17,13 +17,13 @@ from einops import rearrange
 from product_key_memory import PKM
 from torch import nn
 
-from .attention import (HEADS, LOCAL_WINDOW_SIZE, Attention, dropout, pad_to_multiple, refuse_unread_context,
-                        resolve_dim_qk, resolve_heads)
+from .attention import (HEADS, LOCAL_WINDOW_SIZE, Attention, pad_to_multiple, refuse_unread_context, resolve_dim_qk,
+                        resolve_heads)
 from .cache import AxialCache, BranchCache, DecodingCache, copy_rows, for_call, map_tensors
 from .context_parallel import exchange_boundaries
 from .feedforward import FeedForward
 from .linformer import LinformerContextSettings, LinformerSettings, linformer_layers
-from .ops.common import check_int, check_mask
+from .ops.common import check_int, check_mask, dropout
 from .place import PLAIN, Place
 from .positional import RotaryEmbedding
 from .reversible import ReversibleSequence, SequentialSequence
@@ -51,13 +51,19 @@ class Branch(nn.Module):
     def stateful(self):
         return isinstance(self.fn, (Attention, FoldAxially))
 
+    def empty_cache(self, batch_size, device=None, dtype=torch.float32):
+        """The ``BranchCache`` before any token: a zero previous token to shift in, and the
+        module's empty cache (None for a module without state)."""
+        shift = None if self.shifts is None else torch.zeros(batch_size, self.norm.normalized_shape[0], device=device,
+                                                             dtype=dtype)
+        return BranchCache(shift, self.fn.empty_cache(batch_size, device, dtype) if self.stateful else None)
+
     def forward(self, x, place=PLAIN, cache=None, **inputs):
         """The branch's output at ``place``; with ``place.cached`` -> (out, BranchCache),
-        ``cache`` (made when None) continuing a sequence and updated in place."""
+        ``cache`` (``empty_cache`` at a sequence's start) continuing a sequence and updated in
+        place."""
         h = self.norm(x)
         mask = inputs.get("input_mask")
-        if place.cached and cache is None:
-            cache = BranchCache(None if self.shifts is None else h.new_zeros(h.shape[0], h.shape[-1]), None)
         if self.shifts is not None and place.group is not None:
             h = _shift_tokens_context_parallel(h, self.shifts, mask, place.group)
         elif self.shifts is not None:
@@ -67,8 +73,6 @@ class Branch(nn.Module):
         if not self.stateful:
             out = self.fn(h, **routed)
         else:
-            if place.cached and cache.fn is None:
-                cache.fn = self.fn.empty_cache(h.shape[0], h.device, h.dtype)
             out = self.fn.attend(h, place, cache=None if cache is None else cache.fn, **routed)
         out = dropout(self.dropout, out)
         return (out, cache) if place.cached else out
@@ -457,8 +461,7 @@ class LinearAttentionTransformer(nn.Module):
         """The layers one branch at a time, each continuing from its cache (updated in place;
         made when None), composed by the stack's own rule (``reversible.py``)."""
         if cache is None:
-            cache = DecodingCache(torch.zeros((), dtype=torch.long, device=x.device),
-                                  [[None, None] for _ in self.layers.blocks])
+            cache = self.empty_cache(x.shape[0], x.device, x.dtype)
         elif cache.rows() != x.shape[0]:
             raise ValueError(f"x must have one {'token' if x.shape[1] == 1 else 'row'} for each of the cache's "
                              f"{cache.rows()} rows, got {x.shape[0]}")
@@ -479,14 +482,7 @@ class LinearAttentionTransformer(nn.Module):
         """The ``DecodingCache`` before any token: every layer's empty state (zero sums, no
         keys in the rings, zero convolution and shift inputs) at position 0."""
         self.check_cacheable()
-        layers = []
-        for pair in self.layers.blocks:
-            caches = []
-            for branch in pair:
-                shift = None if branch.shifts is None else torch.zeros(batch_size, self.dim, device=device, dtype=dtype)
-                inner = branch.fn.empty_cache(batch_size, device, dtype) if branch.stateful else None
-                caches.append(BranchCache(shift, inner))
-            layers.append(caches)
+        layers = [[branch.empty_cache(batch_size, device, dtype) for branch in pair] for pair in self.layers.blocks]
         return DecodingCache(torch.zeros((), dtype=torch.long, device=device), layers)
 
     def limit_length(self, limited_by):
@@ -495,13 +491,11 @@ class LinearAttentionTransformer(nn.Module):
         self.length_limit, self.limited_by = self.max_seq_len, limited_by
 
     def check_length_at(self, place, length):
-        """``check_length`` for x of ``length`` tokens at ``place``: on a step, whose position
-        is a tensor, a check on the device where reading it back would cost a sync (none in
-        an exported graph, which runs without PyTorch)."""
+        """``check_length`` for x of ``length`` tokens at ``place``: on a step that knows its
+        position only as a tensor, a check on the device (none in an exported graph, which
+        runs without PyTorch)."""
         if place.position is not None or self.length_limit is None:
             return self.check_length(place.start + length)
-        if place.tensor.device.type == "cpu" and not torch.compiler.is_compiling():
-            return self.check_length(int(place.tensor) + length)
         if not torch.compiler.is_exporting():
             torch._assert_async(place.tensor + length <= self.length_limit,
                                 f"sequence length exceeds max_seq_len={self.max_seq_len}, {self.limited_by}")

@@ -34,7 +34,7 @@ def make_model(seed=0, **options):
     return model
 
 
-def session_of(path):
+def graph_of(path):
     import onnxruntime as ort
 
     options = ort.SessionOptions()
@@ -43,21 +43,21 @@ def session_of(path):
     return ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
 
 
-def zeros_for(session):
+def zeros_for(graph):
     types = {"tensor(float)": np.float32, "tensor(int64)": np.int64}
-    return [np.zeros(spec.shape, dtype=types[spec.type]) for spec in session.get_inputs()[1:]]
+    return [np.zeros(spec.shape, dtype=types[spec.type]) for spec in graph.get_inputs()[1:]]
 
 
-def runtime_decode(session, prompt, new_tokens):
+def runtime_decode(graph, prompt, new_tokens):
     """prompt (b, n) int array fed one column at a time from zero states, then ``new_tokens``
     greedy steps -> (every column's tokens (b, n + new_tokens), the logits after each of the
     first n + new_tokens - 1 columns)."""
-    names = [spec.name for spec in session.get_inputs()]
-    state = zeros_for(session)
+    names = [spec.name for spec in graph.get_inputs()]
+    state = zeros_for(graph)
     tokens = [prompt[:, i] for i in range(prompt.shape[1])]
     logits = []
     for i in range(prompt.shape[1] + new_tokens - 1):
-        out, *state = session.run(None, dict(zip(names, [tokens[i][:, None].astype(np.int64), *state])))
+        out, *state = graph.run(None, dict(zip(names, [tokens[i][:, None].astype(np.int64), *state])))
         logits.append(out)
         if i + 1 == len(tokens):
             tokens.append(out.argmax(-1))
@@ -80,22 +80,22 @@ def check_decodes(model, path, prompt_length, new_tokens, batch_size=1):
     """Export ``model``, decode a random prompt in ONNX Runtime: its greedy tokens are the
     library's, and its logits at every position those of one forward over the whole sequence."""
     export_onnx(model, path, batch_size=batch_size)
-    session = session_of(path)
+    graph = graph_of(path)
     prompt = torch.randint(0, NUM_TOKENS, (batch_size, prompt_length), generator=torch.Generator().manual_seed(1))
-    tokens, logits = runtime_decode(session, prompt.numpy(), new_tokens)
+    tokens, logits = runtime_decode(graph, prompt.numpy(), new_tokens)
     expected = library_greedy(model, prompt, new_tokens)
     np.testing.assert_array_equal(tokens, expected.numpy())
     with torch.no_grad():
         whole = model(expected[:, :-1])
     np.testing.assert_allclose(logits, whole.numpy(), atol=1e-4, rtol=0)
-    return session
+    return graph
 
 
 @ONNX
 def test_default_heads_with_axial_positions(tmp_path):
     model = make_model(depth=2, max_seq_len=24, n_local_attn_heads=2, local_attn_window_size=4)
-    session = check_decodes(model, tmp_path / "step.onnx", prompt_length=5, new_tokens=19)  # to max_seq_len
-    inputs, outputs = session.get_inputs(), session.get_outputs()
+    graph = check_decodes(model, tmp_path / "step.onnx", prompt_length=5, new_tokens=19)  # to max_seq_len
+    inputs, outputs = graph.get_inputs(), graph.get_outputs()
     assert [inputs[0].name, inputs[0].type, inputs[0].shape] == ["input_ids", "tensor(int64)", [1, 1]]
     assert [outputs[0].name, outputs[0].shape] == ["logits", [1, NUM_TOKENS]]
     assert [i.name for i in inputs[1:]] == [f"state_{i}" for i in range(len(inputs) - 1)]
@@ -117,8 +117,8 @@ def test_recommended_heads_with_rotary_decode_past_max_seq_len(tmp_path):
 def test_shifted_reversible_glu_gated_two_rows(tmp_path):
     model = make_model(depth=2, max_seq_len=16, n_local_attn_heads=2, local_attn_window_size=4, shift_tokens=True,
                        reversible=True, ff_glu=True, use_gate=True)
-    session = check_decodes(model, tmp_path / "step.onnx", prompt_length=4, new_tokens=12, batch_size=2)
-    assert session.get_inputs()[0].shape == [2, 1] and session.get_outputs()[0].shape == [2, NUM_TOKENS]
+    graph = check_decodes(model, tmp_path / "step.onnx", prompt_length=4, new_tokens=12, batch_size=2)
+    assert graph.get_inputs()[0].shape == [2, 1] and graph.get_outputs()[0].shape == [2, NUM_TOKENS]
 
 
 @ONNX
@@ -138,17 +138,17 @@ def test_position_zero_starts_a_sequence_whatever_the_other_states_hold(tmp_path
     assert model.training
     after = model.state_dict()
     assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
-    session = session_of(path)
-    names = [spec.name for spec in session.get_inputs()]
-    zeros = zeros_for(session)
+    graph = graph_of(path)
+    names = [spec.name for spec in graph.get_inputs()]
+    zeros = zeros_for(graph)
     # the position is the int64 state of no more than one element
-    position = next(i for i, (spec, z) in enumerate(zip(session.get_inputs()[1:], zeros))
+    position = next(i for i, (spec, z) in enumerate(zip(graph.get_inputs()[1:], zeros))
                     if spec.type == "tensor(int64)" and z.size == 1)
     rng = np.random.default_rng(0)
     noise = [z if i == position else (rng.standard_normal(z.shape) * 5).astype(z.dtype) for i, z in enumerate(zeros)]
     ids = np.array([[7]], dtype=np.int64)
-    from_zeros = session.run(None, dict(zip(names, [ids, *zeros])))
-    from_noise = session.run(None, dict(zip(names, [ids, *noise])))
+    from_zeros = graph.run(None, dict(zip(names, [ids, *zeros])))
+    from_noise = graph.run(None, dict(zip(names, [ids, *noise])))
     for a, b in zip(from_zeros, from_noise):
         np.testing.assert_array_equal(a, b)
     assert from_zeros[1 + position].reshape(()) == 1  # the position advances by one

@@ -1,4 +1,4 @@
-"""Models saved by an earlier state of the library (``__version__`` 0.2.0, recorded beside them)
+"""Models saved by version 0.2.0 of the library (``__version__``, recorded beside them)
 load into the current code and compute what they computed then.
 
 tests/data holds them (written by tests/data/make_fixtures.py with that code, never at test
