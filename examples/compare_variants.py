@@ -20,6 +20,8 @@ Variants (``--variants``):
     softmax               the reference: every head softmax attention over the whole context
     recommended           use_gate=True, use_local_conv=True, feature_map='taylor', dim_qk=16
     taylor_conv           recommended without the gate
+    delta                 use_gate=True, use_local_conv=True, update_rule='delta'
+    delta_plain           delta without the gate
     conv_v, conv_kv       conv_only with the convolution on v only / on k and v only (a design
                           probe: the others bypassed by hooks, see train_enwik8.restrict_conv)
     gate_feature          full_improved with gate_granularity='feature'  } only where the installed
@@ -54,6 +56,8 @@ VARIANTS = {
     "softmax": {"variant": "softmax"},
     "recommended": {"variant": "recommended"},
     "taylor_conv": {"variant": "taylor_conv"},
+    "delta": {"variant": "delta"},
+    "delta_plain": {"variant": "delta_plain"},
     "conv_v": {"variant": "conv_only", "conv_on": "v"},
     "conv_kv": {"variant": "conv_only", "conv_on": "kv"},
     "gate_feature": {"variant": "full_improved", "gate_granularity": "feature"},

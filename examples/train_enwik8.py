@@ -109,6 +109,9 @@ VARIANTS = {
     # the recommended configuration (docs/layers.md, "Recommended"), and the same without the gate
     "recommended": {"use_gate": True, "use_local_conv": True, "feature_map": "taylor", "dim_qk": 16},
     "taylor_conv": {"use_gate": False, "use_local_conv": True, "feature_map": "taylor", "dim_qk": 16},
+    # delta-rule global heads (docs/layers.md, "Delta-rule heads"), gated and not
+    "delta": {"use_gate": True, "use_local_conv": True, "update_rule": "delta"},
+    "delta_plain": {"use_gate": False, "use_local_conv": True, "update_rule": "delta"},
 }
 
 
@@ -873,7 +876,8 @@ def build_parser():
                         "full_improved: + forget/output gates and the convolution; gate_only: the gates alone; "
                         "softmax: every head softmax attention over the whole context (the reference); "
                         "recommended: the gates, the convolution and Taylor features of 16-wide queries and keys; "
-                        "taylor_conv: the same without the gates")
+                        "taylor_conv: the same without the gates; delta: the gates, the convolution and "
+                        "delta-rule global heads; delta_plain: the same without the gates")
     t.add_argument("--steps", type=int, default=1000, help="optimizer steps")
     t.add_argument("--max-minutes", type=float, default=0.0, help="stop once training took this long (0: no limit)")
     t.add_argument("--batch-size", type=int, default=8, help="windows per micro-batch and process")

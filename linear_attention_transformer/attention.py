@@ -20,9 +20,10 @@ from .context_parallel import (context_parallel_causal_linear_attention, context
 from .gating import ForgetGate, LocalConv, OutputGate
 from .ops import FeatureMap, causal_linear_attention, linear_attention, linear_attention_readout, linear_attention_summary
 from .ops.causal.forms import CHUNK_SIZE
-from .ops.common import NEG_INF, check_int, check_mask, dropout
+from .ops.common import NEG_INF, check_int, check_mask, compute_dtype, dropout
 from .ops.kernels import check_kernel
 from .ops.causal.recurrent import CausalState, join_flags
+from .ops.delta import chunk_delta_rule, delta_rule_step
 from .ops.segments import aligned_layout, from_layout, to_layout
 from .ops.windowed_attention import Window, windowed_attention, windowed_attention_by_position, windowed_attention_step
 from .ops.windowed_flex import flex_windowed_attention, local_implementation
@@ -33,6 +34,7 @@ from .positional import apply_rotary
 # shapes its axial position table with it
 LOCAL_WINDOW_SIZE = 128
 HEADS = 8  # the default number of heads of every attention layer and model
+UPDATE_RULES = ("additive", "delta")  # how the global heads' state takes a key and value
 
 
 def resolve_heads(dim, heads, dim_head=None, kv_heads=None, one_kv_head=False):
@@ -96,8 +98,12 @@ class Attention(nn.Module):
             its own) and ``local_attn_exact_windowsize`` (``ops/windowed_attention.py``).
         blindspot_size: B; causal global heads see only keys in earlier blocks of B tokens.
         kv_heads: number of key/value heads, shared by groups of query heads (one_kv_head: 1).
-        feature_map: the global heads' ('softmax', 'elu', 'relu', 'taylor' or a callable,
-            ``ops/feature_maps.py``).
+        feature_map: the global heads' ('softmax' by default, 'elu', 'relu', 'taylor' or a
+            callable, ``ops/feature_maps.py``) under the additive rule.
+        update_rule: how the causal global heads' state takes each key and value: 'additive'
+            (S_t = a_t S_{t-1} + phi(k_t) v_tᵀ, read normalised) or 'delta' (``ops/delta``:
+            the value stored under k_t is replaced, b_t = sigmoid(x_t W_b) per head, q and k
+            L2-normalised; with ``use_gate`` the forget gate a_t, Gated DeltaNet).
         attn_dropout: dropout on the heads' output, before the output projection.
         dropout: dropout on the layer output.
         receives_context: keys and values come from ``context`` (cross-attention); all
@@ -121,10 +127,10 @@ class Attention(nn.Module):
     def __init__(
         self, dim, heads=HEADS, dim_head=None, causal=False, n_local_attn_heads=0, local_attn_window_size=None,
         local_attn_look_backward=1, local_attn_look_forward=None, local_attn_exact_windowsize=False,
-        blindspot_size=None, kv_heads=None, one_kv_head=False, feature_map="softmax", attn_dropout=0.0,
+        blindspot_size=None, kv_heads=None, one_kv_head=False, feature_map=None, attn_dropout=0.0,
         dropout=0.0, receives_context=False, chunk_size=None, use_gate=False, gate_rank=None,
         gate_temperature=None, gate_granularity=None, use_local_conv=False, local_conv_kernel=None,
-        kernel="auto", dim_qk=None
+        kernel="auto", dim_qk=None, update_rule="additive"
     ):
         super().__init__()
         dim_head, kv_heads = resolve_heads(dim, heads, dim_head, kv_heads, one_kv_head)
@@ -155,6 +161,11 @@ class Attention(nn.Module):
                 raise ValueError(f"{name} applies to causal self-attention; this layer is not causal")
         if kernel == "fla" and n_local_attn_heads == heads:
             raise ValueError("kernel='fla' runs the causal global heads, and every head of this layer is local")
+        if update_rule not in UPDATE_RULES:
+            raise ValueError(f"update_rule must be one of {UPDATE_RULES}, got {update_rule!r}")
+        if update_rule == "delta":
+            _check_delta_rule(causal and not receives_context, heads - n_local_attn_heads, blindspot_size, feature_map,
+                              gate_granularity)
         blindspot_size = 1 if blindspot_size is None else blindspot_size
         chunk_size = CHUNK_SIZE if chunk_size is None else chunk_size
         check_int("blindspot_size", blindspot_size)
@@ -165,8 +176,9 @@ class Attention(nn.Module):
         self.local_window = _local_window(local_attn_window_size, local_attn_look_backward, local_attn_look_forward,
                                           local_attn_exact_windowsize, self.causal)
         self.blindspot_size, self.chunk_size = blindspot_size, chunk_size
-        self.kernel = kernel
-        self.feature_map = FeatureMap(feature_map)
+        self.kernel, self.update_rule = kernel, update_rule
+        # the delta rule's keys are L2-normalised: no feature map
+        self.feature_map = None if update_rule == "delta" else FeatureMap("softmax" if feature_map is None else feature_map)
 
         n_global = heads - n_local_attn_heads
         # the local heads first, then the global ones; keys likewise, then the values
@@ -175,6 +187,8 @@ class Attention(nn.Module):
         self.to_q = nn.Linear(dim, q_width, bias=False)
         self.to_kv = nn.Linear(dim, sum(self.kv_widths), bias=False)
         self.to_out = nn.Linear(heads * dim_head, dim)
+        # the delta rule's writing strength b_t, one per global head and token
+        self.to_beta = nn.Linear(dim, n_global, bias=False) if update_rule == "delta" else None
         self.attn_dropout = nn.Dropout(attn_dropout)
         self.dropout = nn.Dropout(dropout)
         if not isinstance(use_gate, bool) or not isinstance(use_local_conv, bool):
@@ -191,7 +205,7 @@ class Attention(nn.Module):
         if use_gate:
             if n_global:
                 # per feature: one decay per row of the state, a feature of the global heads' keys
-                self.forget_gate = ForgetGate(dim, n_global, self.feature_map.feature_dim(dim_qk), **gate_settings)
+                self.forget_gate = ForgetGate(dim, n_global, self._key_features(), **gate_settings)
             else:  # still check the settings: they must not be accepted silently
                 ForgetGate(1, 1, 1, **gate_settings)
             self.output_gate = OutputGate(dim, heads * dim_head)
@@ -206,6 +220,11 @@ class Attention(nn.Module):
             )
         elif use_local_conv:  # still check the argument: it must not be accepted silently
             LocalConv(1, causal=self.causal, **conv_settings)
+
+    def _key_features(self):
+        """The rows of the global heads' state: the feature map's features of a dim_qk key, or
+        the key itself under the delta rule."""
+        return self.dim_qk if self.feature_map is None else self.feature_map.feature_dim(self.dim_qk)
 
     def project(self, x, source):
         """Queries from x, keys/values from source: ((q, k, v) of the local heads, (q, k, v) of
@@ -289,6 +308,8 @@ class Attention(nn.Module):
             previous = (None,) * 3 if fresh else keep
             q, k, v = (conv(t, mask, p, segments, kept)
                        for conv, t, p, kept in zip(self.local_conv, (q, k, v), previous, keep))
+        if self.update_rule == "delta":
+            return self._delta_heads(q, k, v, mask, x, cache, place, segments)
         fm = self.feature_map
         if self.causal:
             log_gate = None if self.forget_gate is None else self.forget_gate(x)
@@ -316,6 +337,28 @@ class Attention(nn.Module):
                                                      normalize=not softmax or key_gates is not None, key_scale=key_gates)
         k, normalize = self.noncausal_keys(k, mask, x, segments)
         return linear_attention(fm.queries(q), k, v, mask, normalize=normalize, segments=segments)
+
+    def _delta_heads(self, q, k, v, mask, x, cache, place, segments):
+        """The global heads under the delta rule (``ops/delta``), q and k L2-normalised in the
+        compute dtype; ``cache``: a ``GlobalCache`` whose state holds S (b, h, d, e), continued
+        from (unless at position 0) and updated in place; one token on ``place.step``."""
+        q, k = (F.normalize(t.to(compute_dtype(t)), dim=-1) for t in (q, k))
+        beta = torch.sigmoid(self.to_beta(x)).transpose(1, 2)  # (b, h, n)
+        log_gate = None if self.forget_gate is None else self.forget_gate(x)
+        if place.step:
+            state = cache.state.kv
+            one = [None if t is None else t[:, :, 0].to(state.dtype) for t in (q, k, v, beta, log_gate)]
+            return delta_rule_step(state, *one)[:, :, None].to(v.dtype)
+        fresh = cache is None or place.position == 0
+        out = chunk_delta_rule(q, k, v, beta, log_gate, mask, state=None if fresh else cache.state.kv,
+                               return_state=cache is not None, segments=segments, chunk_size=self.chunk_size,
+                               kernel=self.kernel)
+        if cache is None:
+            return out
+        out, state = out
+        with torch.no_grad():
+            cache.state.kv.copy_(state)
+        return out
 
     def _global_heads_step(self, q, k, v, log_gate, state, position, row_starts=None):
         """One token per row through the state (``CausalState.step``, in place): q, k (b, h, 1,
@@ -379,6 +422,9 @@ class Attention(nn.Module):
         window = self.local_window
         if self.receives_context:
             raise ValueError("context_parallel is not supported with a cross-attention layer (receives_context=True) yet")
+        if self.update_rule == "delta":
+            raise ValueError("context_parallel is not supported with update_rule='delta': its state is not a sum the "
+                             "ranks could exchange; run the sequence on one process")
         if self.n_local and length % window.size:
             raise ValueError(f"context_parallel with local heads needs slices of a multiple of "
                              f"local_attn_window_size={window.size} tokens, got {length}")
@@ -555,9 +601,12 @@ class Attention(nn.Module):
         if self.n_local:
             local = LocalCache.zeros(batch_size, self.n_local, self.local_window.most_keys, dh, device, dtype)
         if n_global and not self.receives_context:
-            features = self.feature_map.feature_dim(self.dim_qk)
-            state = CausalState.zeros(batch_size, n_global, features, dh, self.blindspot_size,
-                                         self.feature_map.is_softmax, device, torch.promote_types(dtype, torch.float32))
+            state_dtype = torch.promote_types(dtype, torch.float32)
+            if self.update_rule == "delta":  # S alone: no normaliser, no references
+                state = CausalState(torch.zeros(batch_size, n_global, self.dim_qk, dh, device=device, dtype=state_dtype))
+            else:
+                state = CausalState.zeros(batch_size, n_global, self._key_features(), dh, self.blindspot_size,
+                                          self.feature_map.is_softmax, device, state_dtype)
             widths = (self.dim_qk, self.dim_qk, dh)
             conv = None if self.local_conv is None else tuple(torch.zeros(
                 batch_size, len(group), n_global, self.local_conv[0].kernel_size - 1, widths[group[0]], device=device,
@@ -587,6 +636,26 @@ def _local_window(size, look_backward, look_forward, exact, causal):
         raise ValueError("local_attn_exact_windowsize needs local_attn_look_backward >= 1 (it sees look_backward * w keys)")
     look_forward = (0 if causal else 1) if look_forward is None else look_forward
     return Window(size, look_backward, look_forward, causal, exact)
+
+
+def _check_delta_rule(causal, n_global, blindspot_size, feature_map, gate_granularity):
+    """Refuse, by name, what the delta rule cannot honour."""
+    if not causal:
+        raise ValueError("update_rule='delta' is a causal recurrence: it needs causal=True self-attention (no "
+                         "receives_context)")
+    if not n_global:
+        raise ValueError("update_rule='delta' sets the global heads' rule, and every head of this layer is local "
+                         "(n_local_attn_heads == heads)")
+    for name, value, why in (
+        ("feature_map", feature_map, "the delta rule L2-normalises q and k itself"),
+        ("blindspot_size", None if blindspot_size == 1 else blindspot_size,
+         "the delta rule's state takes every key as it comes"),
+    ):
+        if value is not None:
+            raise ValueError(f"{name} is a setting of the additive rule, not of update_rule='delta': {why}")
+    if gate_granularity == "feature":
+        raise ValueError("gate_granularity='feature' is not supported with update_rule='delta': its forget gate is "
+                         "one decay per head (Gated DeltaNet)")
 
 
 def split_heads(t, heads):
@@ -622,11 +691,11 @@ class LinearSelfAttention(Attention):
 
     def __init__(
         self, dim, heads=HEADS, causal=False, dim_head=None, kv_heads=None, one_kv_head=False,
-        feature_map="softmax", psi_fn=None, dropout=0.0, blindspot_size=None, chunk_size=None, dim_qk=None,
+        feature_map=None, psi_fn=None, dropout=0.0, blindspot_size=None, chunk_size=None, dim_qk=None,
         **improvements,
     ):
         if psi_fn is not None:
-            if feature_map != "softmax":
+            if feature_map is not None:
                 raise ValueError("give either feature_map or psi_fn, not both")
             if not callable(psi_fn):
                 raise TypeError("psi_fn must be callable")

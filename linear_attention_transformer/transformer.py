@@ -185,7 +185,7 @@ def keyword_names(factory):
 _LOCAL_OPTIONS = frozenset({"n_local_attn_heads", "blindspot_size"}) | {
     name for name in keyword_names(Attention) if name.startswith("local_attn_") and name != "local_attn_window_size"
 }
-_SEQUENCE_OPTIONS = _LOCAL_OPTIONS | {"chunk_size", "kernel", "use_local_conv", "local_conv_kernel"}
+_SEQUENCE_OPTIONS = _LOCAL_OPTIONS | {"chunk_size", "kernel", "use_local_conv", "local_conv_kernel", "update_rule"}
 # what the model itself decides for every attention layer: not options to hand over
 _SET_BY_MODEL = frozenset({"dim", "heads", "dim_head", "causal", "receives_context", "local_attn_window_size", "dropout"})
 

@@ -29,6 +29,10 @@ DECODER_CONFIGS = {
     ),
     "global only, blindspot 5": dict(blindspot_size=5, shift_tokens=True),
     "elu, blindspot 3, no gate": dict(feature_map="elu", blindspot_size=3, n_local_attn_heads=1, local_attn_window_size=6),
+    "delta+gate+conv+rotary+local+kv_heads+shift": dict(
+        update_rule="delta", use_gate=True, use_local_conv=True, use_rotary_emb=True, n_local_attn_heads=2,
+        local_attn_window_size=4, kv_heads=2, shift_tokens=True),
+    "delta, dim_qk 6, reversible, no gate": dict(update_rule="delta", dim_qk=6, reversible=True),
 }
 
 
@@ -340,6 +344,8 @@ LONG_CONFIGS = {  # for hundreds of steps: max_seq_len 256 (the decoder's state 
     "dim_qk 6+elu+gate per feature+conv+rotary+kv_heads+local": dict(
         dim_qk=6, feature_map="elu", use_gate=True, gate_granularity="feature", use_local_conv=True,
         use_rotary_emb=True, kv_heads=2, n_local_attn_heads=2, local_attn_window_size=3),
+    "delta+gate+conv+rotary+local": dict(update_rule="delta", use_gate=True, use_local_conv=True, use_rotary_emb=True,
+                                         n_local_attn_heads=2, local_attn_window_size=3),
 }
 
 

@@ -24,6 +24,7 @@ from linear_attention_transformer.feedforward import FeedForward
 from linear_attention_transformer.gating import ForgetGate, LocalConv
 from linear_attention_transformer.ops import causal_linear_attention
 from linear_attention_transformer.ops.causal.forms import CHUNK_SIZE
+from linear_attention_transformer.place import PLAIN
 from linear_attention_transformer.transformer import FoldAxially, ProductKeyMemory
 
 DIM, TOKENS, MAX_LEN = 16, 20, 32
@@ -321,3 +322,24 @@ def test_generate_returns_each_rows_length(pad_value):
     assert out.tolist() == [2, 3, 4] and length.ndim == 0 and int(length) == 3
     out, lengths = wrapper.generate(torch.tensor([[1], [2]]), 3, temperature=0.0, return_lengths=True)
     assert lengths.tolist() == [3, 3]  # no eos_token: every generated token counts
+
+
+@pytest.mark.parametrize("options, named", [
+    (dict(update_rule="delta", causal=False), "causal"),
+    (dict(update_rule="delta", causal=True, n_local_attn_heads=4, local_attn_window_size=4), "every head"),
+    (dict(update_rule="delta", causal=True, feature_map="taylor"), "feature_map"),
+    (dict(update_rule="delta", causal=True, feature_map="softmax"), "feature_map"),
+    (dict(update_rule="delta", causal=True, blindspot_size=2), "blindspot_size"),
+    (dict(update_rule="delta", causal=True, use_gate=True, gate_granularity="feature"), "gate_granularity"),
+    (dict(update_rule="delta", causal=True, receives_context=True), "receives_context"),
+    (dict(update_rule="Delta", causal=True), "update_rule"),
+])
+def test_what_the_delta_rule_cannot_honour_is_refused_by_name(options, named):
+    with pytest.raises(ValueError, match=named):
+        Attention(16, heads=4, **options)
+
+
+def test_context_parallel_refuses_the_delta_rule_by_name():
+    layer = Attention(16, heads=4, causal=True, update_rule="delta")
+    with pytest.raises(ValueError, match="update_rule='delta'"):
+        layer.check_place(PLAIN, 8, parallel=True)

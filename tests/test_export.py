@@ -114,6 +114,13 @@ def test_recommended_heads_with_rotary_decode_past_max_seq_len(tmp_path):
 
 
 @ONNX
+def test_delta_rule_heads_with_gate_conv_and_rotary_decode_past_max_seq_len(tmp_path):
+    model = make_model(depth=1, max_seq_len=16, n_local_attn_heads=2, local_attn_window_size=4, update_rule="delta",
+                       use_gate=True, use_local_conv=True, use_rotary_emb=True)
+    check_decodes(model, tmp_path / "step.onnx", prompt_length=5, new_tokens=19)  # 24 positions, 16 trained
+
+
+@ONNX
 def test_shifted_reversible_glu_gated_two_rows(tmp_path):
     model = make_model(depth=2, max_seq_len=16, n_local_attn_heads=2, local_attn_window_size=4, shift_tokens=True,
                        reversible=True, ff_glu=True, use_gate=True)

@@ -66,6 +66,7 @@ OPTIONS = [
     ("attend_axially", True, {}, dict(local_attn_window_size=4)),
     ("pkm_layers", (1,), dict(pkm_num_keys=4)),
     ("use_rotary_emb", True, {}),
+    ("update_rule", "delta", {}),
     ("dim_qk", 2, {}),
     ("dim_qk", 6, dict(use_rotary_emb=True)),
     ("bogus_option", 1, {}),

@@ -33,6 +33,8 @@ CAUSAL = {
     "dim_qk 2, taylor, blindspot, local, gate, conv, rotary": dict(
         dim_qk=2, feature_map="taylor", n_local_attn_heads=1, blindspot_size=4, use_gate=True, use_local_conv=True,
         use_rotary_emb=True, **WINDOW),
+    "delta, gate, conv, local, rotary": dict(update_rule="delta", use_gate=True, use_local_conv=True,
+                                             n_local_attn_heads=2, use_rotary_emb=True, **WINDOW),
 }
 NONCAUSAL = {
     "plain": dict(),

@@ -20,6 +20,7 @@ CONFIGS = {
     "gate_conv": dict(use_gate=True, use_local_conv=True),
     "reversible": dict(reversible=True, shift_tokens=True, n_local_attn_heads=1, local_attn_window_size=8),
     "elu": dict(feature_map="elu"),
+    "delta_gate_conv": dict(update_rule="delta", use_gate=True, use_local_conv=True),
     "noncausal": dict(causal=False, chunk_size=None),  # a chunk size belongs to causal models
 }
 # Query/key projections scaled by these factors: x100 gives causal softmax-feature logits of

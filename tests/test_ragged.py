@@ -17,6 +17,8 @@ CONFIGS = {
     "local+conv+shift+gate": dict(**LOCAL, use_local_conv=True, shift_tokens=True, use_gate=True),
     "recommended+rotary": dict(**LOCAL, use_local_conv=True, shift_tokens=True, use_gate=True, feature_map="taylor",
                                dim_qk=4, use_rotary_emb=True),
+    "delta+local+conv+shift+gate+rotary": dict(**LOCAL, update_rule="delta", use_local_conv=True, shift_tokens=True,
+                                               use_gate=True, use_rotary_emb=True),
     "reversible+exact window": dict(reversible=True, n_local_attn_heads=2, local_attn_window_size=3,
                                     local_attn_exact_windowsize=True),
 }

@@ -16,20 +16,23 @@ TRAINED_AT, WHOLE = 16, 80
 OPTIONS = dict(num_tokens=20, dim=16, depth=2, heads=4, causal=True, n_local_attn_heads=2, local_attn_window_size=4,
                use_gate=True, use_local_conv=True, shift_tokens=True, feature_map="taylor", dim_qk=4)
 POSITIONS = {"rotary": dict(use_rotary_emb=True), "none": dict(use_pos_emb=False)}
+# the same with delta-rule global heads
+DELTA = {**{k: v for k, v in OPTIONS.items() if k != "feature_map"}, "update_rule": "delta"}
 
 
-def pair(positions):
+def pair(positions, options=OPTIONS):
     """(a model trained at TRAINED_AT, the same weights with max_seq_len = WHOLE)."""
     torch.manual_seed(0)
-    short = LinearAttentionTransformerLM(max_seq_len=TRAINED_AT, **OPTIONS, **POSITIONS[positions]).to(D).eval()
-    whole = LinearAttentionTransformerLM(max_seq_len=WHOLE, **OPTIONS, **POSITIONS[positions]).to(D).eval()
+    short = LinearAttentionTransformerLM(max_seq_len=TRAINED_AT, **options, **POSITIONS[positions]).to(D).eval()
+    whole = LinearAttentionTransformerLM(max_seq_len=WHOLE, **options, **POSITIONS[positions]).to(D).eval()
     whole.load_state_dict(short.state_dict())
     return short, whole
 
 
+@pytest.mark.parametrize("rule", ["additive", "delta"])
 @pytest.mark.parametrize("positions", POSITIONS)
-def test_forward_prefill_and_decode_past_max_seq_len_equal_one_full_forward(positions):
-    short, whole = pair(positions)
+def test_forward_prefill_and_decode_past_max_seq_len_equal_one_full_forward(positions, rule):
+    short, whole = pair(positions, DELTA if rule == "delta" else OPTIONS)
     assert short.length_limit is None
     x = torch.randint(0, 20, (2, WHOLE), generator=torch.Generator().manual_seed(1))
     expected = whole(x)
