@@ -73,7 +73,8 @@ from ..segments import segment_runs
 from .recurrent import CausalState
 from .scan import Summary, combine, references, summarize
 
-__all__ = ["fla_causal_linear_attention", "fla_missing", "fla_unavailable", "known_bad_pair", "warn_unavailable"]
+__all__ = ["fla_causal_linear_attention", "fla_missing", "fla_unavailable", "import_failure", "known_bad_pair",
+           "warn_unavailable"]
 
 KERNEL_DTYPES = (torch.float32,)  # the compute dtypes fla's kernels are built and tested for
 
@@ -90,11 +91,10 @@ def _kernels():
 FIX = "pip install -e '.[cuda]' in a clone of this library, or pip install 'fla-core>=0.5.1,<0.7'"
 
 
-@functools.lru_cache(maxsize=None)
-def _import_error():
-    """Why fla's kernels do not import (a phrase), or None; tried once per process."""
+def import_failure(load):
+    """Why ``load`` (a function that imports fla's kernels) fails (a phrase naming the fix), or None."""
     try:
-        _kernels()
+        load()
     except ModuleNotFoundError as error:
         if error.name is not None and error.name.split(".")[0] == "fla":
             return f"fla-core is not installed; {FIX}"
@@ -103,6 +103,12 @@ def _import_error():
         return (f"fla-core does not import ({type(error).__name__}: {error}); {FIX}, an fla-core that supports "
                 "this Triton (docs/kernels.md lists the tested ones)")
     return None
+
+
+@functools.lru_cache(maxsize=None)
+def _import_error():
+    """Why this form's kernels do not import (a phrase), or None; tried once per process."""
+    return import_failure(_kernels)
 
 
 def _interpreted():
@@ -123,15 +129,18 @@ def _release(text):
 
 
 def known_bad_pair(triton_version, capability_major, has_tilelang):
-    """Why fla's gated backward of ``chunk_simple_gla`` cannot run here (a phrase), or None.
+    """Why fla's gated chunk backward (``chunk_bwd_dqkwg`` with a gate) cannot run here (a
+    phrase), or None.
 
     Every fla-core line (0.5, 0.6) refuses it on Hopper (compute capability 9) with Triton
     3.4.0 to 3.7.0, where Triton computed it wrongly, unless tilelang is installed (fla then
-    computes it with tilelang). The affected configuration: given features with a per-head
-    decay, needing gradients (``fla_missing``'s ``gated_backward``)."""
+    computes it with tilelang). The affected calls, needing gradients (``fla_missing``'s
+    ``gated_backward``): ``chunk_simple_gla`` with a per-head decay (given features here), and
+    every ``chunk_gated_delta_rule`` (``ops/delta/fla.py``)."""
     if capability_major == 9 and (3, 4, 0) <= _release(triton_version) < (3, 7, 1) and not has_tilelang:
-        return (f"fla-core refuses the gated backward of chunk_simple_gla on Hopper with Triton {triton_version} "
-                "(3.4.0 to 3.7.0 computed it wrongly); pip install tilelang, or a Triton >= 3.7.1")
+        return (f"fla-core refuses the gated backward of chunk_simple_gla and chunk_gated_delta_rule on Hopper with "
+                f"Triton {triton_version} (3.4.0 to 3.7.0 computed it wrongly); pip install tilelang, or a "
+                "Triton >= 3.7.1")
     return None
 
 
@@ -166,11 +175,12 @@ def warn_unavailable(reason):
                       "(kernel='torch' chooses it without this warning)", RuntimeWarning, stacklevel=4)
 
 
-def fla_missing(device, dtype=torch.float32, gated_backward=False):
+def fla_missing(device, dtype=torch.float32, gated_backward=False, unavailable=None):
     """Why the fla kernel cannot run such a call on ``device`` in compute dtype ``dtype`` (a
     phrase), or None when it can. ``gated_backward``: given features with a per-head decay,
-    needing gradients (``known_bad_pair``). Imports fla only once the cheaper reasons are
-    ruled out."""
+    needing gradients (``known_bad_pair``). ``unavailable``: another op's ``fla_unavailable``
+    (the delta rule's, whose kernels import on their own), else this module's. Imports fla
+    only once the cheaper reasons are ruled out."""
     if dtype not in KERNEL_DTYPES:
         return f"fla's kernels compute in float32 (half inputs included), not in {dtype}"
     if device.type == "cpu" and not _interpreted():
@@ -180,7 +190,7 @@ def fla_missing(device, dtype=torch.float32, gated_backward=False):
         return f"fla's Triton kernels run on CUDA, not on {device.type}"
     index = -1 if device.type != "cuda" else device.index if device.index is not None else \
         torch.cuda.current_device() if torch.cuda.is_available() else 0
-    return fla_unavailable(device.type, index, gated_backward)
+    return (unavailable or fla_unavailable)(device.type, index, gated_backward)
 
 
 def _exp_feature_factors(q, k, log_decay, start, starts):
