@@ -11,10 +11,13 @@ Two halves:
   (``fla_interpreted.py``), which writes its outputs and gradients back for judging here.
 
 And the picker: where 'auto' takes fla, and every refusal of kernel='fla' names its reason.
+The same three parts for the delta rule on fla (``ops/delta/fla.py``), at the end.
 """
 
+import functools
 import importlib
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -26,6 +29,8 @@ import torch.nn.functional as F
 from linear_attention_transformer.ops import causal_linear_attention, naive_causal_linear_attention
 from linear_attention_transformer.ops.causal import fla as fla_form
 from linear_attention_transformer.ops.causal import forms
+from linear_attention_transformer.ops.delta import chunk_delta_rule, naive_delta_rule
+from linear_attention_transformer.ops.delta import fla as delta_fla
 from linear_attention_transformer import Attention
 
 DOUBLE = torch.float64
@@ -552,3 +557,262 @@ def test_kernel_torch_fits_every_layer(options):
     x, context = torch.randn(2, 9, 16), torch.randn(2, 5, 16)
     inputs = dict(context=context) if options.get("receives_context") else {}
     assert torch.equal(layers[0](x, **inputs), layers[1](x, **inputs))
+
+
+# ------------------------------------------------------------------ the delta rule on fla (ops/delta/fla.py)
+
+delta_chunk = importlib.import_module("linear_attention_transformer.ops.delta.chunk")
+FLOAT = torch.float32
+
+
+def gated_delta_recurrence(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
+                           use_qk_l2norm_in_kernel=False, cu_seqlens=None):
+    """fla's ``chunk_gated_delta_rule`` contract, one token at a time: per head the state decays,
+    S = exp(g_t) S, then moves towards v_t under k_t, S = S + k_t (b_t (v_t - Sᵀ k_t))ᵀ, and
+    o_t = scale Sᵀ q_t; [B, T, H, ·] tensors, [N, H, K, V] states, one per sequence, each from 0
+    (or its initial state) at its start in ``cu_seqlens`` (then B is 1). Returns (o, final
+    states or None)."""
+    assert not use_qk_l2norm_in_kernel  # (the adapter hands over normalised q and k)
+    B, T, H, K = q.shape
+    scale = K ** -0.5 if scale is None else scale
+    bounds = [0, T] if cu_seqlens is None else cu_seqlens.tolist()
+    outs, finals = torch.zeros(B, T, H, v.shape[-1], dtype=q.dtype), []
+    for row in range(B):
+        for index, (start, end) in enumerate(zip(bounds[:-1], bounds[1:])):
+            S = q.new_zeros(H, K, v.shape[-1]) if initial_state is None else initial_state[row + index]
+            for t in range(start, end):
+                S = S * g[row, t].exp()[:, None, None]
+                written = beta[row, t][:, None] * (v[row, t] - torch.einsum("hk,hkv->hv", k[row, t], S))
+                S = S + k[row, t][:, :, None] * written[:, None, :]
+                outs[row, t] = scale * torch.einsum("hk,hkv->hv", q[row, t], S)
+            finals.append(S)
+    return outs, torch.stack(finals) if output_final_state else None
+
+
+@pytest.fixture
+def delta_recurrence(monkeypatch):
+    """fla's delta-rule kernel replaced by ``gated_delta_recurrence``, CPU counted as
+    interpreted; returns the options of each call."""
+    calls = []
+
+    def kernel(*args, **options):
+        calls.append(options)
+        return gated_delta_recurrence(*args, **options)
+
+    monkeypatch.setattr(delta_fla, "_kernel", lambda: kernel)
+    monkeypatch.setattr(delta_fla, "_import_error", lambda: None)
+    monkeypatch.setattr(fla_form, "_interpreted", lambda: True)
+    monkeypatch.setattr(fla_form, "KERNEL_DTYPES", (torch.float32, torch.float64))  # (the stand-in's)
+    return calls
+
+
+def delta_inputs(b, h, n, d, e, seed, gated=True, with_state=False, dtype=DOUBLE):
+    """[q, k, v, beta, log_decay, state], the present ones leaves: q and k of unit norm (the
+    layer normalises them), beta in (0, 1), a per-head log gate or None, a state or None."""
+    gen = torch.Generator().manual_seed(seed)
+    q, k = (F.normalize(torch.randn(b, h, n, d, dtype=dtype, generator=gen), dim=-1) for _ in range(2))
+    v = torch.randn(b, h, n, e, dtype=dtype, generator=gen)
+    beta = torch.randn(b, h, n, dtype=dtype, generator=gen).sigmoid()
+    log_decay = F.logsigmoid(torch.randn(b, h, n, dtype=dtype, generator=gen) + 2) if gated else None
+    state = torch.randn(b, h, d, e, dtype=dtype, generator=gen) if with_state else None
+    return [t if t is None else t.requires_grad_() for t in (q, k, v, beta, log_decay, state)]
+
+
+def delta_mask_and_segments(b, n, seed, masked, packed):
+    """``mask_and_segments``, with a segment starting at token 12 of every row when packed."""
+    mask, segments = mask_and_segments(b, n, seed, masked, packed)
+    return mask, None if segments is None else segments + (torch.arange(n) >= 12)
+
+
+def delta_grads(out, last, leaves, seed):
+    """Gradients of a weighted sum of the output and of the last state."""
+    gen = torch.Generator().manual_seed(seed + 2)
+    loss = (out * torch.randn(out.shape, dtype=out.dtype, generator=gen)).sum()
+    loss = loss + (last * torch.randn(last.shape, dtype=last.dtype, generator=gen)).sum()
+    return torch.autograd.grad(loss, [t for t in leaves if t is not None])
+
+
+DELTA_LEAVES = "q k v beta log_decay state".split()
+
+
+@pytest.mark.requires("fla", "triton")  # (fla's modules import Triton)
+def test_naive_delta_rule_is_flas_own_naive_recurrences():
+    """``naive_delta_rule`` (float64) and the stand-in ``gated_delta_recurrence`` equal fla's
+    naive recurrences (plain PyTorch, which compute in float32) on the same float32 inputs, from
+    a state and to one: ``naive_recurrent_gated_delta_rule`` with a per-head gate, and the
+    ungated ``delta_rule_recurrence`` (heads first, queries scaled by K^-0.5)."""
+    from fla.ops.delta_rule.naive import delta_rule_recurrence
+    from fla.ops.gated_delta_rule.naive import naive_recurrent_gated_delta_rule
+
+    q, k, v, beta, log_decay, state = (t.detach() for t in delta_inputs(2, 3, 37, 8, 6, 0, True, True, FLOAT))
+    ours = [naive_delta_rule(*(t.double() for t in (q, k, v, beta)), g, state=state.double())
+            for g in (log_decay.double(), None)]
+    fla_layout = [t.transpose(1, 2) for t in (q, k, v, beta, log_decay)]  # [B, T, H, ...]
+    gated = naive_recurrent_gated_delta_rule(*fla_layout, scale=1.0, initial_state=state, output_final_state=True)
+    gated = (gated[0].transpose(1, 2), gated[1])
+    plain = delta_rule_recurrence(q * 8 ** 0.5, k, v, beta, initial_state=state, output_final_state=True)
+    stand_in = [gated_delta_recurrence(*(t.double() for t in fla_layout[:3]), g.double(), fla_layout[3].double(), 1.0,
+                                       state.double(), True) for g in (fla_layout[4], torch.zeros_like(fla_layout[4]))]
+    stand_in = [(o.transpose(1, 2), last) for o, last in stand_in]
+    for what, theirs, mine, standing_in in [("gated", gated, ours[0], stand_in[0]),
+                                            ("plain", plain, ours[1], stand_in[1])]:
+        for part, a, b, c in zip(("output", "state"), theirs, mine, standing_in):
+            assert_close(a, b, 1e-5, f"{what} {part}: fla's naive against ours")
+            assert_close(c, b, 1e-12, f"{what} {part}: the stand-in against ours")
+
+
+@pytest.mark.parametrize("gated", [False, True], ids=["no gate", "gate"])
+@pytest.mark.parametrize("masked, packed, with_state",
+                         [(False, False, False), (True, False, True), (True, True, False)],
+                         ids=["plain", "mask, state in", "mask, segments"])
+@pytest.mark.parametrize("d, e", [(4, 3), (3, 8)], ids=["keys wider", "keys narrower"])
+def test_delta_adapter_equals_the_naive_delta_rule(delta_recurrence, gated, masked, packed, with_state, d, e):
+    """Output, last state and gradients (every input, the state included) equal the float64
+    judge without and with a gate, a mask, segments (each row's last state returned), a state;
+    fla is called once, with scale 1, no normalisation of its own, and packed sequences exactly
+    when there are segments."""
+    b, h, n = 2, 2, 23
+    leaves = delta_inputs(b, h, n, d, e, 11, gated, with_state)
+    mask, segments = delta_mask_and_segments(b, n, 11, masked, packed)
+    *tokens, state = leaves
+    out, last = chunk_delta_rule(*tokens, mask=mask, state=state, segments=segments, return_state=True, kernel="fla")
+    judge, judge_last = naive_delta_rule(*tokens, mask=mask, state=state, segments=segments)
+    assert_close(out, judge, 1e-10, "output")
+    assert_close(last, judge_last, 1e-10, "state")
+    wanted = delta_grads(judge, judge_last, leaves, 11)
+    for name, got, want in zip(DELTA_LEAVES, delta_grads(out, last, leaves, 11), wanted):
+        assert_close(got, want, 1e-9, f"grad {name}", GRAD_ATOL)
+    [options] = delta_recurrence
+    assert options["scale"] == 1.0 and options["use_qk_l2norm_in_kernel"] is False
+    assert (options["cu_seqlens"] is not None) == packed
+
+
+def test_delta_adapter_state_is_the_torch_kernels(delta_recurrence):
+    """A prefix's state from fla equals the torch kernel's, and either kernel continues from the
+    other's state to the judge's output."""
+    leaves = [t.detach() for t in delta_inputs(2, 2, 30, 4, 3, 5, True) if t is not None]
+    mask, _ = delta_mask_and_segments(2, 30, 5, True, False)
+    judge = naive_delta_rule(*leaves, mask=mask)[0]
+    head = [t[:, :, :11] for t in leaves]
+    tail = [t[:, :, 11:] for t in leaves]
+    _, state_fla = chunk_delta_rule(*head, mask=mask[:, :11], return_state=True, kernel="fla")
+    _, state_torch = chunk_delta_rule(*head, mask=mask[:, :11], return_state=True, kernel="torch")
+    assert_close(state_fla, state_torch.double(), 1e-10, "state")
+    for kernel, state in (("torch", state_fla), ("fla", state_torch)):
+        out = chunk_delta_rule(*tail, mask=mask[:, 11:], state=state, kernel=kernel)
+        assert_close(out, judge[:, :, 11:], 1e-10, f"{kernel} from the other kernel's state")
+
+
+def test_the_delta_adapter_leaves_its_inputs_alone(delta_recurrence):
+    leaves = [t.detach() for t in delta_inputs(2, 2, 20, 4, 3, 1, True, True)]
+    mask, _ = delta_mask_and_segments(2, 20, 1, True, False)
+    before = [t.clone() for t in (*leaves, mask)]
+    chunk_delta_rule(*leaves[:5], mask=mask, state=leaves[5], return_state=True, kernel="fla")
+    assert all(torch.equal(a, b) for a, b in zip(before, (*leaves, mask)))
+
+
+def test_the_delta_adapter_computes_half_inputs_in_float32(delta_recurrence, monkeypatch):
+    """bfloat16 inputs reach fla in float32 (the compute dtype of every form here); the output
+    comes back in bfloat16, the state in float32."""
+    q, k, v, beta, log_decay, _ = (t if t is None else t.detach().to(torch.bfloat16)
+                                   for t in delta_inputs(1, 2, 9, 4, 3, 2, True))
+    seen = []
+    kernel = delta_fla._kernel()
+    monkeypatch.setattr(delta_fla, "_kernel", lambda: lambda *args, **options: seen.append({t.dtype for t in args})
+                        or kernel(*args, **options))
+    out, last = chunk_delta_rule(q, k, v, beta, log_decay, return_state=True, kernel="fla")
+    assert seen == [{torch.float32}] and out.dtype == torch.bfloat16 and last.dtype == torch.float32
+
+
+def test_delta_auto_on_the_cpu_never_asks_for_fla(monkeypatch):
+    """On the CPU 'auto' neither imports fla nor checks for it, CUDA present or not: the torch
+    kernel runs."""
+    def asked(*args, **kwargs):
+        raise AssertionError("fla asked for by the CPU's 'auto'")
+
+    monkeypatch.setattr(delta_chunk, "fla_missing", asked)
+    monkeypatch.setattr(delta_fla, "_kernel", asked)
+    leaves = delta_inputs(1, 2, 9, 4, 3, 0, dtype=FLOAT)[:5]
+    expected = chunk_delta_rule(*leaves, kernel="torch")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert torch.equal(chunk_delta_rule(*leaves), expected)
+
+
+@pytest.mark.parametrize("device, dtype, d, interpreted, import_error, reason", [
+    (CPU, FLOAT, 16, False, None, "on the CPU .*TRITON_INTERPRET=1"),
+    (CUDA, DOUBLE, 16, True, None, "float32 .*not in torch.float64"),
+    (CUDA, FLOAT, 300, True, None, "keys of at most 256 features, not 300"),
+    (torch.device("meta"), FLOAT, 16, True, None, "run on CUDA, not on meta"),
+    (CUDA, FLOAT, 16, True, "fla-core does not import (ImportError)", r"does not import \(ImportError\)"),
+])
+def test_forcing_fla_for_the_delta_rule_where_it_cannot_run_names_why(monkeypatch, device, dtype, d, interpreted,
+                                                                      import_error, reason):
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(fla_form, "_interpreted", lambda: interpreted)
+    monkeypatch.setattr(delta_fla, "_import_error", lambda: import_error)
+    with pytest.raises(ValueError, match=f"kernel='fla' cannot run this call: .*{reason}"):
+        delta_chunk._runs_on_fla(device, "fla", dtype, False, d)
+
+
+@pytest.mark.parametrize("dtype, reason", [(FLOAT, "on the CPU"), (DOUBLE, "fla's kernels compute in float32")])
+def test_forcing_fla_for_the_delta_rule_on_the_cpu_is_refused_by_the_call(dtype, reason):
+    leaves = delta_inputs(1, 1, 8, 4, 3, 0, dtype=dtype)[:5]
+    with pytest.raises(ValueError, match=f"kernel='fla' cannot run this call: {reason}"):
+        chunk_delta_rule(*leaves, kernel="fla")
+
+
+def test_delta_auto_on_cuda_takes_fla_where_it_serves(monkeypatch, recwarn):
+    """With fla importable 'auto' on CUDA takes fla; float64 and wide keys (the caller's choice)
+    keep the torch kernel without a word; a call that needs gradients on a known-bad pair of
+    Hopper and Triton keeps it and says why once (forced: a ValueError), one without takes fla;
+    fla that does not import is said once too."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(fla_form, "_WARNED", set())
+    monkeypatch.setattr(delta_fla, "_import_error", lambda: None)
+    monkeypatch.setattr(fla_form, "_environment", lambda index: ("3.8.0", 9, False))
+    runs = functools.partial(delta_chunk._runs_on_fla, CUDA)
+    assert runs("auto", FLOAT, True, 64) and runs("fla", FLOAT, True, 64)
+    assert not runs("auto", DOUBLE, False, 64) and not runs("auto", FLOAT, False, 512)
+    assert not runs("torch", FLOAT, False, 64)
+    assert not recwarn.list
+    monkeypatch.setattr(fla_form, "_environment", lambda index: ("3.6.0", 9, False))
+    assert runs("auto", FLOAT, False, 64)
+    for _ in range(2):
+        assert not runs("auto", FLOAT, True, 64)
+    assert len(recwarn.list) == 1
+    assert "chunk_gated_delta_rule on Hopper with Triton 3.6.0" in str(recwarn.list[0].message)
+    with pytest.raises(ValueError, match="kernel='fla' cannot run this call: fla-core refuses the gated backward"):
+        runs("fla", FLOAT, True, 64)
+    monkeypatch.setattr(delta_fla, "_import_error", lambda: "fla-core does not import (ImportError: x)")
+    assert not runs("auto", FLOAT, False, 64)
+    assert len(recwarn.list) == 2 and "does not import (ImportError: x)" in str(recwarn.list[1].message)
+
+
+def test_the_delta_rules_backward_is_named_by_the_call(monkeypatch):
+    """``chunk_delta_rule`` asks fla for a backward exactly where a gradient is needed: an input
+    (the state included) that requires one, outside ``no_grad``."""
+    asked = []
+    monkeypatch.setattr(delta_chunk, "fla_missing", lambda device, dtype, backward, d: asked.append(backward) or "no")
+    leaves = delta_inputs(1, 1, 8, 4, 3, 0, True, True, FLOAT)
+    fixed = [t.detach() for t in leaves]
+    for some in (leaves, fixed, fixed[:5] + leaves[5:]):  # (kernel='fla': the CPU asks too)
+        with pytest.raises(ValueError):
+            chunk_delta_rule(*some[:5], state=some[5], kernel="fla")
+    with torch.no_grad(), pytest.raises(ValueError):
+        chunk_delta_rule(*leaves[:5], state=leaves[5], kernel="fla")
+    assert asked == [True, False, True, False]
+
+
+@pytest.mark.parametrize("name, value, named", [
+    ("k", torch.zeros(1, 2, 9, 5), "k must have shape (1, 2, 9, 4)"),
+    ("beta", torch.zeros(1, 2, 9, 1), "beta must have shape (1, 2, 9)"),
+    ("log_decay", torch.zeros(1, 2, 9, 4), "log_decay must have shape (1, 2, 9)"),
+    ("state", torch.zeros(1, 2, 3, 4), "state must have shape (1, 2, 4, 3)"),
+])
+def test_the_delta_rule_names_an_argument_of_the_wrong_shape(name, value, named):
+    """Before either kernel: fla's own checks are assertions that name no argument."""
+    leaves = dict(zip(DELTA_LEAVES, delta_inputs(1, 2, 9, 4, 3, 0, True, True, FLOAT)), **{name: value})
+    with pytest.raises(ValueError, match=re.escape(named)):
+        chunk_delta_rule(*(leaves[n] for n in DELTA_LEAVES[:5]), state=leaves["state"])
+

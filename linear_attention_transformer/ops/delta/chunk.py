@@ -22,6 +22,11 @@ segment starts in its chunk up to it, and the state after the chunk holds the ke
 chunk's last segment (with S_0 only when no segment starts in the chunk): the recurrence with
 a_t = 0 at each segment's first token. Half precision is computed in float32 (the triangular
 solve has no half form) and cast back.
+
+``kernel`` picks fla's kernels (``fla.py``) or this form, as for the additive rule
+(``ops/kernels.py``): 'fla' runs fla's or raises a ValueError naming why it cannot; 'auto'
+runs fla's on CUDA where they serve the call, else this form (saying why once, unless the call
+itself is out of fla's reach: float64, wide keys); the CPU's 'auto' never asks for fla.
 """
 
 from __future__ import annotations
@@ -29,9 +34,11 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ..causal.fla import KERNEL_DTYPES, warn_unavailable
 from ..causal.forms import CHUNK_SIZE
 from ..common import NEG_INF, check_int, check_mask, compute_dtype
 from ..kernels import check_kernel
+from .fla import MAX_KEY_FEATURES, fla_chunk_delta_rule, fla_missing
 
 __all__ = ["chunk_delta_rule"]
 
@@ -47,10 +54,12 @@ def chunk_delta_rule(q, k, v, beta, log_decay=None, mask=None, state=None, retur
         state: (b, h, d, e) S before the first token, or None (zeros).
         return_state: also return S after the last token (in the compute dtype).
         segments: (b, n) ids or None: each segment starts from an empty state. Not with ``state``.
-        chunk_size: C. kernel: 'auto', 'torch' or 'fla' (docs/kernels.md).
+        chunk_size: C of this form (fla's kernels take chunks of 64).
+        kernel: 'auto', 'torch' or 'fla' (the module docstring).
     Returns:
         (b, h, n, e), and the state when ``return_state``.
     """
+    _check_shapes(q, k, v, beta, log_decay, state)
     b, h, n, d = q.shape
     check_mask(mask, b, n)
     check_int("chunk_size", chunk_size)
@@ -58,15 +67,49 @@ def chunk_delta_rule(q, k, v, beta, log_decay=None, mask=None, state=None, retur
     if segments is not None and state is not None:
         raise ValueError("segments cannot be combined with a state: a state continues one sequence")
     out_dtype, dtype = v.dtype, compute_dtype(q)
+    backward = torch.is_grad_enabled() and any(t is not None and t.requires_grad
+                                               for t in (q, k, v, beta, log_decay, state))
+    on_fla = _runs_on_fla(q.device, kernel, dtype, backward, d)
     with torch.autocast(q.device.type, enabled=False):
         q, k, v, beta = (t.to(dtype) for t in (q, k, v, beta))
         log_decay = None if log_decay is None else log_decay.to(dtype)
         if mask is not None:
             beta = beta.masked_fill(~mask[:, None], 0.0)
             log_decay = None if log_decay is None else log_decay.masked_fill(~mask[:, None], 0.0)
-        out, state = _chunks(q, k, v, beta, log_decay, state, segments, chunk_size)
+        if on_fla:
+            out, state = fla_chunk_delta_rule(q, k, v, beta, log_decay, None if state is None else state.to(dtype),
+                                              return_state, segments)
+        else:
+            out, state = _chunks(q, k, v, beta, log_decay, state, segments, chunk_size)
     out = out.to(out_dtype)
     return (out, state) if return_state else out
+
+
+def _check_shapes(q, k, v, beta, log_decay, state):
+    """A ValueError naming the first argument whose shape does not fit q's (b, h, n, d)."""
+    if q.ndim != 4:
+        raise ValueError(f"q must have shape (b, h, n, d), got {tuple(q.shape)}")
+    b, h, n, d = q.shape
+    e = v.shape[-1] if v.ndim else 0
+    wanted = dict(k=(b, h, n, d), v=(b, h, n, e), beta=(b, h, n), log_decay=(b, h, n), state=(b, h, d, e))
+    for (name, shape), t in zip(wanted.items(), (k, v, beta, log_decay, state)):
+        if t is not None and tuple(t.shape) != shape:
+            raise ValueError(f"{name} must have shape {shape} for q of shape {tuple(q.shape)}, got {tuple(t.shape)}")
+
+
+def _runs_on_fla(device, kernel, dtype, backward, d):
+    """Whether fla's kernels run the call (the module docstring): for 'fla', True or a ValueError
+    naming why not; for 'auto', only on CUDA."""
+    if kernel == "torch" or (kernel == "auto" and not (device.type == "cuda" and torch.cuda.is_available())):
+        return False
+    why_not = fla_missing(device, dtype, backward, d)
+    if why_not is None:
+        return True
+    if kernel == "fla":
+        raise ValueError(f"kernel='fla' cannot run this call: {why_not}")
+    if dtype in KERNEL_DTYPES and d <= MAX_KEY_FEATURES:  # (float64 and wide keys are the caller's choice)
+        warn_unavailable(why_not)
+    return False
 
 
 def _chunks(q, k, v, beta, log_decay, state, segments, C):
