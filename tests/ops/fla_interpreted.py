@@ -1,7 +1,8 @@
 """Runs test_fla.py's cases, and an LM's training step and cached forward, through the fla kernel on fla's real
 Triton kernels, in Triton's interpreter on the CPU, and saves outputs and gradients for
 test_fla.py to judge; some cases again inside torch.compile (``COMPILED``), counting the
-kernels' calls.
+kernels' calls. A case of ``op`` 'delta' runs ``chunk_delta_rule`` (the delta rule), any other
+``causal_linear_attention``.
 
     python fla_interpreted.py cases.pt results.pt
 
@@ -21,6 +22,7 @@ import torch.nn.functional as F  # noqa: E402
 from linear_attention_transformer import LinearAttentionTransformerLM  # noqa: E402
 from linear_attention_transformer.ops import causal_linear_attention  # noqa: E402
 from linear_attention_transformer.ops.causal import fla as fla_form  # noqa: E402
+from linear_attention_transformer.ops.delta import chunk_delta_rule  # noqa: E402
 
 # The autotuner times its configurations with a benchmarker that needs a GPU driver. Timing
 # every configuration as 0 makes it keep the first, which is all the interpreter needs.
@@ -46,16 +48,18 @@ class _LoopIndexAsTensor(interpreter.ASTTransformer):
 interpreter.FunctionRewriter.ast_transformer = _LoopIndexAsTensor()
 
 
+def part(t, sl):
+    """Tokens ``sl`` of a (b, n) mask or a (b, h, n, ...) tensor (None stays None)."""
+    return None if t is None else t[:, sl] if t.ndim == 2 else t[:, :, sl]
+
+
 def outputs(case, leaves):
     """The case's output from its leaves (q, k, v, log_decay) in the fla kernel."""
     options = dict(exp_features=case["exp_features"], blindspot_size=case["blindspot_size"], kernel="fla")
     split = case["split"]
     if split is None:
         return causal_linear_attention(*leaves, mask=case["mask"], segments=case["segments"], **options)
-
-    def part(t, sl):  # a prefix returns the state, the rest continues from it
-        return None if t is None else t[:, sl] if t.ndim == 2 else t[:, :, sl]
-
+    # a prefix returns the state, the rest continues from it
     head, state = causal_linear_attention(*(part(t, slice(0, split)) for t in leaves),
                                           mask=part(case["mask"], slice(0, split)), return_state=True, **options)
     tail = causal_linear_attention(*(part(t, slice(split, None)) for t in leaves), state=state,
@@ -63,13 +67,39 @@ def outputs(case, leaves):
     return torch.cat((head, tail), dim=2)
 
 
-def run(case, forward=outputs):
-    leaves = [None if case[name] is None else case[name].clone().requires_grad_()
-              for name in ("q", "k", "v", "log_decay")]
-    out = forward(case, leaves)
+def delta_outputs(case, leaves):
+    """The delta case's output and last state from its leaves (q, k, v, beta, log_decay, state)
+    in fla's kernel: in one call, or a prefix and the rest from the state it returns."""
+    *tokens, state = leaves
+    options = dict(return_state=True, kernel="fla")
+    split = case["split"]
+    if split is None:
+        return chunk_delta_rule(*tokens, mask=case["mask"], state=state, segments=case["segments"], **options)
+    head, state = chunk_delta_rule(*(part(t, slice(0, split)) for t in tokens), state=state,
+                                   mask=part(case["mask"], slice(0, split)), **options)
+    tail, last = chunk_delta_rule(*(part(t, slice(split, None)) for t in tokens), state=state,
+                                  mask=part(case["mask"], slice(split, None)), **options)
+    return torch.cat((head, tail), dim=2), last
+
+
+LEAVES = {"additive": ("q", "k", "v", "log_decay"), "delta": ("q", "k", "v", "beta", "log_decay", "state")}
+FORWARDS = {"additive": outputs, "delta": delta_outputs}
+
+
+def run(case, forward=None):
+    """Output, gradients of its weighted sum (and of the last state's, for the delta rule) with
+    respect to the case's leaves, and the delta rule's last state."""
+    op = case.get("op", "additive")
+    leaves = [None if case[name] is None else case[name].clone().requires_grad_() for name in LEAVES[op]]
+    out = (forward or FORWARDS[op])(case, leaves)
+    out, last = out if op == "delta" else (out, None)
+    loss = (out * case["weight"]).sum()
+    if last is not None:
+        loss = loss + (last * case["state_weight"]).sum()
     present = [t for t in leaves if t is not None]
-    grads = torch.autograd.grad((out * case["weight"]).sum(), present)
-    return dict(out=out.detach(), grads=[g.detach() for g in grads])
+    grads = torch.autograd.grad(loss, present)
+    result = dict(out=out.detach(), grads=[g.detach() for g in grads])
+    return result if last is None else dict(result, state=last.detach())
 
 
 def run_lm(config, tokens):

@@ -439,11 +439,11 @@ LM = dict(num_tokens=50, dim=32, heads=4, depth=1, max_seq_len=100, causal=True,
 
 @pytest.fixture(scope="module")
 def interpreted(tmp_path_factory):
-    """(cases, results, lm, compiled): the cases, and an LM's training step (``LM``), run by
-    ``fla_interpreted.py`` on fla's Triton kernels; ``compiled``: some cases again, inside
-    torch.compile."""
+    """(cases, results, lm, compiled): the cases (the delta rule's after the others), and an
+    LM's training step (``LM``), run by ``fla_interpreted.py`` on fla's Triton kernels;
+    ``compiled``: some cases again, inside torch.compile."""
     folder = tmp_path_factory.mktemp("fla")
-    cases = interpreter_cases()
+    cases = interpreter_cases() + delta_interpreter_cases()
     tokens = torch.randint(0, LM["num_tokens"], (2, 71), generator=torch.Generator().manual_seed(3))
     torch.save((cases, dict(config=LM, tokens=tokens)), folder / "cases.pt")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, (str(ROOT), os.environ.get("PYTHONPATH"))))}
@@ -816,3 +816,45 @@ def test_the_delta_rule_names_an_argument_of_the_wrong_shape(name, value, named)
     with pytest.raises(ValueError, match=re.escape(named)):
         chunk_delta_rule(*(leaves[n] for n in DELTA_LEAVES[:5]), state=leaves["state"])
 
+
+def delta_interpreter_cases():
+    """Small float32 cases of the delta rule for the interpreted kernels: without and with a
+    gate, a mask, segments, a state in, out and between two calls; lengths that are and are
+    not a multiple of fla's chunk of 64. The tolerance is float32's rounding with a margin."""
+    cases = []
+    for name, b, n, d, e, gated, masked, packed, with_state, split in [
+        ("delta, no gate, mask, segments", 2, 70, 16, 16, False, True, True, False, None),
+        ("delta, gate, mask, segments, keys 32 values 16", 1, 70, 32, 16, True, True, True, False, None),
+        ("delta, gate, mask, state in, out and between two calls, keys 16 values 32", 1, 70, 16, 32, True, True, False,
+         True, 40),
+        ("delta, no gate, state in and out", 1, 64, 16, 16, False, False, False, True, None),
+    ]:
+        leaves = [t if t is None else t.detach() for t in delta_inputs(b, 2, n, d, e, n + d, gated, with_state, FLOAT)]
+        mask, segments = delta_mask_and_segments(b, n, n, masked, packed)
+        gen = torch.Generator().manual_seed(5)
+        cases.append(dict(zip(DELTA_LEAVES, leaves), op="delta", name=name, mask=mask, segments=segments, split=split,
+                          weight=torch.randn(b, 2, n, e, generator=gen),
+                          state_weight=torch.randn(b, 2, d, e, generator=gen), rtol=1e-5))
+    return cases
+
+
+@pytest.mark.parametrize("name", [case["name"] for case in delta_interpreter_cases()])
+@pytest.mark.requires("fla", "triton")
+def test_flas_delta_kernels_interpreted_equal_the_naive_delta_rule(interpreted, name):
+    """fla's delta-rule Triton kernels through ``chunk_delta_rule(kernel='fla')`` (float32, in
+    Triton's interpreter) against the float64 judge of the same float32 inputs: output, last
+    state, and the gradients of both with respect to every input (the state included)."""
+    cases, results, *_ = interpreted
+    index = [case["name"] for case in cases].index(name)
+    case, result = cases[index], results[index]
+    leaves = [None if case[n] is None else case[n].double().requires_grad_() for n in DELTA_LEAVES]
+    *tokens, state = leaves
+    judge, judge_last = naive_delta_rule(*tokens, mask=case["mask"], state=state, segments=case["segments"])
+    assert_close(result["out"], judge, case["rtol"], "output")
+    assert_close(result["state"], judge_last, case["rtol"], "state")
+    loss = (judge * case["weight"].double()).sum() + (judge_last * case["state_weight"].double()).sum()
+    wanted = torch.autograd.grad(loss, [t for t in leaves if t is not None])
+    present = [n for n in DELTA_LEAVES if case[n] is not None]
+    assert len(result["grads"]) == len(present)
+    for n, got, want in zip(present, result["grads"], wanted):
+        assert_close(got, want, case["rtol"], f"grad {n}")
