@@ -383,24 +383,29 @@ def test_forcing_fla_on_float64_is_refused_by_the_kernel():
 
 def test_the_package_runs_without_fla():
     """With fla unimportable the package imports and computes as before, and kernel='fla' says
-    that fla does not import."""
+    that fla does not import, for the additive rule and for the delta rule."""
     script = (
         "import sys; sys.modules['fla'] = None\n"
         "import torch\n"
         "from linear_attention_transformer.ops import causal_linear_attention\n"
         "from linear_attention_transformer.ops.causal import fla\n"
+        "from linear_attention_transformer.ops.delta import chunk_delta_rule\n"
         "fla._interpreted = lambda: True  # as if Triton's interpreter were on, whether or not triton is installed\n"
         "q = k = v = torch.rand(1, 1, 5, 2)\n"
+        "beta = torch.rand(1, 1, 5)\n"
         "assert causal_linear_attention(q, k, v).shape == (1, 1, 5, 2)\n"
-        "try:\n"
-        "    causal_linear_attention(q, k, v, kernel='fla')\n"
-        "except ValueError as e:\n"
-        "    print(e)\n"
+        "assert chunk_delta_rule(q, k, v, beta).shape == (1, 1, 5, 2)\n"
+        "for call in (lambda: causal_linear_attention(q, k, v, kernel='fla'),\n"
+        "             lambda: chunk_delta_rule(q, k, v, beta, kernel='fla')):\n"
+        "    try:\n"
+        "        call()\n"
+        "    except ValueError as e:\n"
+        "        print(e)\n"
     )
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, (str(ROOT), os.environ.get("PYTHONPATH"))))}
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300)
     assert result.returncode == 0, result.stderr
-    assert "kernel='fla' cannot run this call: fla-core is not installed; pip install" in result.stdout
+    assert result.stdout.count("kernel='fla' cannot run this call: fla-core is not installed; pip install") == 2
 
 
 # ------------------------------------------------------------------ fla's real kernels, interpreted

@@ -13,6 +13,7 @@ In the same layout as ``ops/causal``:
 * ``naive.py``: the recurrence with explicit (d x d) matrices, token by token -> ``naive_delta_rule``
 * ``recurrent.py``: one token in place on a decoder's state                  -> ``delta_rule_step``
 * ``chunk.py``: the chunked (WY) form for training and prefill                -> ``chunk_delta_rule``
+* ``fla.py``: the same on flash-linear-attention's kernels (``chunk_delta_rule``'s ``kernel``)
 """
 
 from .chunk import chunk_delta_rule
