@@ -88,7 +88,8 @@ FORWARDS = {"additive": outputs, "delta": delta_outputs}
 
 def run(case, forward=None):
     """Output, gradients of its weighted sum (and of the last state's, for the delta rule) with
-    respect to the case's leaves, and the delta rule's last state."""
+    respect to the case's leaves, the delta rule's last state, and whether forward and backward
+    left the leaves as they were."""
     op = case.get("op", "additive")
     leaves = [None if case[name] is None else case[name].clone().requires_grad_() for name in LEAVES[op]]
     out = (forward or FORWARDS[op])(case, leaves)
@@ -98,7 +99,8 @@ def run(case, forward=None):
         loss = loss + (last * case["state_weight"]).sum()
     present = [t for t in leaves if t is not None]
     grads = torch.autograd.grad(loss, present)
-    result = dict(out=out.detach(), grads=[g.detach() for g in grads])
+    result = dict(out=out.detach(), grads=[g.detach() for g in grads],
+                  inputs_unchanged=all(t is None or torch.equal(t, case[name]) for name, t in zip(LEAVES[op], leaves)))
     return result if last is None else dict(result, state=last.detach())
 
 

@@ -848,10 +848,12 @@ def delta_interpreter_cases():
 def test_flas_delta_kernels_interpreted_equal_the_naive_delta_rule(interpreted, name):
     """fla's delta-rule Triton kernels through ``chunk_delta_rule(kernel='fla')`` (float32, in
     Triton's interpreter) against the float64 judge of the same float32 inputs: output, last
-    state, and the gradients of both with respect to every input (the state included)."""
+    state, and the gradients of both with respect to every input (the state included); the
+    inputs are left as they were."""
     cases, results, *_ = interpreted
     index = [case["name"] for case in cases].index(name)
     case, result = cases[index], results[index]
+    assert result["inputs_unchanged"]
     leaves = [None if case[n] is None else case[n].double().requires_grad_() for n in DELTA_LEAVES]
     *tokens, state = leaves
     judge, judge_last = naive_delta_rule(*tokens, mask=case["mask"], state=state, segments=case["segments"])

@@ -76,7 +76,7 @@ def fla_unavailable(device_type: str, device_index: int, backward: bool):
     return why
 
 
-def fla_missing(device, dtype=torch.float32, backward=False, key_features=1):
+def fla_missing(device, dtype, backward, key_features):
     """Why ``fla_chunk_delta_rule`` cannot run such a call on ``device`` in compute dtype
     ``dtype`` (a phrase), or None when it can. ``backward``: the call needs gradients;
     ``key_features``: d."""
