@@ -1,4 +1,4 @@
-"""Runs test_fla.py's cases, and an LM's training step and cached forward, through the fla kernel on fla's real
+"""Runs test_fla.py's cases, and LMs' training steps and cached forwards, through the fla kernel on fla's real
 Triton kernels, in Triton's interpreter on the CPU, and saves outputs and gradients for
 test_fla.py to judge; some cases again inside torch.compile (``COMPILED``), counting the
 kernels' calls. A case of ``op`` 'delta' runs ``chunk_delta_rule`` (the delta rule), any other
@@ -151,4 +151,5 @@ if __name__ == "__main__":
     cases, lm = torch.load(sys.argv[1])
     results = [run(case) for case in cases]
     compiled = {index: run_compiled(cases[index]) for index in COMPILED}
-    torch.save((results, run_lm(lm["config"], lm["tokens"]), compiled), sys.argv[2])
+    lms = {name: run_lm(config, lm["tokens"]) for name, config in lm["configs"].items()}
+    torch.save((results, lms, compiled), sys.argv[2])

@@ -440,24 +440,29 @@ def interpreter_cases():
 # heads beside the global ones, token shift (``fla_interpreted.py`` runs it in the fla kernel)
 LM = dict(num_tokens=50, dim=32, heads=4, depth=1, max_seq_len=100, causal=True, dim_head=8, blindspot_size=8,
           n_local_attn_heads=2, local_attn_window_size=16, use_gate=True, shift_tokens=True)
+# and one whose global heads take the delta rule, gated, beside local heads, with the local convolution
+DELTA_LM = dict(num_tokens=50, dim=32, heads=4, depth=1, max_seq_len=100, causal=True, dim_head=8, update_rule="delta",
+                n_local_attn_heads=2, local_attn_window_size=16, use_gate=True, use_local_conv=True)
+LMS = {"additive": LM, "delta": DELTA_LM}
 
 
 @pytest.fixture(scope="module")
 def interpreted(tmp_path_factory):
-    """(cases, results, lm, compiled): the cases (the delta rule's after the others), and an
-    LM's training step (``LM``), run by ``fla_interpreted.py`` on fla's Triton kernels;
-    ``compiled``: some cases again, inside torch.compile."""
+    """(cases, results, lms, compiled): the cases (the delta rule's after the others), and the
+    training steps of the LMs (``LMS``, by name, and their ``tokens``), run by
+    ``fla_interpreted.py`` on fla's Triton kernels; ``compiled``: some cases again, inside
+    torch.compile."""
     folder = tmp_path_factory.mktemp("fla")
     cases = interpreter_cases() + delta_interpreter_cases()
     tokens = torch.randint(0, LM["num_tokens"], (2, 71), generator=torch.Generator().manual_seed(3))
-    torch.save((cases, dict(config=LM, tokens=tokens)), folder / "cases.pt")
+    torch.save((cases, dict(configs=LMS, tokens=tokens)), folder / "cases.pt")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, (str(ROOT), os.environ.get("PYTHONPATH"))))}
     result = subprocess.run([sys.executable, str(Path(__file__).with_name("fla_interpreted.py")),
                              str(folder / "cases.pt"), str(folder / "results.pt")],
                             capture_output=True, text=True, env=env, timeout=600)
     assert result.returncode == 0, result.stderr[-4000:]
-    results, lm, compiled = torch.load(folder / "results.pt")
-    return cases, results, dict(lm, tokens=tokens), compiled
+    results, lms, compiled = torch.load(folder / "results.pt")
+    return cases, results, dict(lms, tokens=tokens), compiled
 
 
 @pytest.mark.parametrize("index", range(6), ids=[c["name"] for c in interpreter_cases()])
@@ -491,16 +496,18 @@ def test_the_fla_form_inside_torch_compile(interpreted, index):
 
 
 @pytest.mark.requires("fla", "triton")
-def test_an_lm_in_the_fla_form_interpreted_equals_its_float64_self(interpreted):
+@pytest.mark.parametrize("rule", list(LMS))
+def test_an_lm_in_the_fla_form_interpreted_equals_its_float64_self(interpreted, rule):
     """The LM's logits and parameter gradients with its global heads on fla's Triton kernels
     (float32, interpreted) equal the same LM in float64 in the CPU's form; so do the logits
-    computed piece by piece from the cache (the prefill's state, and each piece's after it)."""
+    computed piece by piece from the cache (the prefill's state, and each piece's after it).
+    Additive heads, and delta-rule heads (``chunk_gated_delta_rule``)."""
     from linear_attention_transformer import LinearAttentionTransformerLM
 
-    lm = interpreted[2]
-    model = LinearAttentionTransformerLM(**LM).double()
+    lm = interpreted[2][rule]
+    model = LinearAttentionTransformerLM(**LMS[rule]).double()
     model.load_state_dict(lm["state"])
-    tokens = lm["tokens"]
+    tokens = interpreted[2]["tokens"]
     logits = model(tokens[:, :-1])
     F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten()).backward()
     assert_close(lm["logits"], logits.detach(), 1e-5, "logits")
