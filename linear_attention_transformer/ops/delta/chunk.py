@@ -146,10 +146,13 @@ def _chunks(q, k, v, beta, log_decay, state, segments, C):
     k_end = k if to_end is None else k * to_end[..., None]
 
     S = q.new_zeros(b, h, d, v.shape[-1]) if state is None else state.to(q.dtype)
+    # chunk by chunk through unbind, whose backward is one stack (an index per chunk would
+    # fill a full-size zero gradient for each: quadratic in n)
+    per_chunk = [t.unbind(2) for t in (U, W, q_start, scores, k_end.transpose(-1, -2))]
+    kept = [None] * c if gamma_end is None else gamma_end[..., None, None].unbind(2)
     outs = []
-    for i in range(c):  # the only sequential part: three products per chunk
-        delta = U[:, :, i] - W[:, :, i] @ S
-        outs.append(q_start[:, :, i] @ S + scores[:, :, i] @ delta)
-        S_kept = S if gamma_end is None else gamma_end[:, :, i, None, None] * S
-        S = S_kept + k_end[:, :, i].transpose(-1, -2) @ delta
+    for U_i, W_i, q_i, scores_i, k_end_i, kept_i in zip(*per_chunk, kept):  # three products per chunk
+        delta = U_i - W_i @ S
+        outs.append(q_i @ S + scores_i @ delta)
+        S = (S if kept_i is None else kept_i * S) + k_end_i @ delta
     return torch.stack(outs, dim=2).flatten(2, 3)[:, :, :n], S
