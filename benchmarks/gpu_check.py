@@ -8,23 +8,36 @@ float64 reference computed on the CPU, cached decoding, and timings, in under 8 
 Sections (each row guarded: an exception is recorded and the script goes on; each section
 has a time budget, rows past it are recorded as skipped):
 
-``versions``     torch, CUDA, Triton, fla-core, the GPU; why the fla kernel cannot run, if so.
+``versions``     torch, CUDA, Triton, fla-core, the GPU; why the fla kernel (the additive rule's,
+                 the delta rule's) cannot run, if so.
 ``correctness``  one attention layer, forward and backward (input and parameter gradients),
                  on the device against the same layer in float64 on the CPU: the torch kernel
                  (``kernel='torch'``), the fla kernel (``kernel='fla'``) and the flex local heads
                  (a layer of local heads only), for the default, gated (``use_gate``),
                  given-feature (elu + 1 with the gate: fla's gated backward) and seed-like
-                 (blindspot, local heads) configurations; float32, with tolerances that hold
-                 under TF32 (fla's and flex's float32 dots run as TF32 on NVIDIA), and under
-                 bf16 autocast.
+                 (blindspot, local heads) configurations, and for delta-rule heads
+                 (``update_rule='delta'``: plain, and gated with the local convolution, on
+                 fla's ``chunk_gated_delta_rule``); float32, with tolerances that hold under
+                 TF32 (fla's and flex's float32 dots run as TF32 on NVIDIA), and under bf16
+                 autocast. The torch kernel's rows run first, then fla's and flex's, whose first
+                 calls compile. Where fla refuses only the backward (``known_bad_pair``, Hopper
+                 with Triton 3.4 to 3.7 and no tilelang: given features' gated backward, every
+                 delta-rule backward), the row checks the forward alone and says why
+                 (``grad_err=refused``).
 ``decoding``     an LM's cached decoding (the prompt, then a one-token forward a step), eager and
-                 compiled (CUDA graphs: ``mode='reduce-overhead'``), against its full forward.
+                 compiled (CUDA graphs: ``mode='reduce-overhead'``), against its full forward;
+                 the same for an LM with delta-rule heads (gated, beside local heads, with the
+                 local convolution; its full forward and prefill on fla's kernel where it runs),
+                 whose compiled row starts only with as much of the budget left as the additive
+                 one took.
 ``timing``       n = 4096 and 16384, forward + backward: one attention layer and one LM
                  training step, each with the torch kernel, the fla kernel, with fla's ``chunk_gla``
                  alone in place of the attention (in the layer also with the normaliser: v one
                  column wider, as the fla kernel feeds it, or the keys' decayed sum apart, by fla's
-                 ``chunk_hgrn``), and with ``scaled_dot_product_attention`` (flash): tokens per
-                 second and peak memory.
+                 ``chunk_hgrn``), and with ``scaled_dot_product_attention`` (flash); the layer
+                 with delta-rule heads on the torch and the fla kernel, also its forward alone
+                 (a prefill; fla's where it refuses the backward): tokens per second and peak
+                 memory.
 
 Writes ``DIR/gpu_check.json`` and ``DIR/gpu_check.md`` after every row. Status per row: ok,
 fail (over tolerance), error (an exception), unavailable (the form refuses this machine and
@@ -51,6 +64,7 @@ from torch import nn
 
 from linear_attention_transformer import Attention, LinearAttentionTransformerLM
 from linear_attention_transformer.ops.causal.fla import fla_missing
+from linear_attention_transformer.ops.delta import fla as delta_fla
 
 SECTIONS = dict(correctness=0.3, decoding=0.2, timing=0.45)  # each section's share of the budget
 FULL = dict(budget=420, lengths=(4096, 16384), batch=1, heads=8, dim_head=128, window=128, blindspot=64, check_n=512,
@@ -61,6 +75,7 @@ DRY = dict(budget=55, lengths=(64,), batch=1, heads=2,
 # (the torch kernel: PyTorch's float32 matmuls are not TF32 by default), bf16 autocast; gradients x2
 TOLERANCE = {("fp32", "torch"): 1e-3, ("fp32", "fla"): 5e-3, ("fp32", "flex"): 5e-3, "bf16": 5e-2}
 NORMALISERS = ("fla, v + 1 column", "fla, normaliser apart")  # fla's kernel timed with the normaliser two ways
+DELTA = ("delta, torch", "delta, fla")  # the layer with delta-rule heads, on either kernel
 
 
 class Report:
@@ -78,11 +93,12 @@ class Report:
         self.deadline = min(time.monotonic() + seconds, self.start + self.budget)
         print(f"\n== {section} (budget {seconds} s)", flush=True)
 
-    def row(self, name, fn):
-        """Run ``fn`` (-> dict of fields, with 'status' or not) as one row, guarded."""
+    def row(self, name, fn, needs=0.0):
+        """Run ``fn`` (-> dict of fields, with 'status' or not) as one row, guarded; only with at
+        least ``needs`` seconds of the section's budget left (a row about that long)."""
         record = dict(section=self.section, name=name)
-        if time.monotonic() > self.deadline:
-            record.update(status="skipped", note="time budget")
+        if time.monotonic() + needs > self.deadline:
+            record.update(status="skipped", note="time budget" + (f" (needs about {needs:.0f} s)" if needs else ""))
         else:
             t0 = time.monotonic()
             try:
@@ -140,6 +156,9 @@ def versions(device):
         info["tf32 matmul (torch)"] = torch.backends.cuda.matmul.allow_tf32
     info["fla kernel"] = fla_missing(device) or "runs"
     info["fla kernel, gated backward"] = fla_missing(device, gated_backward=True) or "runs"
+    for backward in (False, True):  # (fla's delta-rule kernels import on their own)
+        why = delta_fla.fla_missing(device, torch.float32, backward, delta_fla.MAX_KEY_FEATURES)
+        info[f"fla delta-rule kernel{', backward' if backward else ''}"] = why or "runs"
     return info
 
 
@@ -155,6 +174,8 @@ def layer_configs(s):
         "seed-like": dict(base, blindspot_size=s["blindspot"], n_local_attn_heads=h // 2,
                           local_attn_window_size=s["window"], use_gate=True),
         "local heads only": dict(base, n_local_attn_heads=h, local_attn_window_size=s["window"]),
+        "delta": dict(base, update_rule="delta"),
+        "gated delta": dict(base, update_rule="delta", use_gate=True, use_local_conv=True),
     }
 
 
@@ -181,6 +202,10 @@ def check_layer(config, kernel, dtype, device, s):
     if key not in _REFERENCES:  # (the reference, the torch kernel in float64, once per configuration)
         torch.manual_seed(0)
         layer = Attention(dim, kernel="torch", **config).double().eval()
+        with torch.no_grad():  # the convolution starts as the identity: moved, so that the rows weigh it
+            for name, p in layer.named_parameters():
+                if name.endswith("conv_weight"):
+                    p.add_(0.3 * torch.randn(p.shape, dtype=p.dtype, generator=torch.Generator().manual_seed(3)))
         g = torch.Generator().manual_seed(1)
         x, weight = (torch.randn(2, s["check_n"], dim, dtype=torch.float64, generator=g) for _ in range(2))
         _REFERENCES[key] = layer, x, weight, forward_backward(layer, x, weight)
@@ -188,31 +213,42 @@ def check_layer(config, kernel, dtype, device, s):
     on_device = Attention(dim, kernel=kernel, **config).to(device).eval()
     on_device.load_state_dict(layer.state_dict())
     autocast = torch.autocast(device.type, dtype=torch.bfloat16) if dtype == "bf16" else contextlib.nullcontext()
+    refused = None
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        got, got_grads = forward_backward(on_device, x.float().to(device), weight.float(), autocast)
+        try:
+            got, got_grads = forward_backward(on_device, x.float().to(device), weight.float(), autocast)
+        except ValueError as error:  # fla may refuse the backward alone (known_bad_pair): check the forward
+            if "cannot run this call" not in str(error):
+                raise
+            with torch.no_grad(), autocast:  # (raises again where the forward too is refused: unavailable)
+                got = on_device(x.float().to(device))
+            refused = f"backward refused: {_message(error)}"
     form = "flex" if config.get("n_local_attn_heads") == config["heads"] else kernel
     tol = TOLERANCE["bf16"] if dtype == "bf16" else TOLERANCE[("fp32", form if form != "auto" else "fla")]
     out_err = relative(got, want)
-    grad_err = max(relative(a, b) for a, b in zip(got_grads, want_grads) if b is not None)
-    ok = out_err <= tol and grad_err <= 2 * tol
-    note = "; ".join(str(w.message)[:200] for w in caught if issubclass(w.category, RuntimeWarning))
-    return dict(status="ok" if ok else "fail", out_err=f"{out_err:.2e}", grad_err=f"{grad_err:.2e}", tol=tol,
-                **(dict(note=note) if note else {}))
+    grad_err = None if refused else max(relative(a, b) for a, b in zip(got_grads, want_grads) if b is not None)
+    ok = out_err <= tol and (refused is not None or grad_err <= 2 * tol)
+    note = "; ".join([*(str(w.message)[:200] for w in caught if issubclass(w.category, RuntimeWarning)),
+                      *([refused] if refused else [])])
+    return dict(status="ok" if ok else "fail", out_err=f"{out_err:.2e}",
+                grad_err="refused" if refused else f"{grad_err:.2e}", tol=tol, **(dict(note=note) if note else {}))
 
 
 # --------------------------------------------------------------------------------- decoding
 
 
-def lm_options(s, n):
+def lm_options(s, n, rule="additive"):
+    delta = dict(update_rule="delta", use_local_conv=True) if rule == "delta" else {}
     return dict(num_tokens=s["num_tokens"], dim=s["lm_dim"], depth=s["lm_depth"], max_seq_len=n, heads=s["heads"],
-                causal=True, n_local_attn_heads=s["heads"] // 2, local_attn_window_size=s["window"], use_gate=True)
+                causal=True, n_local_attn_heads=s["heads"] // 2, local_attn_window_size=s["window"], use_gate=True,
+                **delta)
 
 
-def check_decoding(device, s, compiled):
+def check_decoding(device, s, compiled, rule="additive"):
     torch.manual_seed(0)
     n, prompt = 3 * s["window"], s["window"] + 3
-    model = LinearAttentionTransformerLM(**lm_options(s, n)).to(device).eval()
+    model = LinearAttentionTransformerLM(**lm_options(s, n, rule)).to(device).eval()
     tokens = torch.randint(0, s["num_tokens"], (2, n), generator=torch.Generator().manual_seed(2)).to(device)
     with torch.no_grad():
         full = model(tokens)
@@ -322,13 +358,13 @@ def timing_row(kind, name, n, device, s):
     torch.manual_seed(0)
     h, d = s["heads"], s["dim_head"]
     dim = h * d
-    plain = name in ("sdpa", "fla alone", *NORMALISERS)
+    plain, delta = name in ("sdpa", "fla alone", *NORMALISERS), name in DELTA
     if plain and name != "sdpa" and fla_missing(device) is not None:
         raise ValueError(f"fla alone cannot run this call: {fla_missing(device)}")
-    kernel = dict(torch="torch", fla="fla").get(name, "auto")
+    kernel = dict(torch="torch", fla="fla").get(name.removeprefix("delta, "), "auto")
     if kind == "layer":
-        model = PlainLayer(dim, h, d, name) if plain else Attention(dim, heads=h, dim_head=d, causal=True,
-                                                                    kernel=kernel)
+        model = PlainLayer(dim, h, d, name) if plain else Attention(
+            dim, heads=h, dim_head=d, causal=True, kernel=kernel, **(dict(update_rule="delta") if delta else {}))
         data = torch.randn(s["batch"], n, dim, device=device, requires_grad=True)
     else:
         model = PlainLM(s["num_tokens"], s["lm_dim"], s["lm_depth"], h, s["lm_dim"] // h, name) if plain else \
@@ -347,8 +383,22 @@ def timing_row(kind, name, n, device, s):
                 loss = F.cross_entropy(logits.float().flatten(0, 1), data[:, 1:].flatten())
         loss.backward()
 
-    seconds, peak = time_step(step, device, s)
-    return dict(n=n, ms=f"{seconds * 1e3:.2f}", tokens_per_s=f"{s['batch'] * n / seconds:,.0f}",
+    fields = dict(n=n)
+    if delta:  # the forward alone too (a prefill): fla serves it where it refuses the backward (known_bad_pair)
+        def forward():
+            with autocast:
+                model(data)
+
+        with torch.no_grad():
+            seconds, _ = time_step(forward, device, s)
+        fields.update(forward_ms=f"{seconds * 1e3:.2f}", forward_tokens_per_s=f"{s['batch'] * n / seconds:,.0f}")
+    try:
+        seconds, peak = time_step(step, device, s)
+    except ValueError as error:
+        if not delta or "cannot run this call" not in str(error):
+            raise
+        return dict(fields, ms="refused", note=f"backward refused: {_message(error)}")
+    return dict(fields, ms=f"{seconds * 1e3:.2f}", tokens_per_s=f"{s['batch'] * n / seconds:,.0f}",
                 peak_mib=None if peak is None else f"{peak:,.0f}")
 
 
@@ -379,22 +429,27 @@ def main(argv=None):
     report.write()
 
     report.begin("correctness")
-    for name, config in layer_configs(s).items():
-        # ('auto' beside 'fla' where a known-bad pair may refuse fla: the torch kernel, with a warning)
-        kernels = ("auto",) if name == "local heads only" else ("torch", "fla", "auto") if name == "given-feature" \
-            else ("torch", "fla")
-        for kernel in kernels:
-            for dtype in ("fp32", "bf16"):
-                report.row(f"{name}, kernel={kernel}, {dtype}", lambda: check_layer(config, kernel, dtype, device, s))
+    cases = [(name, config, kernel) for name, config in layer_configs(s).items()
+             # ('auto' beside 'fla' where a known-bad pair may refuse fla: the torch kernel, with a warning)
+             for kernel in (("auto",) if name == "local heads only" else ("torch", "fla", "auto")
+                            if name == "given-feature" else ("torch", "fla"))]
+    # the torch kernel's rows first: fla's and flex's first calls compile, and must not push them past the budget
+    for name, config, kernel in sorted(cases, key=lambda case: case[2] != "torch"):
+        for dtype in ("fp32", "bf16"):
+            report.row(f"{name}, kernel={kernel}, {dtype}", lambda: check_layer(config, kernel, dtype, device, s))
 
     report.begin("decoding")
     for compiled in (False, True):
-        report.row(f"cached decoding, {'compiled (CUDA graphs)' if compiled else 'eager'}",
-                   lambda: check_decoding(device, s, compiled))
+        for rule in ("additive", "delta"):
+            mode = "compiled (CUDA graphs)" if compiled else "eager"
+            # (compiling is most of a compiled row: the second needs about what the first took)
+            needs = report.rows[-1].get("seconds", 0.0) if compiled and rule == "delta" else 0.0
+            report.row(f"cached decoding, {'delta rule, ' if rule == 'delta' else ''}{mode}",
+                       lambda: check_decoding(device, s, compiled, rule), needs=needs)
 
     report.begin("timing")
     for kind in ("layer", "lm"):
-        names = ("torch", "fla", "fla alone", "sdpa", *(NORMALISERS if kind == "layer" else ()))
+        names = ("torch", "fla", "fla alone", "sdpa", *(NORMALISERS + DELTA if kind == "layer" else ()))
         for n in s["lengths"]:
             for name in names:
                 report.row(f"{kind}, {name}, n={n}", lambda: timing_row(kind, name, n, device, s))

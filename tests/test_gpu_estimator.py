@@ -218,7 +218,8 @@ def test_command_line_refuses_bad_input(argv, message, capsys):
 def test_gpu_check_dry_run_on_the_cpu(tmp_path, capsys):
     """The GPU check's dry run goes through every section on the CPU and writes its JSON and
     markdown: each correctness row within tolerance or refused with its reason (fla needs CUDA
-    here), decoding equal to the full forward, timing rows with tokens per second."""
+    here), the delta rule's too, decoding equal to the full forward (an LM with delta-rule heads
+    too), timing rows with tokens per second."""
     import json
 
     import gpu_check
@@ -226,16 +227,23 @@ def test_gpu_check_dry_run_on_the_cpu(tmp_path, capsys):
     code = gpu_check.main(["--cpu-dry-run", "--out", str(tmp_path), "--budget", "600"])  # (none skipped: busy CPU)
     report = json.loads((tmp_path / "gpu_check.json").read_text())
     assert code == 0, capsys.readouterr().out
-    assert {"torch", "cuda", "triton", "fla-core", "device", "fla kernel"} <= set(report["versions"])
+    assert {"torch", "cuda", "triton", "fla-core", "device", "fla kernel", "fla delta-rule kernel, backward"} <= \
+        set(report["versions"])
     rows = {row["name"]: row for row in report["rows"]}
     assert {row["section"] for row in report["rows"]} == {"correctness", "decoding", "timing"}
-    for name in ("default", "gated", "given-feature", "seed-like"):
+    for name in ("default", "gated", "given-feature", "seed-like", "delta", "gated delta"):
         for dtype in ("fp32", "bf16"):
             assert rows[f"{name}, kernel=torch, {dtype}"]["status"] == "ok"
             assert rows[f"{name}, kernel=fla, {dtype}"]["status"] in ("ok", "unavailable")
     assert float(rows["default, kernel=torch, fp32"]["out_err"]) < 1e-5
-    assert rows["cached decoding, eager"]["status"] == rows["cached decoding, compiled (CUDA graphs)"]["status"] == "ok"
+    for name in ("delta", "gated delta"):  # (float32 against float64: far inside the row's 1e-3)
+        assert max(float(rows[f"{name}, kernel=torch, fp32"][key]) for key in ("out_err", "grad_err")) < 1e-5
+    for rule in ("", "delta rule, "):
+        for mode in ("eager", "compiled (CUDA graphs)"):
+            assert rows[f"cached decoding, {rule}{mode}"]["status"] == "ok"
     assert float(rows["layer, torch, n=64"]["tokens_per_s"].replace(",", "")) > 0
+    delta = rows["layer, delta, torch, n=64"]
+    assert min(float(delta[key].replace(",", "")) for key in ("tokens_per_s", "forward_tokens_per_s")) > 0
     assert rows["lm, sdpa, n=64"]["status"] == "ok"
     assert "| default, kernel=torch, fp32 | ok |" in (tmp_path / "gpu_check.md").read_text()
 
@@ -269,17 +277,19 @@ def test_gpu_check_times_the_same_normalised_attention_both_ways():
 
 def test_gpu_check_guards_each_row(tmp_path):
     """A row that raises is recorded with its error and the check goes on; past the section's
-    budget the rows are skipped."""
+    budget the rows are skipped, and so is a row that needs more time than is left."""
     import gpu_check
 
     report = gpu_check.Report(str(tmp_path), budget=60)
     report.begin("s", 60)
     report.row("raises", lambda: 1 / 0)
     report.row("goes on", lambda: dict(value=1))
+    report.row("needs more than is left", lambda: dict(value=2), needs=120)
     report.deadline = 0
-    report.row("late", lambda: dict(value=2))
+    report.row("late", lambda: dict(value=3))
     statuses = [(row["name"], row["status"]) for row in report.rows]
-    assert statuses == [("raises", "error"), ("goes on", "ok"), ("late", "skipped")]
+    assert statuses == [("raises", "error"), ("goes on", "ok"), ("needs more than is left", "skipped"),
+                        ("late", "skipped")]
     assert "ZeroDivisionError" in report.rows[0]["note"]
     assert "goes on" in (tmp_path / "gpu_check.md").read_text()
 
