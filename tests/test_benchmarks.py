@@ -331,3 +331,20 @@ def test_bench_generate_times_tokens_within_and_past_max_seq_len():
     assert figures["within_ms_per_token"] > 0 and figures["past_ms_per_token"] > 0
     assert figures["past_over_within"] == pytest.approx(figures["past_ms_per_token"] / figures["within_ms_per_token"])
     assert figures["peak_bytes"] >= 0 and figures["peak_within_bytes"] >= 0 and figures["memory_method"]
+
+
+def test_bench_step_times_the_rules_it_names_and_reports_the_median_ratio(capsys):
+    import re
+    import statistics
+
+    import bench_step
+
+    models = [bench_step.build({"update_rule": rule}) for rule in ("additive", "delta")]
+    rules = [{m.update_rule for m in model.modules() if hasattr(m, "update_rule")} for model in models]
+    assert rules == [{"additive"}, {"delta"}]
+    assert bench_step.main(["--rounds", "3", "--steps", "1"]) == 0
+    out = capsys.readouterr().out
+    ratios = [float(r) for r in re.findall(r"^round \d+: .* ratio ([0-9.]+)$", out, flags=re.M)]
+    assert len(ratios) == 3
+    median = float(re.search(r"^median: .*: ([0-9.]+)x$", out, flags=re.M).group(1))
+    assert abs(median - statistics.median(ratios)) <= 1e-3
