@@ -11,6 +11,24 @@ vocabulary. Keys are distinct within a sequence and come from [1, vocab/2), valu
 distinct too and come from [vocab/2, vocab). The model reads causally and is scored only where
 it stands on a query key: its next-token prediction must be the value bound to that key.
 
+Past the training length (``--lengths 1 2 4 8 16``): after training at SEQ_LEN, the same model
+reads held-out sequences of each factor times SEQ_LEN, with the same number of pairs. Their
+layout stretches the training one: the pairs open the sequence as before, each key's slot is
+drawn exactly as at SEQ_LEN (the same power law over SEQ_LEN's S slots), and then moved to a
+uniformly drawn slot of its own share of the longer sequence's S' slots: training slot s
+becomes a slot of [floor(s S' / S), floor((s + 1) S' / S)). Every query therefore stands about
+S' / S times as far from the pairs as it would at SEQ_LEN (at 128 tokens and 16 pairs, S = 48
+and S' = 112, 240, 496, 1008: 2.3 to 21 times), with that much more filler between, and the
+queries keep their order. The held-out sets of all factors come from one generator seed and
+draw the pairs and the training slots first, so they hold the same pairs, asked in the same
+order, and at factor 1 the set is the usual held-out set. (Zoology's way to a longer sequence,
+the same power law over all S' slots, keeps most queries near the pairs: at 128:16 and 16x half
+of them still stand within the first 128 tokens, where a causal model reads what it read in
+training, and the mean distance from a key to its query is 346 tokens against 664 stretched
+and 47 at 1x.) The figures: the accuracy at each factor, and the accuracy among the queries
+at or past SEQ_LEN, positions no training sequence had (at 128:16, 30 % of the queries at
+2x, 86 % at 16x).
+
 Each training step draws a fresh batch from a generator fixed by (seed, step), so every model
 of one seed sees the same data; the held-out set comes from a generator seed no training batch
 uses. Held-out accuracy is measured every ``--eval-every`` steps: the figures are the first
@@ -33,7 +51,9 @@ Models (dim 64, depth 2, 2 heads, vocabulary 512 by default):
     softmax+conv  ``softmax`` with a short causal convolution before attention in every block
                   (``ShortConv``, Zoology's BaseConv), which hands each position its
                   previous tokens.
-    the rest      ``LinearAttentionTransformerLM(causal=True, ...)`` with the options of VARIANTS.
+    the rest      ``LinearAttentionTransformerLM(causal=True, ...)`` with the options of VARIANTS
+                  (their names: +rotary for rotary positions, +nopos for none, otherwise the
+                  axial position table, which reads no sequence past SEQ_LEN).
 
 Training, the same for every model: AdamW (lr 1e-3, linear warm-up over 100 steps, then
 constant, weight decay 0.01: ``--weight-decay``), batch 32, cross entropy at the query
@@ -43,6 +63,8 @@ trains in a fresh subprocess; ``--out`` writes every result (the held-out curve 
 JSON after each model, so a cut run keeps what it finished.
 
 Usage:  python benchmarks/bench_recall.py --threads 1 --sizes 128:16 --variants softmax+conv gate --seeds 0 --out r.json
+        python benchmarks/bench_recall.py --threads 1 --sizes 128:16 --variants gate+delta+conv+rotary --seeds 0
+               --lengths 1 2 4 8 16 --out recall_length.json
 See docs/layers.md ("Recall") for the figures and what they mean.
 """
 
@@ -78,13 +100,29 @@ def slot_weights(slots, power_a=POWER_A):
     return torch.arange(1, slots + 1, dtype=torch.float64) ** (power_a - 1)
 
 
-def mqar_batch(batch, seq_len, pairs, vocab, generator, power_a=POWER_A):
+def stretched_slots(slot, train_slots, slots, generator):
+    """Slots of a longer sequence for the training ``slot``s (of ``train_slots``): training slot
+    s becomes a uniform draw from [floor(s slots / train_slots), floor((s + 1) slots /
+    train_slots)), one share of ``slots``. The shares do not overlap, so distinct slots stay
+    distinct, in the same order."""
+    low = slot * slots // train_slots
+    high = (slot + 1) * slots // train_slots
+    return low + (torch.rand(slot.shape, generator=generator, dtype=torch.float64) * (high - low)).long()
+
+
+def mqar_batch(batch, seq_len, pairs, vocab, generator, power_a=POWER_A, train_len=None):
     """One batch of MQAR sequences: (tokens (batch, seq_len), targets (batch, seq_len)).
 
     tokens: ``k1 v1 ... kP vP``, then (seq_len - 2P) / 2 two-token slots; key i is asked at the
     first token of slot s_i, the slots drawn without replacement by ``slot_weights``; every
     other position after the pairs is a uniform random token of [0, vocab). targets: the value
-    bound to the key at each query position, IGNORE everywhere else."""
+    bound to the key at each query position, IGNORE everywhere else.
+
+    ``train_len`` (a held-out set past the training length, seq_len > train_len): the slots are
+    drawn as at train_len, then stretched over seq_len's (``stretched_slots``). The pairs and
+    the slots before stretching do not depend on seq_len: from generators in the same state,
+    every seq_len gets the same pairs and the same order of queries; with train_len = seq_len
+    the batch is the one without train_len."""
     if vocab % 2 or vocab < 4:
         raise ValueError(f"vocab must be an even number >= 4, got {vocab}")
     n_keys = vocab // 2 - 1  # keys 1 .. vocab/2 - 1, as in Zoology (which uses 0 to mark filler)
@@ -93,12 +131,17 @@ def mqar_batch(batch, seq_len, pairs, vocab, generator, power_a=POWER_A):
     slots = (seq_len - 2 * pairs) // 2
     if slots < pairs:
         raise ValueError(f"seq_len {seq_len} has room for {slots} queries after {pairs} pairs; needs {pairs}")
+    train_slots = slots if train_len is None else (train_len - 2 * pairs) // 2
+    if not pairs <= train_slots <= slots:
+        raise ValueError(f"train_len {train_len} must hold {pairs} queries and be at most seq_len {seq_len}")
     g = generator
     # the top ``pairs`` of i.i.d. uniforms: a random subset in random order (cheaper than argsort)
     keys = torch.rand(batch, n_keys, generator=g).topk(pairs, dim=1).indices + 1
     values = torch.rand(batch, vocab - vocab // 2, generator=g).topk(pairs, dim=1).indices + vocab // 2
     # key i's slot: sequential draws without replacement, so earlier pairs tend to be asked sooner
-    slot = torch.multinomial(slot_weights(slots, power_a).expand(batch, slots), pairs, generator=g)
+    slot = torch.multinomial(slot_weights(train_slots, power_a).expand(batch, train_slots), pairs, generator=g)
+    if train_slots < slots:
+        slot = stretched_slots(slot, train_slots, slots, g)
     query_pos = 2 * pairs + 2 * slot
 
     tokens = torch.randint(0, vocab, (batch, seq_len), generator=g)
@@ -220,6 +263,14 @@ VARIANTS = {
     "gate+taylor+conv+dh16": dict(use_gate=True, feature_map="taylor", use_local_conv=True, dim_head=16),
     "taylor+conv+qk16": dict(feature_map="taylor", use_local_conv=True, dim_qk=16),
     "gate+taylor+conv+qk16": dict(use_gate=True, feature_map="taylor", use_local_conv=True, dim_qk=16),
+    # positions that read past the training length (--lengths): rotary, or none at all
+    "gate+conv+rotary": dict(use_gate=True, use_local_conv=True, use_rotary_emb=True),
+    "gate+taylor+conv+qk16+rotary": dict(use_gate=True, feature_map="taylor", use_local_conv=True, dim_qk=16,
+                                         use_rotary_emb=True),
+    "delta+conv+rotary": dict(update_rule="delta", use_local_conv=True, use_rotary_emb=True),
+    "delta+conv+nopos": dict(update_rule="delta", use_local_conv=True, use_pos_emb=False),
+    "gate+delta+conv+rotary": dict(update_rule="delta", use_gate=True, use_local_conv=True, use_rotary_emb=True),
+    "gate+delta+conv+nopos": dict(update_rule="delta", use_gate=True, use_local_conv=True, use_pos_emb=False),
 }
 
 
@@ -230,6 +281,13 @@ def build_model(variant, vocab, dim, depth, heads, seq_len):
 
     return LinearAttentionTransformerLM(num_tokens=vocab, dim=dim, depth=depth, max_seq_len=seq_len, heads=heads,
                                         causal=True, tie_embedding=True, **VARIANTS[variant])
+
+
+def length_limit(model):
+    """The longest sequence ``model`` reads (its position table's), or None: any length."""
+    if isinstance(model, SoftmaxTransformer):
+        return None if model.pos_emb is None else model.pos_emb.num_embeddings
+    return model.length_limit
 
 
 def parameters(model, vocab=None):
@@ -258,6 +316,58 @@ def accuracy(model, tokens, targets, device, batch=250):
             total += asked.sum().item()
     model.train()
     return right / total
+
+
+def query_hits(model, tokens, targets, device, batch_tokens=32_000):
+    """The position of every query (row by row) and whether the argmax there is its value;
+    batches of about ``batch_tokens`` tokens, so long sequences go a few at a time."""
+    model.eval()
+    batch, positions, hits = max(1, batch_tokens // tokens.shape[1]), [], []
+    with torch.no_grad():
+        for i in range(0, tokens.shape[0], batch):
+            x, y = tokens[i : i + batch].to(device), targets[i : i + batch].to(device)
+            asked = y != IGNORE
+            hits.append((query_logits(model, x, asked).argmax(dim=-1) == y[asked]).cpu())
+            positions.append(asked.nonzero()[:, 1].cpu())
+    model.train()
+    return torch.cat(positions), torch.cat(hits)
+
+
+def held_out_past(count, factor, seq_len, pairs, vocab, power_a=POWER_A):
+    """The held-out set of ``factor`` times the training length (the module docstring's layout)."""
+    return mqar_batch(count, factor * seq_len, pairs, vocab, batch_generator(*HELD_OUT), power_a, train_len=seq_len)
+
+
+def past_training_length(model, args, seq_len, pairs):
+    """Figures at each factor of ``args.lengths``: the accuracy, the mean distance from a key to
+    its query, and the accuracy and share of the queries at or past ``seq_len``; None for a
+    length the model's position table does not reach."""
+    figures, limit = {}, length_limit(model)
+    for factor in args.lengths:
+        if limit is not None and factor * seq_len > limit:
+            figures[f"{factor}x"] = None
+            continue
+        start = time.perf_counter()
+        count = args.held_out if factor == 1 or args.held_out_past is None else args.held_out_past
+        try:
+            positions, hits = query_hits(model, *held_out_past(count, factor, seq_len, pairs, args.vocab,
+                                                               args.power_a), args.device)
+        except (RuntimeError, ValueError) as error:  # (out of memory, say): keep the training's figures
+            figures[f"{factor}x"] = dict(error=repr(error))
+            print(f"{args.variant} seed {args.seed} at {factor}x failed: {error!r}", flush=True)
+            continue
+        past = positions >= seq_len
+        figures[f"{factor}x"] = dict(
+            accuracy=round(hits.float().mean().item(), 4), sequences=count,
+            mean_distance=round(positions.double().mean().item() - (pairs - 1), 1),  # keys at 0, 2, .., 2P - 2
+            past_accuracy=round(hits[past].float().mean().item(), 4) if past.any() else None,
+            past_share=round(past.float().mean().item(), 4), seconds=round(time.perf_counter() - start, 1))
+        line = f"{args.variant} seed {args.seed} at {factor}x: {figures[f'{factor}x']}"
+        print(line, flush=True)
+        if args.progress:
+            with open(args.progress, "a") as f:
+                print(line, file=f)
+    return figures
 
 
 def first_pass(curve, level=PASS):
@@ -304,13 +414,22 @@ def train_one(args):
                     print(line, file=f)
             if args.stop_at is not None and len(curve) >= 2 and min(a for _, a in curve[-2:]) >= args.stop_at:
                 break  # learned: the rest of the budget would only cost CPU time
-    emit_result(dict(accuracy=curve[-1][1], steps_to_pass=first_pass(curve), curve=curve, losses=losses,
-                     params=parameters(model), mixing_params=parameters(model, args.vocab),
-                     seconds=round(train_seconds, 1), steps=step,
-                     load_before=load_before, load_after=load_average()))
+    result = dict(accuracy=curve[-1][1], steps_to_pass=first_pass(curve), curve=curve, losses=losses,
+                  params=parameters(model), mixing_params=parameters(model, args.vocab),
+                  seconds=round(train_seconds, 1), steps=step, load_before=load_before, load_after=load_average())
+    if args.lengths:
+        result["lengths"] = past_training_length(model, args, seq_len, pairs)
+    emit_result(result)
 
 
 # -------------------------------------------------------------------------------- driver
+
+
+def length_cell(figures):
+    """A table cell of one factor of --lengths: the accuracy in %, or why there is none."""
+    if figures is None:
+        return "position table"
+    return "failed" if "error" in figures else f"{100 * figures['accuracy']:.1f}"
 
 
 def parse_size(text):
@@ -321,7 +440,7 @@ def parse_size(text):
     return seq_len, pairs
 
 
-def main():
+def build_parser():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--sizes", nargs="+", type=parse_size, default=[(64, 4), (128, 16), (256, 32)],
                         help="difficulties as SEQ_LEN:PAIRS (default 64:4 128:16 256:32)")
@@ -337,6 +456,11 @@ def main():
     parser.add_argument("--clip", type=float, default=1.0, help="gradient norm clipped to this (0: off)")
     parser.add_argument("--warmup", type=int, default=100)
     parser.add_argument("--held-out", type=int, default=500, help="held-out sequences per difficulty")
+    parser.add_argument("--lengths", nargs="+", type=int, default=None, metavar="FACTOR",
+                        help="after training, also score held-out sequences of these multiples of the training "
+                             "length (e.g. 1 2 4 8 16; see the module docstring for their layout)")
+    parser.add_argument("--held-out-past", type=int, default=None,
+                        help="held-out sequences at each factor above 1 (default: --held-out)")
     parser.add_argument("--dim", type=int, default=64)
     parser.add_argument("--depth", type=int, default=2)
     parser.add_argument("--heads", type=int, default=2)
@@ -351,7 +475,12 @@ def main():
     parser.add_argument("--progress", help="append each held-out measurement to this file as it is made")
     parser.add_argument("--list", action="store_true", help="print the models and exit")
     parser.add_argument("--worker", nargs=3, metavar=("SIZE", "VARIANT", "SEED"), help=argparse.SUPPRESS)
-    args = parser.parse_args()
+    return parser
+
+
+def main(argv=None):
+    parser = build_parser()
+    args = parser.parse_args(argv)
 
     if args.list:
         return print("\n".join(f"{name:22s} {'SoftmaxTransformer ' * (name in SOFTMAX)}{options}"
@@ -369,18 +498,25 @@ def main():
               f"gradient norm clipped to {args.clip or 'off'}, batch {args.batch}, "
               f"{args.steps} steps (stop at {args.stop_at}); "
               f"held-out: {args.held_out} sequences every {args.eval_every} steps")
+    if args.lengths:
+        config += (f"; after training, held-out at {', '.join(f'{f}x' for f in args.lengths)} the training length "
+                   f"({args.held_out if args.held_out_past is None else args.held_out_past} sequences past 1x), "
+                   "query slots stretched")
     print_header(args.device, args.threads, [config])
     shared = ["--steps", args.steps, "--eval-every", args.eval_every, "--batch", args.batch, "--lr", args.lr,
               "--weight-decay", args.weight_decay, "--clip", args.clip,
               "--warmup", args.warmup, "--held-out", args.held_out, "--dim", args.dim, "--depth", args.depth,
               "--heads", args.heads, "--vocab", args.vocab, "--power-a", args.power_a, "--device", args.device]
-    for flag, value in (("--stop-at", args.stop_at), ("--progress", args.progress), ("--threads", args.threads)):
+    for flag, value in (("--stop-at", args.stop_at), ("--progress", args.progress), ("--threads", args.threads),
+                        ("--held-out-past", args.held_out_past)):
         if value is not None:
             shared += [flag, value]
+    if args.lengths:
+        shared += ["--lengths"] + args.lengths
     record = dict(command=" ".join([os.path.basename(sys.executable)] + sys.argv), config=config,
                   started=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), runs=[])
 
-    rows = []
+    rows, factors = [], args.lengths or []
     for seq_len, pairs in args.sizes:
         for seed in args.seeds:
             for variant in args.variants:
@@ -389,7 +525,7 @@ def main():
                                                   label)
                 if error:
                     print(error, flush=True)
-                    rows.append([f"{seq_len}:{pairs}", variant, seed, "failed", "", "", "", "", ""])
+                    rows.append([f"{seq_len}:{pairs}", variant, seed, "failed"] + [""] * (5 + len(factors)))
                     continue
                 print(f"done {label}: {result}", flush=True)
                 result.update(seq_len=seq_len, pairs=pairs, variant=variant, seed=seed,
@@ -401,10 +537,11 @@ def main():
                 passed = result["steps_to_pass"]
                 rows.append([f"{seq_len}:{pairs}", variant, seed, f"{100 * result['accuracy']:.1f}",
                              f"> {args.steps}" if passed is None else passed, result["params"],
-                             result["mixing_params"], f"{result['seconds']:.0f}", result["steps"]])
+                             result["mixing_params"], f"{result['seconds']:.0f}", result["steps"]]
+                            + [length_cell(result["lengths"][f"{f}x"]) for f in factors])
     print()
     print(table(["tokens:pairs", "variant", "seed", "final acc %", f"steps to {PASS:.0%}", "params",
-                 "non-vocab params", "train s", "steps"], rows))
+                 "non-vocab params", "train s", "steps"] + [f"{f}x acc %" for f in factors], rows))
     print(f"load:    {load_average()} (end)")
 
 

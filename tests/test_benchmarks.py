@@ -234,6 +234,68 @@ def test_bench_recall_query_slots_follow_the_power_law():
         assert low < (slots < 10).float().mean().item() < high, power_a
 
 
+def test_bench_recall_held_out_past_the_training_length_stretches_the_query_slots():
+    """The longer held-out sets (--lengths): at every factor the same pairs open the sequence
+    and the keys are asked in the same order; training slot s of S moves to a slot of
+    [floor(s S' / S), floor((s + 1) S' / S)) of the longer sequence's S', so the queries lie
+    further from their keys; at factor 1 the set is the usual held-out set."""
+    from bench_recall import HELD_OUT, IGNORE, batch_generator, held_out_past, mqar_batch
+
+    seq_len, pairs, vocab, count = 40, 6, 64, 200
+    base_tokens, base_targets = mqar_batch(count, seq_len, pairs, vocab, batch_generator(*HELD_OUT))
+    tokens, targets = held_out_past(count, 1, seq_len, pairs, vocab)
+    assert torch.equal(tokens, base_tokens) and torch.equal(targets, base_targets)
+
+    def asked(tokens, targets):  # per sequence, the keys in the order they are asked, and their slots
+        where = [(t != IGNORE).nonzero()[:, 0] for t in targets]
+        return [row[w].tolist() for row, w in zip(tokens, where)], [((w - 2 * pairs) // 2).tolist() for w in where]
+
+    base_order, base_slots = asked(base_tokens, base_targets)
+    slots = (seq_len - 2 * pairs) // 2  # 14
+    for factor in (2, 4, 16):
+        tokens, targets = held_out_past(count, factor, seq_len, pairs, vocab)
+        assert tokens.shape == (count, factor * seq_len)
+        assert torch.equal(tokens[:, : 2 * pairs], base_tokens[:, : 2 * pairs])  # the same pairs
+        order, long_slots = asked(tokens, targets)
+        assert order == base_order  # the same keys, asked in the same order, each once
+        wide = (factor * seq_len - 2 * pairs) // 2
+        moved = []
+        for short, long in zip(base_slots, long_slots):
+            for s, t in zip(short, long):
+                assert s * wide // slots <= t < (s + 1) * wide // slots, (factor, s, t)
+                moved.append(t - s * wide // slots)
+        assert len(set(moved)) > 1  # a draw within the share, not its first slot
+        for row, target in zip(tokens.tolist(), targets.tolist()):
+            bound = dict(zip(row[0 : 2 * pairs : 2], row[1 : 2 * pairs : 2]))
+            assert all(target[i] == bound[row[i]] for i, t in enumerate(target) if t != IGNORE)
+        # further from their keys: the mean slot grows about as wide / slots
+        grown = torch.tensor(sum(long_slots, [])).double().mean() / torch.tensor(sum(base_slots, [])).double().mean()
+        assert 0.8 * wide / slots < grown < 1.2 * wide / slots, factor
+
+
+def test_bench_recall_scores_past_the_training_length_only_where_positions_reach():
+    """past_training_length: at 1x the figure is the usual held-out accuracy; a rotary model
+    reads every factor, a model with a position table of the training length none past 1x."""
+    import argparse
+
+    from bench_recall import HELD_OUT, accuracy, batch_generator, build_model, mqar_batch, past_training_length
+
+    torch.manual_seed(0)
+    args = argparse.Namespace(lengths=[1, 2, 4], held_out=20, held_out_past=None, vocab=32, power_a=0.01,
+                              device="cpu", variant="tiny", seed=0, progress=None)
+    for name, reaches in (("softmax-rotary-untied-emb1", True), ("softmax", False), ("gate+conv+rotary", True)):
+        model = build_model(name, vocab=32, dim=16, depth=1, heads=2, seq_len=24)
+        figures = past_training_length(model, args, seq_len=24, pairs=4)
+        usual = accuracy(model, *mqar_batch(20, 24, 4, 32, batch_generator(*HELD_OUT)), "cpu")
+        assert figures["1x"]["accuracy"] == round(usual, 4) and figures["1x"]["past_share"] == 0, name
+        for factor in ("2x", "4x"):
+            if reaches:
+                assert 0 <= figures[factor]["accuracy"] <= 1 and 0 < figures[factor]["past_share"] < 1, name
+                assert figures[factor]["mean_distance"] > figures["1x"]["mean_distance"], name
+            else:
+                assert figures[factor] is None, name
+
+
 def test_bench_recall_models_are_causal_and_read_logits_at_the_queries():
     """bench_recall.py's softmax transformers (the short convolution included) and a library
     variant see no later token (a change at position t moves the logits at t onward only),
