@@ -267,6 +267,8 @@ VARIANTS = {
     "gate+conv+rotary": dict(use_gate=True, use_local_conv=True, use_rotary_emb=True),
     "gate+taylor+conv+qk16+rotary": dict(use_gate=True, feature_map="taylor", use_local_conv=True, dim_qk=16,
                                          use_rotary_emb=True),
+    "gate+taylor+conv+qk16+nopos": dict(use_gate=True, feature_map="taylor", use_local_conv=True, dim_qk=16,
+                                        use_pos_emb=False),
     "delta+conv+rotary": dict(update_rule="delta", use_local_conv=True, use_rotary_emb=True),
     "delta+conv+nopos": dict(update_rule="delta", use_local_conv=True, use_pos_emb=False),
     "gate+delta+conv+rotary": dict(update_rule="delta", use_gate=True, use_local_conv=True, use_rotary_emb=True),
@@ -483,7 +485,7 @@ def main(argv=None):
     args = parser.parse_args(argv)
 
     if args.list:
-        return print("\n".join(f"{name:22s} {'SoftmaxTransformer ' * (name in SOFTMAX)}{options}"
+        return print("\n".join(f"{name:28s} {'SoftmaxTransformer ' * (name in SOFTMAX)}{options}"
                                for name, options in {**SOFTMAX, **VARIANTS}.items()))
     if args.worker:
         args.size, args.variant, args.seed = parse_size(args.worker[0]), args.worker[1], int(args.worker[2])
