@@ -309,7 +309,7 @@ class Attention(nn.Module):
             q, k, v = (conv(t, mask, p, segments, kept)
                        for conv, t, p, kept in zip(self.local_conv, (q, k, v), previous, keep))
         if self.update_rule == "delta":
-            return self._delta_heads(q, k, v, mask, x, cache, place, segments)
+            return self._delta_heads(q, k, v, mask, x, cache, place.step, fresh, segments)
         fm = self.feature_map
         if self.causal:
             log_gate = None if self.forget_gate is None else self.forget_gate(x)
@@ -338,18 +338,17 @@ class Attention(nn.Module):
         k, normalize = self.noncausal_keys(k, mask, x, segments)
         return linear_attention(fm.queries(q), k, v, mask, normalize=normalize, segments=segments)
 
-    def _delta_heads(self, q, k, v, mask, x, cache, place, segments):
+    def _delta_heads(self, q, k, v, mask, x, cache, step, fresh, segments):
         """The global heads under the delta rule (``ops/delta``), q and k L2-normalised in the
         compute dtype; ``cache``: a ``GlobalCache`` whose state holds S (b, h, d, e), continued
-        from (unless at position 0) and updated in place; one token on ``place.step``."""
+        from (unless ``fresh``) and updated in place; one token in place on a ``step``."""
         q, k = (F.normalize(t.to(compute_dtype(t)), dim=-1) for t in (q, k))
         beta = torch.sigmoid(self.to_beta(x)).transpose(1, 2)  # (b, h, n)
         log_gate = None if self.forget_gate is None else self.forget_gate(x)
-        if place.step:
+        if step:
             state = cache.state.kv
             one = [None if t is None else t[:, :, 0].to(state.dtype) for t in (q, k, v, beta, log_gate)]
             return delta_rule_step(state, *one)[:, :, None].to(v.dtype)
-        fresh = cache is None or place.position == 0
         out = chunk_delta_rule(q, k, v, beta, log_gate, mask, state=None if fresh else cache.state.kv,
                                return_state=cache is not None, segments=segments, chunk_size=self.chunk_size,
                                kernel=self.kernel)

@@ -253,31 +253,39 @@ def _blindspot_sequence(q, k, v, log_decay, B, exp_features, runs):
     return q, k, v, (decay[0] if decay else None), starts, pending
 
 
+def to_fla(tensors, starts):
+    """(b, h, n, ·) tensors -> fla's layout (batch, time, heads, ·), contiguous, and cu_seqlens.
+    ``starts``: None, or (b, n) bool, True at each of fla's sequences' first token (then True
+    at every row's first): the batch becomes one row of sequences, cu_seqlens their bounds."""
+    pattern = "b h n d -> b n h d" if starts is None else "b h n d -> 1 (b n) h d"
+    cu_seqlens = None if starts is None else F.pad(starts.flatten().nonzero().flatten(), (0, 1), value=starts.numel())
+    return [rearrange(t, pattern).contiguous() for t in tensors], cu_seqlens
+
+
+def from_fla(out, starts, b):
+    """fla's output (``to_fla``'s layout) -> (b, h, n, e)."""
+    return rearrange(out, "b n h e -> b h n e" if starts is None else "1 (b n) h e -> b h n e", b=b)
+
+
 def _gla(q, k, v, log_decay, starts, exp_features, state, return_state):
     """The recurrence on fla's kernels: (out with the normaliser column (b, h, n, e + 1), last
     kv or None, last reference or None). k, v, log_decay: masked (``apply_key_mask``), v with
     the ones column; starts: None or (b, n) bool, True at each of fla's sequence starts (then
     True at every row's first token)."""
-    b, h, n, d = q.shape
     chunk_simple_gla, chunk_gla = _kernels()
     ref = None
     if exp_features:
         q, k, log_decay, ref = _exp_feature_factors(q, k, log_decay, None if state is None else state.ref.to(q.dtype),
                                                     starts)
-    # fla's layout: (batch, time, heads, features); packed sequences as one row
-    to_fla = "b h n d -> b n h d" if starts is None else "b h n d -> 1 (b n) h d"
-    q, k, v = (rearrange(t, to_fla).contiguous() for t in (q, k, v))
-    cu_seqlens = None
-    if starts is not None:
-        cu_seqlens = F.pad(starts.flatten().nonzero().flatten(), (0, 1), value=b * n)
+    b = q.shape[0]
+    per_feature = log_decay is not None and log_decay.ndim == 4
+    g = None if log_decay is None else log_decay if per_feature else log_decay[..., None]
+    (q, k, v, *g), cu_seqlens = to_fla([q, k, v] + ([] if g is None else [g]), starts)
+    g = g[0] if per_feature else g[0][..., 0] if g else None
     options = dict(scale=1.0, initial_state=None if state is None else state.kv.to(q.dtype).contiguous(),
                    output_final_state=return_state, cu_seqlens=cu_seqlens)
-    if log_decay is not None and log_decay.ndim == 4:
-        out, last = chunk_gla(q, k, v, g=rearrange(log_decay, to_fla).contiguous(), **options)
-    else:
-        g = None if log_decay is None else rearrange(log_decay[..., None], to_fla)[..., 0].contiguous()
-        out, last = chunk_simple_gla(q, k, v, g=g, **options)
-    return rearrange(out, "b n h e -> b h n e" if starts is None else "1 (b n) h e -> b h n e", b=b), last, ref
+    out, last = (chunk_gla if per_feature else chunk_simple_gla)(q, k, v, g=g, **options)
+    return from_fla(out, starts, b), last, ref
 
 
 def fla_causal_linear_attention(q, k, v, log_decay=None, mask=None, blindspot_size=1, exp_features=False, state=None,

@@ -119,27 +119,26 @@ def _chunks(q, k, v, beta, log_decay, state, segments, C):
     q, k, v = (F.pad(t, (0, 0, 0, pad)).unflatten(2, (c, C)) for t in (q, k, v))  # (b, h, c, C, ·)
     beta = F.pad(beta, (0, pad)).unflatten(2, (c, C))
     causal = torch.ones(C, C, dtype=torch.bool, device=q.device).tril()
-    carry = to_end = None  # where S_0 reaches / which keys reach the chunk's end (None: all)
     if segments is not None:
         starts = F.pad(segments[:, 1:] != segments[:, :-1], (1, pad))
         run = starts.unflatten(1, (c, C)).long().cumsum(dim=-1)[:, None]  # (b, 1, c, C): starts so far
         causal = causal & (run[..., :, None] == run[..., None, :])
-        carry, to_end = (run == 0).to(q.dtype), (run == run[..., -1:]).to(q.dtype)
+    # gamma: how much of S_0 reaches each token; to_end: how much of each key reaches the
+    # chunk's end (None: all of it)
+    gamma = to_end = None
     if log_decay is None:
         D = causal.to(q.dtype)
-        gamma, gamma_end = carry, None if carry is None else carry[..., -1]
     else:
         G = F.pad(log_decay, (0, pad)).unflatten(2, (c, C)).cumsum(dim=-1)  # (b, h, c, C)
         D = (G[..., :, None] - G[..., None, :]).masked_fill(~causal, NEG_INF).exp()
-        gamma, gamma_end = G.exp(), G[..., -1].exp()
-        decay_to_end = (G[..., -1:] - G).exp()
-        if carry is not None:
-            gamma, gamma_end, decay_to_end = gamma * carry, gamma_end * carry[..., -1], decay_to_end * to_end
-        to_end = decay_to_end
+        gamma, to_end = G.exp(), (G[..., -1:] - G).exp()
+    if segments is not None:  # S_0 reaches the chunk's first segment only, the end sees its last only
+        gamma = _times(gamma, (run == 0).to(q.dtype))
+        to_end = _times(to_end, (run == run[..., -1:]).to(q.dtype))
     # the solve reads only the strict lower triangle and takes the diagonal as 1
     system = beta[..., None] * (k @ k.transpose(-1, -2)) * D
     U = torch.linalg.solve_triangular(system, beta[..., None] * v, upper=False, unitriangular=True)
-    written = beta if gamma is None else beta * gamma
+    written = _times(gamma, beta)
     W = torch.linalg.solve_triangular(system, written[..., None] * k, upper=False, unitriangular=True)
     scores = (q @ k.transpose(-1, -2)) * D
     q_start = q if gamma is None else q * gamma[..., None]
@@ -149,10 +148,15 @@ def _chunks(q, k, v, beta, log_decay, state, segments, C):
     # chunk by chunk through unbind, whose backward is one stack (an index per chunk would
     # fill a full-size zero gradient for each: quadratic in n)
     per_chunk = [t.unbind(2) for t in (U, W, q_start, scores, k_end.transpose(-1, -2))]
-    kept = [None] * c if gamma_end is None else gamma_end[..., None, None].unbind(2)
+    kept = [None] * c if gamma is None else gamma[..., -1, None, None].unbind(2)  # S_0's share at the end
     outs = []
     for U_i, W_i, q_i, scores_i, k_end_i, kept_i in zip(*per_chunk, kept):  # three products per chunk
         delta = U_i - W_i @ S
         outs.append(q_i @ S + scores_i @ delta)
         S = (S if kept_i is None else kept_i * S) + k_end_i @ delta
     return torch.stack(outs, dim=2).flatten(2, 3)[:, :, :n], S
+
+
+def _times(factor, t):
+    """factor * t, where a factor of None stands for 1."""
+    return t if factor is None else factor * t

@@ -42,7 +42,6 @@ import functools
 
 import torch
 import torch.nn.functional as F
-from einops import rearrange
 
 from ..causal import fla as additive
 
@@ -89,21 +88,16 @@ def fla_chunk_delta_rule(q, k, v, beta, log_decay, state, return_state, segments
     """``chunk_delta_rule`` on fla's kernel: its arguments, checked there and in the compute
     dtype, the mask already applied to ``beta`` and ``log_decay``. Returns (out (b, h, n, e),
     the state after the last token or None)."""
-    b, h, n, d = q.shape
+    b = q.shape[0]
     g = torch.zeros_like(beta) if log_decay is None else log_decay  # a_t = 1 (module docstring)
     starts = None
     if segments is not None:  # each row's first token, and each segment's, starts one of fla's sequences
         starts = F.pad(segments[:, 1:] != segments[:, :-1], (1, 0), value=True)
-    to_fla, per_token = (("b h n d -> b n h d", "b h n -> b n h") if starts is None else
-                         ("b h n d -> 1 (b n) h d", "b h n -> 1 (b n) h"))
-    q, k, v = (rearrange(t, to_fla).contiguous() for t in (q, k, v))
-    beta, g = (rearrange(t, per_token).contiguous() for t in (beta, g))
-    cu_seqlens = None
-    if starts is not None:
-        cu_seqlens = F.pad(starts.flatten().nonzero().flatten(), (0, 1), value=b * n)
-    out, last = _kernel()(q, k, v, g, beta, scale=1.0, initial_state=None if state is None else state.contiguous(),
-                          output_final_state=return_state, use_qk_l2norm_in_kernel=False, cu_seqlens=cu_seqlens)
-    out = rearrange(out, "b n h e -> b h n e" if starts is None else "1 (b n) h e -> b h n e", b=b)
+    (q, k, v, beta, g), cu_seqlens = additive.to_fla([q, k, v, beta[..., None], g[..., None]], starts)
+    out, last = _kernel()(q, k, v, g[..., 0], beta[..., 0], scale=1.0,
+                          initial_state=None if state is None else state.contiguous(), output_final_state=return_state,
+                          use_qk_l2norm_in_kernel=False, cu_seqlens=cu_seqlens)
+    out = additive.from_fla(out, starts, b)
     if last is not None and starts is not None:  # one state per sequence: each row's last
         last = last[starts.sum(dim=1).cumsum(dim=0) - 1]
     return out, last
