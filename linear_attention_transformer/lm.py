@@ -183,6 +183,16 @@ class LinearAttentionTransformerLM(nn.Module):
         out = self._body(x, input_mask, context, context_mask, None, False, segment_ids, context_parallel)
         return self.project_out(self.norm(out))
 
+    def continue_features(self, x, cache):
+        """(features, cache): ``forward(x, cache=cache, return_cache=True)`` without the output
+        layer, whose logits ``logits_of(features)`` gives (a server computes logits only where
+        it samples)."""
+        return self._body(x, None, None, None, cache, True)
+
+    def logits_of(self, features):
+        """The logits of ``continue_features``' features."""
+        return self._output(features)
+
     @property
     def output_layer(self):
         """The last Linear(emb_dim, num_tokens) (None with return_embeddings)."""

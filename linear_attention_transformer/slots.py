@@ -1,0 +1,156 @@
+"""Many sequences at once, each continuing from its own slot of a pool of decoding states.
+
+A serving engine keeps one state per request in a pool of fixed slots and, at each call, hands
+the model a flat batch of new tokens: some requests are prefilling (several tokens, possibly one
+chunk of a longer prompt), others decoding (one token), each at its own position. A slot holds
+exactly what a one-row ``DecodingCache`` holds, less the position, which the engine gives with
+each call: the global heads' state, the local heads' ring, the convolution's and the token
+shift's last inputs (``slot_layout``).
+
+``continue_in_slots`` runs such a batch through the model's own forward, so every token
+gets what it would get from its sequence run alone:
+
+* the decoding requests go through one cached step together. The cache counts one position
+  for all rows, so a row at position p of a step at column P = max(p) starts at P - p, as a
+  row padded on the left does (``place.py``). A ring is stored in a slot with the key of
+  position t in ring slot t mod slots, as a sequence alone has it; at column P that key's
+  slot is (t + P - p) mod slots, so each ring is turned there for the step and back after.
+  A model with blindspot blocks steps each request alone (its blocks follow the column);
+* each prefilling request runs alone, through the chunked forms, from its slot.
+
+A request at position 0 starts from the empty state, whatever its slot holds (an engine
+reuses slots without clearing them).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .cache import AttentionCache, BranchCache, LocalCache, map_tensors, tensors_of
+
+
+def slot_layout(model):
+    """What one slot holds for ``model`` (a ``LinearAttentionTransformerLM``), block by block:
+    a list with one entry per residual block, each a list of (shape, dtype) of its tensors, in
+    the order ``continue_in_slots`` takes them."""
+    _check_model(model)
+    empty = model.empty_cache(1)
+    return [[(tuple(t.shape[1:]), t.dtype) for t in tensors_of(pair)] for pair in empty.layers]
+
+
+def empty_pool(model, num_slots, device=None):
+    """A pool of ``num_slots`` slots, each at the empty state: one list of tensors (num_slots,
+    *shape) per block, as ``slot_layout`` lists them."""
+    empty = model.empty_cache(num_slots, device=device)
+    return [tensors_of(pair) for pair in empty.layers]
+
+
+@torch.no_grad()
+def continue_in_slots(model, pool, tokens, query_starts, slots, positions):
+    """The output features for a batch of requests, each continuing its sequence from its slot
+    of ``pool`` (updated in place).
+
+    Args:
+        model: a causal ``LinearAttentionTransformerLM`` in eval mode.
+        pool: per block, the list of its state tensors (num_slots, *shape) (``empty_pool``, or an
+            engine's buffers of ``slot_layout``'s shapes and dtypes).
+        tokens: (T,) long, the requests' new tokens one after another.
+        query_starts: (R + 1,) long, request r's tokens at query_starts[r] : query_starts[r + 1].
+        slots: (R,) long, request r's slot.
+        positions: (R,) long, the position of request r's first new token in its sequence (0:
+            a new sequence, its slot read as empty).
+
+    Returns (T, dim) float: the features the model's output layer reads (``model.logits_of``
+    turns them into logits), each row what the request's sequence alone gives there.
+    """
+    _check_model(model)
+    query_starts, slots, positions = (t.tolist() for t in (query_starts, slots, positions))
+    if len(query_starts) != len(slots) + 1 or len(positions) != len(slots):
+        raise ValueError(f"query_starts must have one entry more than slots and positions, got {len(query_starts)}, "
+                         f"{len(slots)} and {len(positions)}")
+    counts = [b - a for a, b in zip(query_starts, query_starts[1:])]
+    if any(c < 1 for c in counts) or query_starts[0] != 0 or query_starts[-1] != tokens.shape[0]:
+        raise ValueError("query_starts must rise from 0 to the number of tokens, at least one token per request")
+    out = [None] * len(slots)
+    decoding = [r for r, c in enumerate(counts) if c == 1]
+    together = decoding if len(decoding) > 1 and not _blindspot_blocks(model) else []
+    if together:
+        rows = torch.tensor([query_starts[r] for r in together], device=tokens.device)
+        features = _run(model, pool, tokens[rows][:, None], [slots[r] for r in together],
+                        [positions[r] for r in together])
+        for i, r in enumerate(together):
+            out[r] = features[i]
+    for r in range(len(slots)):
+        if out[r] is None:
+            chunk = tokens[query_starts[r]:query_starts[r + 1]][None]
+            out[r] = _run(model, pool, chunk, [slots[r]], [positions[r]])[0]
+    return torch.cat(out, dim=0)
+
+
+def _run(model, pool, x, slots, positions):
+    """x (rows, n) continuing the sequences in ``slots`` at ``positions``: the features (rows,
+    n, dim), the slots updated."""
+    device = pool[0][0].device
+    index = torch.tensor(slots, device=device)
+    template = model.empty_cache(len(slots), device=device)
+    empty = iter(tensors_of(template.layers))
+    fresh = torch.tensor([p == 0 for p in positions], device=device)
+    taken = iter([torch.where(fresh.view(-1, *(1,) * (t.ndim - 1)), next(empty), t[index])
+                  for block in pool for t in block])
+    cache = template
+    cache.layers = map_tensors(template.layers, lambda t: next(taken))
+    column = max(positions)
+    cache.position.fill_(column)
+    shifts = None
+    if any(p != column for p in positions):
+        shifts = torch.tensor([column - p for p in positions], device=device)
+        cache.row_starts = shifts
+        _turn_rings(cache.layers, shifts)
+    out, cache = model.continue_features(x, cache)
+    if shifts is not None:
+        _turn_rings(cache.layers, -shifts)
+    for block, part in zip(pool, cache.layers):
+        for buffer, value in zip(block, tensors_of(part)):
+            buffer.index_copy_(0, index, value.to(buffer.dtype))
+    return out
+
+
+def _turn_rings(layers, shifts):
+    """Move each row's ring by ``shifts`` (rows,) slots in place: slot j takes what slot j -
+    shift held."""
+    for ring in _rings(layers):
+        slots = ring.slots
+        at = (torch.arange(slots, device=shifts.device) - shifts[:, None]) % slots  # (rows, slots)
+        ring.positions.copy_(ring.positions.gather(1, at))
+        kv = ring.kv
+        ring.kv.copy_(kv.gather(3, at[:, None, None, :, None].expand_as(kv)))
+
+
+def _rings(obj):
+    if isinstance(obj, LocalCache):
+        yield obj
+    elif isinstance(obj, (list, tuple)):
+        for o in obj:
+            yield from _rings(o)
+    elif isinstance(obj, AttentionCache):
+        yield from _rings(obj.local)
+    elif isinstance(obj, BranchCache):
+        yield from _rings(obj.fn)
+
+
+def _blindspot_blocks(model):
+    return any(getattr(m, "blindspot_size", 1) > 1 for m in model.modules())
+
+
+def _check_model(model):
+    from .lm import LinearAttentionTransformerLM  # (lm imports nothing from here)
+
+    if not isinstance(model, LinearAttentionTransformerLM):
+        raise TypeError(f"model must be a LinearAttentionTransformerLM, got {type(model).__name__}")
+    model.transformer.check_cacheable()
+    if model.transformer.attend_axially:
+        raise ValueError("attend_axially=True keeps a state per axial row, which a slot does not hold")
+    if model.transformer.receives_context:
+        raise ValueError("receives_context=True reads an encoder's context, which a slot does not hold")
+    if model.return_embeddings:
+        raise ValueError("return_embeddings=True gives no logits to serve")
