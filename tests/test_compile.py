@@ -104,16 +104,19 @@ def test_default_configuration_has_no_graph_break():
 
 @pytest.mark.parametrize("magnitude", [1.0, 100.0])
 def test_compiled_kernel_recomputes_lost_chunks(magnitude, monkeypatch):
-    """Compiled with dynamic shapes, the kernel's safe recompute is a ``torch.cond`` and its
+    """Compiled with a dynamic length, the kernel's safe recompute is a ``torch.cond`` and its
     chunk states the blocked scan: at x100 logits (where some chunks are lost to underflow:
     without the recompute the result is far off) and at x1 (where none is) the compiled
     output and gradients equal the float64 reference, at a length that is not a multiple of
-    the chunk (8) and at one that is, on one graph."""
+    the chunk (8) and at one that is, on one graph. The length is the one dynamic size (batch,
+    heads and features symbolic too cost the tracer minutes in symbolic arithmetic): the
+    causal LM's dynamic training step below compiles the same recompute and scan with every
+    size of its input symbolic."""
     from linear_attention_transformer.ops import causal_linear_attention, naive_causal_linear_attention
 
     kernel_module = importlib.import_module("linear_attention_transformer.ops.causal.chunk")
     g = torch.Generator().manual_seed(0)
-    compiled = torch.compile(causal_linear_attention, backend="aot_eager", fullgraph=True, dynamic=True)
+    compiled = torch.compile(causal_linear_attention, backend="aot_eager", fullgraph=True)
     for n in (20, 32):
         q, k = (magnitude * torch.randn(1, 2, n, 4, generator=g) for _ in range(2))
         v = torch.randn(1, 2, n, 3, generator=g)
@@ -122,6 +125,10 @@ def test_compiled_kernel_recomputes_lost_chunks(magnitude, monkeypatch):
 
         def run(fn, *inputs, **options):
             inputs = [t.clone().requires_grad_() for t in inputs]
+            if fn is compiled:
+                for t in inputs:
+                    torch._dynamo.mark_dynamic(t, 2)
+                torch._dynamo.mark_dynamic(mask, 1)
             out = fn(*inputs, mask=mask, exp_features=True, **options)
             (out * torch.linspace(-1, 1, 3)).sum().backward()
             return out.detach().double(), [t.grad.double() for t in inputs]
