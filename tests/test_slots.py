@@ -154,3 +154,21 @@ def test_bad_batches_are_refused_by_name():
     bidirectional = LinearAttentionTransformerLM(**{**BASE, "causal": False})
     with pytest.raises(ValueError, match="causal"):
         slot_layout(bidirectional)
+
+
+@pytest.mark.parametrize("options, why", [
+    (dict(attend_axially=True), "attend_axially"),
+    (dict(receives_context=True), "receives_context"),
+    (dict(return_embeddings=True), "return_embeddings"),
+    (dict(causal=False), "causal"),
+])
+def test_models_a_slot_cannot_hold_are_refused_by_name(options, why):
+    model = LinearAttentionTransformerLM(**{**BASE, **options}).eval()
+    with pytest.raises(ValueError, match=why):
+        slot_layout(model)
+
+
+def test_left_over_dropout_is_refused():
+    model = LinearAttentionTransformerLM(**BASE, attn_dropout=0.1)  # (still in training mode)
+    with pytest.raises(ValueError, match="dropout"):
+        slot_layout(model)

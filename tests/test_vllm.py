@@ -114,6 +114,15 @@ def free_port():
         return s.getsockname()[1]
 
 
+def complete(port, folder, prompt, stream=False):
+    """The server's answer to a greedy completion of ``prompt`` (token ids) over HTTP."""
+    body = json.dumps({"model": str(folder), "prompt": prompt, "max_tokens": NEW_TOKENS, "temperature": 0,
+                       "ignore_eos": True, "return_token_ids": True, "stream": stream}).encode()
+    request = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", body,
+                                     {"Content-Type": "application/json"})
+    return urllib.request.urlopen(request, timeout=120)
+
+
 def test_the_openai_server_completes_token_id_prompts_with_the_librarys_greedy_tokens(folders, tmp_path):
     folder, port, log = folders["recommended"], free_port(), tmp_path / "server.log"
     env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", VLLM_ALLOW_LONG_MAX_MODEL_LEN="1")
@@ -133,12 +142,16 @@ def test_the_openai_server_completes_token_id_prompts_with_the_librarys_greedy_t
                 assert time.monotonic() < deadline, "the server did not answer /health within 300 s"
                 time.sleep(1)
         for prompt in prompts()[1:4]:
-            body = json.dumps({"model": str(folder), "prompt": prompt, "max_tokens": NEW_TOKENS, "temperature": 0,
-                               "ignore_eos": True, "return_token_ids": True}).encode()
-            request = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", body,
-                                             {"Content-Type": "application/json"})
-            answer = json.load(urllib.request.urlopen(request, timeout=120))
+            answer = json.load(complete(port, folder, prompt))
             assert answer["choices"][0]["token_ids"] == library_greedy(folder, prompt, NEW_TOKENS)
+            # streamed: the same text, piece by piece
+            pieces = []
+            for line in complete(port, folder, prompt, stream=True):
+                line = line.decode().strip()
+                if line.startswith("data: ") and line != "data: [DONE]":
+                    pieces.append(json.loads(line[len("data: "):])["choices"][0]["text"])
+            assert len(pieces) > 1
+            assert "".join(pieces) == answer["choices"][0]["text"]
     finally:
         server.terminate()
         try:
