@@ -101,8 +101,9 @@ def copy_rows(into, rows, part):
 
 class LocalCache(_Cache):
     """Local heads: a ring of ``slots`` (``Window.most_keys``) keys and values, kv (b, 2, h, slots,
-    d) (position t in slot t mod slots), and each slot's key position per row, positions
-    (b, slots) (``NO_KEY``: no real key)."""
+    d), and each slot's key position per row, positions (b, slots) (``NO_KEY``: no real key). A
+    row's key of position t (counted from the row's first real column) is in slot t mod slots,
+    so a row's ring is laid out alike whatever column its sequence started at."""
 
     __slots__ = ("kv", "positions")
 
@@ -127,29 +128,40 @@ class LocalCache(_Cache):
         to their slots; only the last ``slots``. A key's position is its column, less its row's
         first real column (``row_starts`` (b,), left padding) when given."""
         n, slots = k.shape[2], self.slots
-        if n == 1 and mask is None and isinstance(start, int):  # (a step that knows its slot: views)
+        if n == 1 and mask is None and isinstance(start, int) and row_starts is None:  # (a known slot: views)
             slot = start % slots
             self.kv[:, 0, :, slot].copy_(k[:, :, 0])
             self.kv[:, 1, :, slot].copy_(v[:, :, 0])
-            self.positions[:, slot] = start if row_starts is None else start - row_starts
+            self.positions[:, slot] = start
             return
-        if n == 1 and mask is None:  # (the position a tensor: one select per buffer, no scatter)
+        if n == 1 and mask is None and row_starts is None:  # (the position a tensor: one select per buffer,
+            # no scatter, which runs slower in an exported graph)
             hit = torch.arange(slots, device=k.device) == torch.remainder(start, slots)
             new = torch.stack((k, v), dim=1).to(self.kv.dtype)  # (b, 2, h, 1, d)
             self.kv.copy_(torch.where(hit[:, None], new, self.kv))
-            key = start if row_starts is None else (start - row_starts)[:, None]
-            self.positions.copy_(torch.where(hit, key, self.positions))
+            self.positions.copy_(torch.where(hit, start, self.positions))
             return
         keep = min(n, slots)
         at = torch.arange(n - keep, n, device=k.device) + start
-        where = at % slots
+        if row_starts is None:
+            where = at % slots
+            for i, new in enumerate((k, v)):
+                new = new[:, :, n - keep:]
+                self.kv[:, i].index_copy_(2, where, new if new.dtype == self.kv.dtype else new.to(self.kv.dtype))
+            positions = at.expand(k.shape[0], keep)
+            if mask is not None:
+                positions = torch.where(mask[:, n - keep:], positions, NO_KEY)
+            self.positions.index_copy_(1, where, positions)
+            return
+        positions = at - row_starts[:, None]  # (b, keep): distinct slots in each row
+        where = positions % slots
+        h, d = k.shape[1], k.shape[3]
+        index = where[:, None, :, None].expand(-1, h, -1, d)
         for i, new in enumerate((k, v)):
-            new = new[:, :, n - keep:]
-            self.kv[:, i].index_copy_(2, where, new if new.dtype == self.kv.dtype else new.to(self.kv.dtype))
-        positions = at.expand(k.shape[0], keep) if row_starts is None else at - row_starts[:, None]
+            self.kv[:, i].scatter_(2, index, new[:, :, n - keep:].to(self.kv.dtype))
         if mask is not None:
             positions = torch.where(mask[:, n - keep:], positions, NO_KEY)
-        self.positions.index_copy_(1, where, positions)
+        self.positions.scatter_(1, where, positions)
 
 
 class GlobalCache(_Cache):

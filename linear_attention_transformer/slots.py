@@ -12,10 +12,9 @@ gets what it would get from its sequence run alone:
 
 * the decoding requests go through one cached step together. The cache counts one position
   for all rows, so a row at position p of a step at column P = max(p) starts at P - p, as a
-  row padded on the left does (``place.py``). A ring is stored in a slot with the key of
-  position t in ring slot t mod slots, as a sequence alone has it; at column P that key's
-  slot is (t + P - p) mod slots, so each ring is turned there for the step and back after.
-  A model with blindspot blocks steps each request alone (its blocks follow the column);
+  row padded on the left does (``place.py``); a row's state does not depend on the column its
+  sequence started at (a ring holds the key of position t in slot t mod slots). A model with
+  blindspot blocks steps each request alone (its blocks follow the column);
 * each prefilling request runs alone, through the chunked forms, from its slot.
 
 A request at position 0 starts from the empty state, whatever its slot holds (an engine
@@ -26,7 +25,7 @@ from __future__ import annotations
 
 import torch
 
-from .cache import AttentionCache, BranchCache, LocalCache, map_tensors, tensors_of
+from .cache import map_tensors, tensors_of
 
 
 def slot_layout(model):
@@ -92,50 +91,25 @@ def _run(model, pool, x, slots, positions):
     n, dim), the slots updated."""
     device = pool[0][0].device
     index = torch.tensor(slots, device=device)
-    template = model.empty_cache(len(slots), device=device)
-    empty = iter(tensors_of(template.layers))
-    fresh = torch.tensor([p == 0 for p in positions], device=device)
-    taken = iter([torch.where(fresh.view(-1, *(1,) * (t.ndim - 1)), next(empty), t[index])
-                  for block in pool for t in block])
+    taken = [t[index] for block in pool for t in block]
+    template = model.empty_cache(1, device=device)  # (one row: the empty state, and the structure)
+    fresh = [p == 0 for p in positions]
+    if any(fresh):
+        rows = torch.tensor(fresh, device=device)
+        empty = tensors_of(template.layers)
+        taken = [torch.where(rows.view(-1, *(1,) * (t.ndim - 1)), e.to(t.dtype), t) for e, t in zip(empty, taken)]
+    taken = iter(taken)
     cache = template
     cache.layers = map_tensors(template.layers, lambda t: next(taken))
     column = max(positions)
     cache.position.fill_(column)
-    shifts = None
     if any(p != column for p in positions):
-        shifts = torch.tensor([column - p for p in positions], device=device)
-        cache.row_starts = shifts
-        _turn_rings(cache.layers, shifts)
+        cache.row_starts = torch.tensor([column - p for p in positions], device=device)
     out, cache = model.continue_features(x, cache)
-    if shifts is not None:
-        _turn_rings(cache.layers, -shifts)
     for block, part in zip(pool, cache.layers):
         for buffer, value in zip(block, tensors_of(part)):
             buffer.index_copy_(0, index, value.to(buffer.dtype))
     return out
-
-
-def _turn_rings(layers, shifts):
-    """Move each row's ring by ``shifts`` (rows,) slots in place: slot j takes what slot j -
-    shift held."""
-    for ring in _rings(layers):
-        slots = ring.slots
-        at = (torch.arange(slots, device=shifts.device) - shifts[:, None]) % slots  # (rows, slots)
-        ring.positions.copy_(ring.positions.gather(1, at))
-        kv = ring.kv
-        ring.kv.copy_(kv.gather(3, at[:, None, None, :, None].expand_as(kv)))
-
-
-def _rings(obj):
-    if isinstance(obj, LocalCache):
-        yield obj
-    elif isinstance(obj, (list, tuple)):
-        for o in obj:
-            yield from _rings(o)
-    elif isinstance(obj, AttentionCache):
-        yield from _rings(obj.local)
-    elif isinstance(obj, BranchCache):
-        yield from _rings(obj.fn)
 
 
 def _blindspot_blocks(model):
