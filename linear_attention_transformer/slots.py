@@ -88,16 +88,23 @@ def continue_in_slots(model, pool, tokens, query_starts, slots, positions):
 
 def _run(model, pool, x, slots, positions):
     """x (rows, n) continuing the sequences in ``slots`` at ``positions``: the features (rows,
-    n, dim), the slots updated."""
+    n, dim), the slots updated. Rows whose slots, sorted, are consecutive run on views of the
+    pool, updated in place; others on copies of their slots, written back."""
     device = pool[0][0].device
-    index = torch.tensor(slots, device=device)
-    taken = [t[index] for block in pool for t in block]
+    order = sorted(range(len(slots)), key=slots.__getitem__)
+    first = slots[order[0]]
+    in_place = all(slots[i] == first + r for r, i in enumerate(order))
+    if in_place:  # (the rows in the order of their slots)
+        x, positions = x[torch.tensor(order, device=x.device)], [positions[i] for i in order]
+        taken = [t[first : first + len(slots)] for block in pool for t in block]
+    else:
+        index = torch.tensor(slots, device=device)
+        taken = [t[index] for block in pool for t in block]
     template = model.empty_cache(1, device=device)  # (one row: the empty state, and the structure)
-    fresh = [p == 0 for p in positions]
-    if any(fresh):
-        rows = torch.tensor(fresh, device=device)
-        empty = tensors_of(template.layers)
-        taken = [torch.where(rows.view(-1, *(1,) * (t.ndim - 1)), e.to(t.dtype), t) for e, t in zip(empty, taken)]
+    fresh = [r for r, p in enumerate(positions) if p == 0]
+    for empty, t in zip(tensors_of(template.layers), taken):
+        for r in fresh:
+            t[r].copy_(empty[0])
     taken = iter(taken)
     cache = template
     cache.layers = map_tensors(template.layers, lambda t: next(taken))
@@ -106,6 +113,8 @@ def _run(model, pool, x, slots, positions):
     if any(p != column for p in positions):
         cache.row_starts = torch.tensor([column - p for p in positions], device=device)
     out, cache = model.continue_features(x, cache)
+    if in_place:
+        return out[torch.tensor(order, device=out.device).argsort()]
     for block, part in zip(pool, cache.layers):
         for buffer, value in zip(block, tensors_of(part)):
             buffer.index_copy_(0, index, value.to(buffer.dtype))

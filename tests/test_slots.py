@@ -172,3 +172,19 @@ def test_left_over_dropout_is_refused():
     model = LinearAttentionTransformerLM(**BASE, attn_dropout=0.1)  # (still in training mode)
     with pytest.raises(ValueError, match="dropout"):
         slot_layout(model)
+
+
+@pytest.mark.parametrize("slots", [[3, 1, 2], [0, 2, 5]])  # consecutive once sorted (views), or not (copies)
+def test_steps_in_any_slots_equal_each_sequence_alone(slots):
+    model = make(CONFIGS["recommended+rotary"])
+    pool = garbage_pool(model, 6)
+    seqs = sequences_of([9, 1, 6])
+    for slot, seq in zip(slots, seqs):  # prompts less their last token (the second: none, a new sequence)
+        if len(seq) > 1:
+            continue_in_slots(model, pool, seq[:-1], torch.tensor([0, len(seq) - 1]), torch.tensor([slot]),
+                              torch.tensor([0]))
+    last = torch.stack([s[-1] for s in seqs])
+    features = continue_in_slots(model, pool, last, torch.arange(4), torch.tensor(slots),
+                                 torch.tensor([len(s) - 1 for s in seqs]))
+    for r, seq in enumerate(seqs):
+        torch.testing.assert_close(model.logits_of(features[r]), model(seq[None])[0, -1], rtol=0, atol=1e-12)
