@@ -80,6 +80,10 @@ def refuse_unread_context(receives_context, context, context_mask, what):
                          "build it with receives_context=True to attend to a context")
 
 
+# the RMS normalisation of the delta-rule heads' outputs: mean square + this, under the root
+DELTA_OUTPUT_EPS = 1e-5
+
+
 class Attention(nn.Module):
     """Multi-head attention with global linear heads and local softmax heads (each option's
     meaning and default: docs/layers.md).
@@ -102,8 +106,9 @@ class Attention(nn.Module):
             callable, ``ops/feature_maps.py``) under the additive rule.
         update_rule: how the causal global heads' state takes each key and value: 'additive'
             (S_t = a_t S_{t-1} + phi(k_t) v_tᵀ, read normalised) or 'delta' (``ops/delta``:
-            the value stored under k_t is replaced, b_t = sigmoid(x_t W_b) per head, q and k
-            L2-normalised; with ``use_gate`` the forget gate a_t, Gated DeltaNet).
+            the value stored under k_t is replaced, b_t = sigmoid(x_t W_b) per head, q, k and v
+            through SiLU, q and k L2-normalised, each head's output RMS-normalised; with
+            ``use_gate`` the forget gate a_t, Gated DeltaNet).
         attn_dropout: dropout on the heads' output, before the output projection.
         dropout: dropout on the layer output.
         receives_context: keys and values come from ``context`` (cross-attention); all
@@ -339,25 +344,30 @@ class Attention(nn.Module):
         return linear_attention(fm.queries(q), k, v, mask, normalize=normalize, segments=segments)
 
     def _delta_heads(self, q, k, v, mask, x, cache, step, fresh, segments):
-        """The global heads under the delta rule (``ops/delta``), q and k L2-normalised in the
-        compute dtype; ``cache``: a ``GlobalCache`` whose state holds S (b, h, d, e), continued
-        from (unless ``fresh``) and updated in place; one token in place on a ``step``."""
-        q, k = (F.normalize(t.to(compute_dtype(t)), dim=-1) for t in (q, k))
+        """The global heads under the delta rule (``ops/delta``), as DeltaNet has them: q, k
+        and v through SiLU, q and k then L2-normalised in the compute dtype, and each head's
+        output RMS-normalised; ``cache``: a ``GlobalCache`` whose state holds S (b, h, d, e),
+        continued from (unless ``fresh``) and updated in place; one token in place on a
+        ``step``."""
+        q, k = (F.normalize(F.silu(t.to(compute_dtype(t))), dim=-1) for t in (q, k))
+        v = F.silu(v)
         beta = torch.sigmoid(self.to_beta(x)).transpose(1, 2)  # (b, h, n)
         log_gate = None if self.forget_gate is None else self.forget_gate(x)
         if step:
             state = cache.state.kv
             one = [None if t is None else t[:, :, 0].to(state.dtype) for t in (q, k, v, beta, log_gate)]
-            return delta_rule_step(state, *one)[:, :, None].to(v.dtype)
-        out = chunk_delta_rule(q, k, v, beta, log_gate, mask, state=None if fresh else cache.state.kv,
-                               return_state=cache is not None, segments=segments, chunk_size=self.chunk_size,
-                               kernel=self.kernel)
-        if cache is None:
-            return out
-        out, state = out
-        with torch.no_grad():
-            cache.state.kv.copy_(state)
-        return out
+            out = delta_rule_step(state, *one)[:, :, None]
+        else:
+            out = chunk_delta_rule(q, k, v, beta, log_gate, mask, state=None if fresh else cache.state.kv,
+                                   return_state=cache is not None, segments=segments, chunk_size=self.chunk_size,
+                                   kernel=self.kernel)
+            if cache is not None:
+                out, state = out
+                with torch.no_grad():
+                    cache.state.kv.copy_(state)
+        out = out.to(compute_dtype(out))  # (float32 or wider: a half-precision sum of squares could overflow)
+        # (one eps for every dtype: float32 and float64 then compute the same function)
+        return F.rms_norm(out, (out.shape[-1],), eps=DELTA_OUTPUT_EPS).to(v.dtype)
 
     def _global_heads_step(self, q, k, v, log_gate, state, position, row_starts=None):
         """One token per row through the state (``CausalState.step``, in place): q, k (b, h, 1,
