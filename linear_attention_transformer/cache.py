@@ -143,20 +143,10 @@ class LocalCache(_Cache):
             return
         keep = min(n, slots)
         at = torch.arange(n - keep, n, device=k.device) + start
-        if row_starts is None:
-            where = at % slots
-            for i, new in enumerate((k, v)):
-                new = new[:, :, n - keep:]
-                self.kv[:, i].index_copy_(2, where, new if new.dtype == self.kv.dtype else new.to(self.kv.dtype))
-            positions = at.expand(k.shape[0], keep)
-            if mask is not None:
-                positions = torch.where(mask[:, n - keep:], positions, NO_KEY)
-            self.positions.index_copy_(1, where, positions)
-            return
-        positions = at - row_starts[:, None]  # (b, keep): distinct slots in each row
+        # (b, keep): each row's key positions, in distinct slots of the row
+        positions = at.expand(k.shape[0], keep) if row_starts is None else at - row_starts[:, None]
         where = positions % slots
-        h, d = k.shape[1], k.shape[3]
-        index = where[:, None, :, None].expand(-1, h, -1, d)
+        index = where[:, None, :, None].expand(-1, k.shape[1], -1, k.shape[3])
         for i, new in enumerate((k, v)):
             self.kv[:, i].scatter_(2, index, new[:, :, n - keep:].to(self.kv.dtype))
         if mask is not None:

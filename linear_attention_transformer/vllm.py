@@ -8,15 +8,16 @@ installs; ``register`` makes the config's ``model_type`` known to transformers a
 (``slots.py``), so all of it goes to vLLM as mamba-type state, held by one state layer: the
 global heads' running states, the local heads' rings of recent keys and values, the
 convolutions' and the token shifts' last inputs. vLLM assigns each request a slot and tells,
-at each call, which tokens belong to which request and how many it has read; ``slots.continue_in_slots`` then runs them through the model's own
-forward. The local heads keep their exact windows: they read their own ring, not vLLM's paged
-attention.
+at each call, which tokens belong to which request and how many it has read;
+``slots.continue_in_slots`` then runs them through the model's own forward. The local heads
+keep their exact windows: they read their own ring, not vLLM's paged attention.
 
 Needs the ``[vllm]`` extra; the package itself does not import this module.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 
 import torch
@@ -64,7 +65,7 @@ class SequenceState(nn.Module, MambaBase):
         self.order = sorted(range(len(flat)), key=lambda i: -flat[i][1].itemsize)
         self.declared = [flat[i] for i in self.order]
         widest = self.declared[0][1].itemsize
-        size = sum(_numel(shape) * dtype.itemsize for shape, dtype in self.declared)
+        size = sum(math.prod(shape) * dtype.itemsize for shape, dtype in self.declared)
         if size % widest:
             self.declared.append(((widest - size % widest,), torch.uint8))
         self.prefix = prefix
@@ -95,13 +96,6 @@ class SequenceState(nn.Module, MambaBase):
             blocks.append(flat[at : at + count])
             at += count
         return blocks
-
-
-def _numel(shape):
-    count = 1
-    for size in shape:
-        count *= size
-    return count
 
 
 class LinearAttentionTransformerForVLLM(nn.Module, HasInnerState, IsAttentionFree):
