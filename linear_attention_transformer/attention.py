@@ -82,6 +82,9 @@ def refuse_unread_context(receives_context, context, context_mask, what):
 
 # the RMS normalisation of the delta-rule heads' outputs: mean square + this, under the root
 DELTA_OUTPUT_EPS = 1e-5
+# the output gate's starting bias beside delta-rule heads: open (sigmoid(3) = 0.95); from the
+# default (gates near 0.5) the gated heads did not learn recall (docs/layers.md, "Delta-rule heads")
+DELTA_OUTPUT_GATE_BIAS = 3.0
 
 
 class Attention(nn.Module):
@@ -213,7 +216,8 @@ class Attention(nn.Module):
                 self.forget_gate = ForgetGate(dim, n_global, self._key_features(), **gate_settings)
             else:  # still check the settings: they must not be accepted silently
                 ForgetGate(1, 1, 1, **gate_settings)
-            self.output_gate = OutputGate(dim, heads * dim_head)
+            self.output_gate = OutputGate(dim, heads * dim_head,
+                                          DELTA_OUTPUT_GATE_BIAS if update_rule == "delta" else None)
         if use_local_conv and receives_context:
             raise ValueError("use_local_conv applies to self-attention; a cross-attention layer has no sequence to convolve along")
         # q, k, v grouped by width: a decoding step convolves each group at once

@@ -67,11 +67,17 @@ class ForgetGate(nn.Module):
 
 
 class OutputGate(nn.Module):
-    """sigmoid(x W_o + b) per output channel. x (b, n, dim) -> gates (b, n, channels)."""
+    """sigmoid(x W_o + b) per output channel. x (b, n, dim) -> gates (b, n, channels).
 
-    def __init__(self, dim, channels):
+    ``initial_bias``: b's starting value; PyTorch's default initialisation when None (gates
+    near 0.5). A large one starts the gate open: it then passes the output nearly whole."""
+
+    def __init__(self, dim, channels, initial_bias=None):
         super().__init__()
         self.gate_out = nn.Linear(dim, channels)
+        if initial_bias is not None:
+            with torch.no_grad():
+                self.gate_out.bias.fill_(initial_bias)
 
     def forward(self, x):
         return torch.sigmoid(self.gate_out(x))

@@ -214,6 +214,18 @@ def test_bad_layer_arguments(kwargs, match):
         Attention(**kwargs)
 
 
+def test_the_output_gate_starts_open_beside_delta_rule_heads():
+    """Beside delta-rule heads the output gate starts at sigmoid(3) for every input near 0
+    (from gates near 0.5 the gated heads did not learn recall); the additive heads keep
+    PyTorch's initialisation, biases within 1 / sqrt(dim)."""
+    torch.manual_seed(0)
+    x = torch.zeros(1, 5, 32)
+    delta = Attention(dim=32, heads=4, n_local_attn_heads=2, causal=True, update_rule="delta", use_gate=True)
+    torch.testing.assert_close(delta.output_gate(x), torch.full((1, 5, 4 * 8), torch.sigmoid(torch.tensor(3.0)).item()))
+    additive = Attention(dim=32, heads=4, n_local_attn_heads=2, causal=True, use_gate=True)
+    assert additive.output_gate.gate_out.bias.abs().max() <= 32 ** -0.5
+
+
 @pytest.mark.parametrize("bias", [-50.0, 50.0])
 @pytest.mark.parametrize("causal", [True, False])
 def test_extreme_gate_preactivations(bias, causal):
