@@ -76,7 +76,7 @@ JSON after each model, so a cut run keeps what it finished.
 
 Usage:  python benchmarks/bench_recall.py --threads 1 --sizes 128:16 --variants softmax+conv gate --seeds 0 --out r.json
         python benchmarks/bench_recall.py --threads 1 --sizes 128:16 --variants gate+delta+conv+rotary --seeds 0
-               --lengths 1 2 4 8 16 --out recall_length.json
+               --lengths 1 2 4 8 16 --clean-filler --out recall_length.json
 See docs/layers.md ("Recall") for the figures and what they mean.
 """
 
