@@ -38,8 +38,8 @@ occurrence), and the model's accuracy on the queries whose key reappears and on 
 With ``--clean-filler`` the same model also reads each factor's held-out set once more with its
 filler cleaned: every filler token equal to one of the sequence's keys redrawn uniformly from
 the rest of the vocabulary (from a generator of its own), the pairs, the queries and every other
-token unchanged (``clean_accuracy``, ``clean_past_accuracy``). Training data is Zoology's layout
-either way.
+token unchanged (``clean_accuracy``, ``clean_past_accuracy``; ``seconds`` then times both
+readings). Training data is Zoology's layout either way.
 
 Each training step draws a fresh batch from a generator fixed by (seed, step), so every model
 of one seed sees the same data; the held-out set comes from a generator seed no training batch
@@ -439,7 +439,7 @@ def past_training_length(model, args, seq_len, pairs):
                 clean_accuracy=round(clean_hits.float().mean().item(), 4),
                 clean_past_accuracy=round(clean_hits[clean_past].float().mean().item(), 4) if clean_past.any()
                 else None,
-                seconds=round(time.perf_counter() - start, 1))
+                seconds=round(time.perf_counter() - start, 1))  # (both readings)
         line = f"{args.variant} seed {args.seed} at {factor}x: {figures[f'{factor}x']}"
         print(line, flush=True)
         if args.progress:
