@@ -29,6 +29,18 @@ and 47 at 1x.) The figures: the accuracy at each factor, and the accuracy among 
 at or past SEQ_LEN, positions no training sequence had (at 128:16, 30 % of the queries at
 2x, 86 % at 16x).
 
+Keys in the filler: the filler draws from the whole vocabulary, so an asked key may also stand
+in the filler between its pair and its query, followed by a random token, a second binding of
+that key; the further the query, the more often. At each factor the figures also give the share
+of queries whose key does so (``reappear_share``), the accuracy of a memory that keeps only each
+key's latest binding (``recency_oracle``: the token after the key's most recent earlier
+occurrence), and the model's accuracy on the queries whose key reappears and on the others.
+With ``--clean-filler`` the same model also reads each factor's held-out set once more with its
+filler cleaned: every filler token equal to one of the sequence's keys redrawn uniformly from
+the rest of the vocabulary (from a generator of its own), the pairs, the queries and every other
+token unchanged (``clean_accuracy``, ``clean_past_accuracy``; ``seconds`` then times both
+readings). Training data is Zoology's layout either way.
+
 Each training step draws a fresh batch from a generator fixed by (seed, step), so every model
 of one seed sees the same data; the held-out set comes from a generator seed no training batch
 uses. Held-out accuracy is measured every ``--eval-every`` steps: the figures are the first
@@ -64,7 +76,7 @@ JSON after each model, so a cut run keeps what it finished.
 
 Usage:  python benchmarks/bench_recall.py --threads 1 --sizes 128:16 --variants softmax+conv gate --seeds 0 --out r.json
         python benchmarks/bench_recall.py --threads 1 --sizes 128:16 --variants gate+delta+conv+rotary --seeds 0
-               --lengths 1 2 4 8 16 --out recall_length.json
+               --lengths 1 2 4 8 16 --clean-filler --out recall_length.json
 See docs/layers.md ("Recall") for the figures and what they mean.
 """
 
@@ -159,6 +171,48 @@ def batch_generator(seed, step):
 
 # the held-out set's generator: no (seed, step) of training reaches it (step would be negative)
 HELD_OUT = (10_000, -1)
+# the generator that redraws the clean held-out sets' filler (--clean-filler)
+CLEAN_FILLER_SEED = 20_011
+
+
+def query_keys(tokens, targets):
+    """Every query, row by row (the order of ``query_hits``): (its row, its position)."""
+    rows, positions = (targets != IGNORE).nonzero(as_tuple=True)
+    return rows, positions
+
+
+def key_reappears(tokens, targets, pairs):
+    """For every query (row by row): does its key occur as filler, at a position of [2 pairs,
+    query)? Then the filler has bound that key to another token after its pair."""
+    rows, positions = query_keys(tokens, targets)
+    index = torch.arange(tokens.shape[1])
+    same = tokens[rows] == tokens[rows, positions].unsqueeze(1)  # (queries, seq_len)
+    return (same & (index >= 2 * pairs) & (index < positions.unsqueeze(1))).any(dim=1)
+
+
+def recency_oracle(tokens, targets):
+    """For every query (row by row): is the token after the key's most recent earlier occurrence
+    its value? The answer of a memory that keeps only the latest binding of each key."""
+    rows, positions = query_keys(tokens, targets)
+    index = torch.arange(tokens.shape[1])
+    same = (tokens[rows] == tokens[rows, positions].unsqueeze(1)) & (index < positions.unsqueeze(1))
+    last = torch.where(same, index, -1).max(dim=1).values  # >= 0: the key's own pair comes first
+    return tokens[rows, last + 1] == targets[rows, positions]
+
+
+def clean_filler(tokens, targets, pairs, vocab, generator):
+    """A copy of ``tokens`` whose filler holds none of its row's keys: every filler token (after
+    the pairs, not a query) equal to one of them is redrawn uniformly from the rest of the
+    vocabulary. The pairs, the queries and every other filler token stay as they are."""
+    tokens = tokens.clone()
+    keys = tokens[:, 0 : 2 * pairs : 2]
+    filler = torch.arange(tokens.shape[1]) >= 2 * pairs
+    filler = filler & (targets == IGNORE)
+    while True:
+        bad = filler & (tokens.unsqueeze(-1) == keys.unsqueeze(1)).any(dim=-1)
+        if not bad.any():
+            return tokens
+        tokens[bad] = torch.randint(0, vocab, (int(bad.sum()),), generator=generator)
 
 
 # --------------------------------------------------------------------- softmax reference
@@ -335,9 +389,14 @@ def query_hits(model, tokens, targets, device, batch_tokens=32_000):
     return torch.cat(positions), torch.cat(hits)
 
 
-def held_out_past(count, factor, seq_len, pairs, vocab, power_a=POWER_A):
-    """The held-out set of ``factor`` times the training length (the module docstring's layout)."""
-    return mqar_batch(count, factor * seq_len, pairs, vocab, batch_generator(*HELD_OUT), power_a, train_len=seq_len)
+def held_out_past(count, factor, seq_len, pairs, vocab, power_a=POWER_A, clean=False):
+    """The held-out set of ``factor`` times the training length (the module docstring's layout);
+    ``clean=True``: the same set with ``clean_filler``'s filler."""
+    tokens, targets = mqar_batch(count, factor * seq_len, pairs, vocab, batch_generator(*HELD_OUT), power_a,
+                                 train_len=seq_len)
+    if clean:
+        tokens = clean_filler(tokens, targets, pairs, vocab, torch.Generator().manual_seed(CLEAN_FILLER_SEED))
+    return tokens, targets
 
 
 def past_training_length(model, args, seq_len, pairs):
@@ -352,18 +411,35 @@ def past_training_length(model, args, seq_len, pairs):
         start = time.perf_counter()
         count = args.held_out if factor == 1 or args.held_out_past is None else args.held_out_past
         try:
-            positions, hits = query_hits(model, *held_out_past(count, factor, seq_len, pairs, args.vocab,
-                                                               args.power_a), args.device)
+            held_out = held_out_past(count, factor, seq_len, pairs, args.vocab, args.power_a)
+            positions, hits = query_hits(model, *held_out, args.device)
+            if getattr(args, "clean_filler", False):
+                clean_positions, clean_hits = query_hits(
+                    model, *held_out_past(count, factor, seq_len, pairs, args.vocab, args.power_a, clean=True),
+                    args.device)
         except (RuntimeError, ValueError) as error:  # (out of memory, say): keep the training's figures
             figures[f"{factor}x"] = dict(error=repr(error))
             print(f"{args.variant} seed {args.seed} at {factor}x failed: {error!r}", flush=True)
             continue
         past = positions >= seq_len
+        reappears = key_reappears(*held_out, pairs)
         figures[f"{factor}x"] = dict(
             accuracy=round(hits.float().mean().item(), 4), sequences=count,
             mean_distance=round(positions.double().mean().item() - (pairs - 1), 1),  # keys at 0, 2, .., 2P - 2
             past_accuracy=round(hits[past].float().mean().item(), 4) if past.any() else None,
-            past_share=round(past.float().mean().item(), 4), seconds=round(time.perf_counter() - start, 1))
+            past_share=round(past.float().mean().item(), 4), seconds=round(time.perf_counter() - start, 1),
+            # the filler's bindings of the asked keys: the data's figures, then the model's on either side
+            reappear_share=round(reappears.float().mean().item(), 4),
+            recency_oracle=round(recency_oracle(*held_out).float().mean().item(), 4),
+            reappear_accuracy=round(hits[reappears].float().mean().item(), 4) if reappears.any() else None,
+            no_reappear_accuracy=round(hits[~reappears].float().mean().item(), 4) if (~reappears).any() else None)
+        if getattr(args, "clean_filler", False):
+            clean_past = clean_positions >= seq_len
+            figures[f"{factor}x"].update(
+                clean_accuracy=round(clean_hits.float().mean().item(), 4),
+                clean_past_accuracy=round(clean_hits[clean_past].float().mean().item(), 4) if clean_past.any()
+                else None,
+                seconds=round(time.perf_counter() - start, 1))  # (both readings)
         line = f"{args.variant} seed {args.seed} at {factor}x: {figures[f'{factor}x']}"
         print(line, flush=True)
         if args.progress:
@@ -463,6 +539,9 @@ def build_parser():
                              "length (e.g. 1 2 4 8 16; see the module docstring for their layout)")
     parser.add_argument("--held-out-past", type=int, default=None,
                         help="held-out sequences at each factor above 1 (default: --held-out)")
+    parser.add_argument("--clean-filler", action="store_true",
+                        help="with --lengths, also score each factor's held-out set with no asked key in its filler "
+                             "(see the module docstring)")
     parser.add_argument("--dim", type=int, default=64)
     parser.add_argument("--depth", type=int, default=2)
     parser.add_argument("--heads", type=int, default=2)
@@ -503,7 +582,7 @@ def main(argv=None):
     if args.lengths:
         config += (f"; after training, held-out at {', '.join(f'{f}x' for f in args.lengths)} the training length "
                    f"({args.held_out if args.held_out_past is None else args.held_out_past} sequences past 1x), "
-                   "query slots stretched")
+                   "query slots stretched" + ("; and again with no asked key in the filler" * args.clean_filler))
     print_header(args.device, args.threads, [config])
     shared = ["--steps", args.steps, "--eval-every", args.eval_every, "--batch", args.batch, "--lr", args.lr,
               "--weight-decay", args.weight_decay, "--clip", args.clip,
@@ -515,6 +594,8 @@ def main(argv=None):
             shared += [flag, value]
     if args.lengths:
         shared += ["--lengths"] + args.lengths
+    if args.clean_filler:
+        shared += ["--clean-filler"]
     record = dict(command=" ".join([os.path.basename(sys.executable)] + sys.argv), config=config,
                   started=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), runs=[])
 

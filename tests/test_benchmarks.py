@@ -273,6 +273,45 @@ def test_bench_recall_held_out_past_the_training_length_stretches_the_query_slot
         assert 0.8 * wide / slots < grown < 1.2 * wide / slots, factor
 
 
+def test_bench_recall_clean_filler_drops_the_asked_keys_and_keeps_the_rest():
+    """--clean-filler: the clean held-out set has none of a sequence's keys in its filler, while
+    the plain one has some; the pairs, the queries (positions, keys, targets) and every filler
+    token that was not a key are the same in both."""
+    from bench_recall import IGNORE, held_out_past
+
+    seq_len, pairs, vocab, count = 40, 6, 32, 100
+    for factor in (1, 4):
+        tokens, targets = held_out_past(count, factor, seq_len, pairs, vocab)
+        clean, clean_targets = held_out_past(count, factor, seq_len, pairs, vocab, clean=True)
+        assert torch.equal(targets, clean_targets)
+        keys = tokens[:, 0 : 2 * pairs : 2]
+        filler = (torch.arange(tokens.shape[1]) >= 2 * pairs) & (targets == IGNORE)
+        was_key = filler & (tokens.unsqueeze(-1) == keys.unsqueeze(1)).any(dim=-1)
+        assert was_key.any()  # the plain filler holds asked keys (about 1 in 6 of it here)
+        assert not (filler & (clean.unsqueeze(-1) == keys.unsqueeze(1)).any(dim=-1)).any(), factor
+        assert torch.equal(clean[~was_key], tokens[~was_key])  # pairs, queries, the rest of the filler
+        redrawn = clean[was_key]
+        assert len(set(redrawn.tolist())) > vocab // 4  # drawn from the vocabulary, not one token
+        assert torch.equal(held_out_past(count, factor, seq_len, pairs, vocab, clean=True)[0], clean)
+
+
+def test_bench_recall_key_reappears_and_the_recency_oracle():
+    """key_reappears and recency_oracle on a hand-made sequence: key 1 reappears in the filler
+    before its query with another token after it, so a memory of the latest binding answers it
+    wrong; key 2 reappears only after its query; key 3 does not reappear."""
+    from bench_recall import IGNORE, key_reappears, recency_oracle
+
+    #          k1 v1 k2 v2 k3 v3 | filler and queries
+    row = [1, 10, 2, 11, 3, 12, 5, 1, 13, 2, 0, 3, 6, 1, 4, 2, 7]
+    target = [IGNORE] * len(row)
+    target[9], target[11], target[13] = 11, 12, 10  # k2 at 9, k3 at 11, k1 at 13
+    tokens, targets = torch.tensor([row, row]), torch.tensor([target, target])
+    targets[1, 13] = 13  # (not a real target: the oracle compares with it)
+    # queries row by row, by position: k2, k3, k1
+    assert key_reappears(tokens, targets, pairs=3).tolist() == [False, False, True] * 2
+    assert recency_oracle(tokens, targets).tolist() == [True, True, False, True, True, True]
+
+
 def test_bench_recall_scores_past_the_training_length_only_where_positions_reach():
     """past_training_length: at 1x the figure is the usual held-out accuracy; a rotary model
     reads every factor, a model with a position table of the training length none past 1x."""
@@ -282,7 +321,7 @@ def test_bench_recall_scores_past_the_training_length_only_where_positions_reach
 
     torch.manual_seed(0)
     args = argparse.Namespace(lengths=[1, 2, 4], held_out=20, held_out_past=None, vocab=32, power_a=0.01,
-                              device="cpu", variant="tiny", seed=0, progress=None)
+                              device="cpu", variant="tiny", seed=0, progress=None, clean_filler=True)
     for name, reaches in (("softmax-rotary-untied-emb1", True), ("softmax", False), ("gate+conv+rotary", True)):
         model = build_model(name, vocab=32, dim=16, depth=1, heads=2, seq_len=24)
         figures = past_training_length(model, args, seq_len=24, pairs=4)
@@ -292,6 +331,8 @@ def test_bench_recall_scores_past_the_training_length_only_where_positions_reach
             if reaches:
                 assert 0 <= figures[factor]["accuracy"] <= 1 and 0 < figures[factor]["past_share"] < 1, name
                 assert figures[factor]["mean_distance"] > figures["1x"]["mean_distance"], name
+                assert figures[factor]["reappear_share"] > figures["1x"]["reappear_share"], name
+                assert 0 <= figures[factor]["clean_accuracy"] <= 1, name
             else:
                 assert figures[factor] is None, name
 
