@@ -175,16 +175,15 @@ HELD_OUT = (10_000, -1)
 CLEAN_FILLER_SEED = 20_011
 
 
-def query_keys(tokens, targets):
+def query_places(targets):
     """Every query, row by row (the order of ``query_hits``): (its row, its position)."""
-    rows, positions = (targets != IGNORE).nonzero(as_tuple=True)
-    return rows, positions
+    return (targets != IGNORE).nonzero(as_tuple=True)
 
 
 def key_reappears(tokens, targets, pairs):
     """For every query (row by row): does its key occur as filler, at a position of [2 pairs,
     query)? Then the filler has bound that key to another token after its pair."""
-    rows, positions = query_keys(tokens, targets)
+    rows, positions = query_places(targets)
     index = torch.arange(tokens.shape[1])
     same = tokens[rows] == tokens[rows, positions].unsqueeze(1)  # (queries, seq_len)
     return (same & (index >= 2 * pairs) & (index < positions.unsqueeze(1))).any(dim=1)
@@ -193,17 +192,19 @@ def key_reappears(tokens, targets, pairs):
 def recency_oracle(tokens, targets):
     """For every query (row by row): is the token after the key's most recent earlier occurrence
     its value? The answer of a memory that keeps only the latest binding of each key."""
-    rows, positions = query_keys(tokens, targets)
+    rows, positions = query_places(targets)
     index = torch.arange(tokens.shape[1])
     same = (tokens[rows] == tokens[rows, positions].unsqueeze(1)) & (index < positions.unsqueeze(1))
     last = torch.where(same, index, -1).max(dim=1).values  # >= 0: the key's own pair comes first
     return tokens[rows, last + 1] == targets[rows, positions]
 
 
-def clean_filler(tokens, targets, pairs, vocab, generator):
+def clean_filler(tokens, targets, pairs, vocab):
     """A copy of ``tokens`` whose filler holds none of its row's keys: every filler token (after
     the pairs, not a query) equal to one of them is redrawn uniformly from the rest of the
-    vocabulary. The pairs, the queries and every other filler token stay as they are."""
+    vocabulary (from a generator of its own, ``CLEAN_FILLER_SEED``). The pairs, the queries and
+    every other filler token stay as they are."""
+    generator = torch.Generator().manual_seed(CLEAN_FILLER_SEED)
     tokens = tokens.clone()
     keys = tokens[:, 0 : 2 * pairs : 2]
     filler = torch.arange(tokens.shape[1]) >= 2 * pairs
@@ -389,14 +390,9 @@ def query_hits(model, tokens, targets, device, batch_tokens=32_000):
     return torch.cat(positions), torch.cat(hits)
 
 
-def held_out_past(count, factor, seq_len, pairs, vocab, power_a=POWER_A, clean=False):
-    """The held-out set of ``factor`` times the training length (the module docstring's layout);
-    ``clean=True``: the same set with ``clean_filler``'s filler."""
-    tokens, targets = mqar_batch(count, factor * seq_len, pairs, vocab, batch_generator(*HELD_OUT), power_a,
-                                 train_len=seq_len)
-    if clean:
-        tokens = clean_filler(tokens, targets, pairs, vocab, torch.Generator().manual_seed(CLEAN_FILLER_SEED))
-    return tokens, targets
+def held_out_past(count, factor, seq_len, pairs, vocab, power_a=POWER_A):
+    """The held-out set of ``factor`` times the training length (the module docstring's layout)."""
+    return mqar_batch(count, factor * seq_len, pairs, vocab, batch_generator(*HELD_OUT), power_a, train_len=seq_len)
 
 
 def past_training_length(model, args, seq_len, pairs):
@@ -413,10 +409,9 @@ def past_training_length(model, args, seq_len, pairs):
         try:
             held_out = held_out_past(count, factor, seq_len, pairs, args.vocab, args.power_a)
             positions, hits = query_hits(model, *held_out, args.device)
-            if getattr(args, "clean_filler", False):
+            if args.clean_filler:
                 clean_positions, clean_hits = query_hits(
-                    model, *held_out_past(count, factor, seq_len, pairs, args.vocab, args.power_a, clean=True),
-                    args.device)
+                    model, clean_filler(*held_out, pairs, args.vocab), held_out[1], args.device)
         except (RuntimeError, ValueError) as error:  # (out of memory, say): keep the training's figures
             figures[f"{factor}x"] = dict(error=repr(error))
             print(f"{args.variant} seed {args.seed} at {factor}x failed: {error!r}", flush=True)
@@ -433,7 +428,7 @@ def past_training_length(model, args, seq_len, pairs):
             recency_oracle=round(recency_oracle(*held_out).float().mean().item(), 4),
             reappear_accuracy=round(hits[reappears].float().mean().item(), 4) if reappears.any() else None,
             no_reappear_accuracy=round(hits[~reappears].float().mean().item(), 4) if (~reappears).any() else None)
-        if getattr(args, "clean_filler", False):
+        if args.clean_filler:
             clean_past = clean_positions >= seq_len
             figures[f"{factor}x"].update(
                 clean_accuracy=round(clean_hits.float().mean().item(), 4),
