@@ -22,6 +22,7 @@ Variants (``--variants``):
     taylor_conv           recommended without the gate
     delta                 use_gate=True, use_local_conv=True, update_rule='delta'
     delta_plain           delta without the gate
+    delta_qk128           delta with queries and keys of 128 (dim_qk=128)
     conv_v, conv_kv       conv_only with the convolution on v only / on k and v only (a design
                           probe: the others bypassed by hooks, see train_enwik8.restrict_conv)
     gate_feature          full_improved with gate_granularity='feature'  } only where the installed
@@ -58,6 +59,7 @@ VARIANTS = {
     "taylor_conv": {"variant": "taylor_conv"},
     "delta": {"variant": "delta"},
     "delta_plain": {"variant": "delta_plain"},
+    "delta_qk128": {"variant": "delta_qk128"},
     "conv_v": {"variant": "conv_only", "conv_on": "v"},
     "conv_kv": {"variant": "conv_only", "conv_on": "kv"},
     "gate_feature": {"variant": "full_improved", "gate_granularity": "feature"},

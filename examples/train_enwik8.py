@@ -112,6 +112,8 @@ VARIANTS = {
     # delta-rule global heads (docs/layers.md, "Delta-rule heads"), gated and not
     "delta": {"use_gate": True, "use_local_conv": True, "update_rule": "delta"},
     "delta_plain": {"use_gate": False, "use_local_conv": True, "update_rule": "delta"},
+    # delta with keys of 128: a state of about the recommended heads' size (153 Taylor features)
+    "delta_qk128": {"use_gate": True, "use_local_conv": True, "update_rule": "delta", "dim_qk": 128},
 }
 
 
@@ -877,7 +879,8 @@ def build_parser():
                         "softmax: every head softmax attention over the whole context (the reference); "
                         "recommended: the gates, the convolution and Taylor features of 16-wide queries and keys; "
                         "taylor_conv: the same without the gates; delta: the gates, the convolution and "
-                        "delta-rule global heads; delta_plain: the same without the gates")
+                        "delta-rule global heads; delta_plain: the same without the gates; delta_qk128: delta with "
+                        "queries and keys of 128")
     t.add_argument("--steps", type=int, default=1000, help="optimizer steps")
     t.add_argument("--max-minutes", type=float, default=0.0, help="stop once training took this long (0: no limit)")
     t.add_argument("--batch-size", type=int, default=8, help="windows per micro-batch and process")
