@@ -328,7 +328,7 @@ VARIANTS = {
     "delta+conv+nopos": dict(update_rule="delta", use_local_conv=True, use_pos_emb=False),
     "gate+delta+conv+rotary": dict(update_rule="delta", use_gate=True, use_local_conv=True, use_rotary_emb=True),
     "gate+delta+conv+nopos": dict(update_rule="delta", use_gate=True, use_local_conv=True, use_pos_emb=False),
-    # keys of 128: a state of about the recommended heads' size (153 rows of Taylor features)
+    # wider keys: a state of 64 or 128 rows (the recommended heads' has 153 rows of Taylor features)
     "delta+conv+nopos+qk64": dict(update_rule="delta", use_local_conv=True, use_pos_emb=False, dim_qk=64),
     "delta+conv+nopos+qk128": dict(update_rule="delta", use_local_conv=True, use_pos_emb=False, dim_qk=128),
     "delta+conv+rotary+qk128": dict(update_rule="delta", use_local_conv=True, use_rotary_emb=True, dim_qk=128),

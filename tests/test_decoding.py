@@ -33,7 +33,7 @@ DECODER_CONFIGS = {
         update_rule="delta", use_gate=True, use_local_conv=True, use_rotary_emb=True, n_local_attn_heads=2,
         local_attn_window_size=4, kv_heads=2, shift_tokens=True),
     "delta, dim_qk 6, reversible, no gate": dict(update_rule="delta", dim_qk=6, reversible=True),
-    # keys four times the heads' width, beside local heads: the shape docs/layers.md recommends for delta
+    # keys four times the heads' width (docs/layers.md's delta-rule heads for recall), beside local heads
     "delta+gate+conv, dim_qk 16, local": dict(
         update_rule="delta", use_gate=True, use_local_conv=True, dim_qk=16, n_local_attn_heads=2,
         local_attn_window_size=4),
