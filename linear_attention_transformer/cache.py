@@ -154,17 +154,9 @@ class LocalCache(_Cache):
         self.positions.scatter_(1, where, positions)
 
 
-class GlobalCache(_Cache):
-    """Global heads: their ``CausalState`` (running KᵀV, normaliser, references, blindspot
-    block) and the local convolution's last inputs of q, k and v, conv: one (b, 3, h, kernel -
-    1, d) tensor, or with q and k of another width than v (``dim_qk``) two, (b, 2, h, kernel -
-    1, dim_qk) and (b, 1, h, kernel - 1, dim_head) (``Attention.conv_groups``); or None."""
-
-    __slots__ = ("state", "conv")
-
-
 class AttentionCache(_Cache):
-    """One attention layer: ``local`` (LocalCache or None), ``global_`` (GlobalCache or None),
+    """One attention layer: ``local`` (LocalCache or None), ``global_`` (the global heads' entry,
+    ``heads.AdditiveCache`` or ``heads.DeltaCache``, or None),
     for a cross-attention layer ``context`` (the encoder's keys and values reduced once to
     kᵀv), and ``position``: the tokens the layer's own forward has consumed, a long tensor of
     no dimension (None inside a model, whose ``DecodingCache`` counts for every layer)."""

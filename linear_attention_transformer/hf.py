@@ -249,6 +249,10 @@ def _the_cache(cache, past_key_values):
     return cache
 
 
+# the parameters an attention layer's global heads own, at the names older folders hold them
+MOVED_PARAMETERS = {r"(?<!global_heads)\.(forget_gate|local_conv|to_beta)\.": r".global_heads.\1."}
+
+
 class LinearAttentionTransformerForCausalLM(PreTrainedModel, GenerationMixin):
     """A causal ``LinearAttentionTransformerLM`` (``.model``) as a transformers causal LM.
 
@@ -279,6 +283,13 @@ class LinearAttentionTransformerForCausalLM(PreTrainedModel, GenerationMixin):
         # (model_options holds the library's option names only: the config checked the keys it was given)
         self.model = LinearAttentionTransformerLM(**config.model_options(), _keywords_checked=True)
         self.post_init()
+
+    @classmethod
+    def from_pretrained(cls, *args, **kwargs):
+        """transformers' ``from_pretrained``; a folder whose attention layers kept the global
+        heads' gates, convolution and writing strengths on the layer itself loads as well."""
+        kwargs.setdefault("key_mapping", MOVED_PARAMETERS)
+        return super().from_pretrained(*args, **kwargs)
 
     @classmethod
     def _supports_default_dynamic_cache(cls):

@@ -72,7 +72,7 @@ def continue_in_slots(model, pool, tokens, query_starts, slots, positions):
         raise ValueError("query_starts must rise from 0 to the number of tokens, at least one token per request")
     out = [None] * len(slots)
     decoding = [r for r, c in enumerate(counts) if c == 1]
-    together = decoding if len(decoding) > 1 and not _blindspot_blocks(model) else []
+    together = decoding if len(decoding) > 1 and model.transformer.blindspot_size == 1 else []
     if together:
         rows = torch.tensor([query_starts[r] for r in together], device=tokens.device)
         features = _run(model, pool, tokens[rows][:, None], [slots[r] for r in together],
@@ -121,16 +121,13 @@ def _run(model, pool, x, slots, positions):
     return out
 
 
-def _blindspot_blocks(model):
-    return any(getattr(m, "blindspot_size", 1) > 1 for m in model.modules())
-
-
 def _check_model(model):
     from .lm import LinearAttentionTransformerLM  # (lm imports nothing from here)
 
     if not isinstance(model, LinearAttentionTransformerLM):
         raise TypeError(f"model must be a LinearAttentionTransformerLM, got {type(model).__name__}")
-    model.transformer.check_cacheable()
+    if model.transformer.cache_refusal is not None:
+        raise ValueError(model.transformer.cache_refusal)
     if model.transformer.attend_axially:
         raise ValueError("attend_axially=True keeps a state per axial row, which a slot does not hold")
     if model.transformer.receives_context:

@@ -17,8 +17,8 @@ from einops import rearrange
 from product_key_memory import PKM
 from torch import nn
 
-from .attention import (HEADS, LOCAL_WINDOW_SIZE, Attention, pad_to_multiple, refuse_unread_context, resolve_dim_qk,
-                        resolve_heads)
+from .attention import (HEADS, LEFT_PADDED_BLOCKS, LOCAL_WINDOW_SIZE, Attention, check_context, pad_to_multiple,
+                        refuse_unread_context, resolve_dim_qk, resolve_heads)
 from .cache import AxialCache, BranchCache, DecodingCache, copy_rows, for_call, map_tensors
 from .context_parallel import exchange_boundaries
 from .feedforward import FeedForward
@@ -374,6 +374,9 @@ class LinearAttentionTransformer(nn.Module):
         self.layers = ReversibleSequence(blocks) if reversible else SequentialSequence(blocks, checkpoint=checkpoint)
         # (a plain tuple, not registered again: what check_place walks on every cached call)
         self.attention_layers = tuple(m for m in self.layers.modules() if isinstance(m, Attention))
+        # the blind spot of the layers that see keys by blocks (1: none does)
+        self.blindspot_size = max([m.global_heads.blindspot_size for m in self.attention_layers if m.blindspot_blocks],
+                                  default=1)
         if use_rotary_emb:
             dim_head = resolve_heads(dim, heads, dim_head)[0]
             self.rotary = RotaryEmbedding(dim_head, dim_qk=resolve_dim_qk(options.given.get("dim_qk"), dim_head))
@@ -422,7 +425,10 @@ class LinearAttentionTransformer(nn.Module):
         """Raise ValueError naming what this model cannot do at ``place`` for x of ``length``
         tokens (one rank's slice when ``parallel``), as ``Attention.check_place``."""
         if place.cached:
-            self.check_cacheable()
+            if self.cache_refusal is not None:
+                raise ValueError(self.cache_refusal)
+            if place.row_starts is not None and self.blindspot_size > 1:
+                raise ValueError(LEFT_PADDED_BLOCKS.format(self.blindspot_size))
         if not parallel:
             self.check_length_at(place, length)
         whole = {"segment_ids": place.segments is not None, "context_parallel": parallel}
@@ -434,7 +440,7 @@ class LinearAttentionTransformer(nn.Module):
                                    "row")):
                 if refused:
                     raise ValueError(f"{option} is not supported here: {what}")
-        if place.cached or parallel:  # (a plain forward walks no modules: nothing a layer could refuse)
+        if parallel:  # (what a layer refuses depends on the slice's length)
             for module in self.attention_layers:
                 module.check_place(place, length, parallel)
 
@@ -447,8 +453,10 @@ class LinearAttentionTransformer(nn.Module):
         group = place.group
         if group is not None:
             self.check_length(group.world_size * group.length, f" ({group.world_size} slices of {group.length})")
-        if self.receives_context and cache is None and context is None:  # (each layer checks its shape)
+        if self.receives_context and cache is None and context is None:
             raise ValueError("this model has receives_context=True: pass context=(batch, ctx_len, dim)")
+        if context is not None:
+            check_context(context, context_mask, x.shape[0], self.dim)
         if self.rotary is not None:
             place = place.but(rotary=self.rotary(place.positions(x.shape[1], x.device) if positions is None
                                                  else positions))
@@ -481,7 +489,8 @@ class LinearAttentionTransformer(nn.Module):
     def empty_cache(self, batch_size, device=None, dtype=torch.float32):
         """The ``DecodingCache`` before any token: every layer's empty state (zero sums, no
         keys in the rings, zero convolution and shift inputs) at position 0."""
-        self.check_cacheable()
+        if self.cache_refusal is not None:
+            raise ValueError(self.cache_refusal)
         layers = [[branch.empty_cache(batch_size, device, dtype) for branch in pair] for pair in self.layers.blocks]
         return DecodingCache(torch.zeros((), dtype=torch.long, device=device), layers)
 
@@ -510,11 +519,14 @@ class LinearAttentionTransformer(nn.Module):
     def supports_cache(self):
         return self.causal and not self.linformer
 
-    def check_cacheable(self):
-        """Raise ValueError, saying why, when this model cannot decode with a cache."""
+    @property
+    def cache_refusal(self):
+        """Why this model cannot decode with a cache (a sentence), or None: what the cache, the
+        exported step, the slots and vLLM all refuse."""
         if not self.causal:
-            raise ValueError("cached decoding needs a causal model (causal=True)")
+            return "cached decoding needs a causal model (causal=True)"
         if self.linformer:
-            raise ValueError("Linformer self-attention (linformer_settings) has no recurrent form: no cache")
+            return "Linformer self-attention (linformer_settings) has no recurrent form: no cache"
         if self.training and any(isinstance(m, nn.Dropout) and m.p > 0 for m in self.modules()):
-            raise ValueError("cached decoding needs eval mode: dropout is active (call model.eval())")
+            return "cached decoding needs eval mode: dropout is active (call model.eval())"
+        return None

@@ -28,7 +28,7 @@ def naive_attention(layer: Attention, x, mask=None, context=None, context_mask=N
         keep = keep & key_mask[:, None, None, :]
     outs = []
     if layer.n_local:
-        w = layer.local_window.size
+        w = layer.local_heads.window.size
         if layer.causal:
             visible = (j <= i) & (j // w >= i // w - 1)
         else:
@@ -39,19 +39,19 @@ def naive_attention(layer: Attention, x, mask=None, context=None, context_mask=N
         outs.append(sim.softmax(-1) @ vl)
     if layer.n_local < h:
         qg, kg, vg = (torch.stack(t[layer.n_local :], dim=1) for t in (q, k, v))
-        if layer.local_conv is not None:
-            qg = explicit_conv(qg, layer.local_conv[0], mask)
-            kg = explicit_conv(kg, layer.local_conv[1], key_mask)
-            vg = explicit_conv(vg, layer.local_conv[2], key_mask)
+        if layer.global_heads.local_conv is not None:
+            qg = explicit_conv(qg, layer.global_heads.local_conv[0], mask)
+            kg = explicit_conv(kg, layer.global_heads.local_conv[1], key_mask)
+            vg = explicit_conv(vg, layer.global_heads.local_conv[2], key_mask)
         gate = None
-        if layer.forget_gate is not None:
-            fg = layer.forget_gate
+        if layer.global_heads.forget_gate is not None:
+            fg = layer.global_heads.forget_gate
             pre = source @ fg.gate_down.weight.T @ fg.gate_up.weight.T + fg.gate_up.bias
             gate = rearrange(F.logsigmoid(pre) / fg.temperature, "b n (h d) -> b h n d", h=h - layer.n_local)
             gate = gate.expand(-1, -1, -1, qg.shape[-1])  # per head: the same decay for every feature
         qf = qg.softmax(-1)
         if layer.causal:
-            B = layer.blindspot_size
+            B = layer.global_heads.blindspot_size
             visible = (j <= i) if B == 1 else (j // B < i // B)
             if gate is None:
                 wts = torch.einsum("bhid,bhjd->bhij", qf, kg.exp())
@@ -214,14 +214,17 @@ def test_bad_layer_arguments(kwargs, match):
         Attention(**kwargs)
 
 
-def test_the_output_gate_starts_open_beside_delta_rule_heads():
-    """Beside delta-rule heads the output gate starts at sigmoid(3) for every input near 0
-    (from gates near 0.5 the gated heads did not learn recall); the additive heads keep
-    PyTorch's initialisation, biases within 1 / sqrt(dim)."""
+def test_the_output_gate_starts_open_over_delta_rule_heads_alone():
+    """Over delta-rule heads the output gate starts at sigmoid(3) for every input near 0 (from
+    gates near 0.5 the gated heads did not learn recall); the local heads beside them, and
+    additive heads, keep PyTorch's initialisation, biases within 1 / sqrt(dim)."""
     torch.manual_seed(0)
     x = torch.zeros(1, 5, 32)
     delta = Attention(dim=32, heads=4, n_local_attn_heads=2, causal=True, update_rule="delta", use_gate=True)
-    torch.testing.assert_close(delta.output_gate(x), torch.full((1, 5, 4 * 8), torch.sigmoid(torch.tensor(3.0)).item()))
+    local_channels = 2 * 8
+    torch.testing.assert_close(delta.output_gate(x)[..., local_channels:],
+                               torch.full((1, 5, 2 * 8), torch.sigmoid(torch.tensor(3.0)).item()))
+    assert delta.output_gate.gate_out.bias[:local_channels].abs().max() <= 32 ** -0.5
     additive = Attention(dim=32, heads=4, n_local_attn_heads=2, causal=True, use_gate=True)
     assert additive.output_gate.gate_out.bias.abs().max() <= 32 ** -0.5
 
@@ -234,8 +237,8 @@ def test_extreme_gate_preactivations(bias, causal):
     chunking = dict(chunk_size=4) if causal else {}  # a non-causal layer refuses chunk_size
     layer = Attention(dim=16, heads=4, causal=causal, use_gate=True, use_local_conv=True, **chunking).to(D)
     with torch.no_grad():
-        layer.forget_gate.gate_up.weight.zero_()
-        layer.forget_gate.gate_up.bias.fill_(bias)
+        layer.global_heads.forget_gate.gate_up.weight.zero_()
+        layer.global_heads.forget_gate.gate_up.bias.fill_(bias)
         layer.output_gate.gate_out.bias.fill_(bias)
     x = torch.randn(2, 19, 16, dtype=D)
     torch.testing.assert_close(layer(x), naive_attention(layer, x), rtol=1e-9, atol=1e-12)
@@ -330,9 +333,9 @@ def test_dim_qk_sizes_the_global_projections_gate_and_convolution(options, q_row
                           **sequence, **options)
         assert layer.to_q.weight.shape == (q_rows, 16) and layer.to_kv.weight.shape == (kv_rows, 16)
         assert layer.to_out.weight.shape == (16, 4 * 6) and layer.output_gate.gate_out.out_features == 4 * 6
-        assert layer.forget_gate.gate_up.out_features == n_global * features
+        assert layer.global_heads.forget_gate.gate_up.out_features == n_global * features
         if sequence:
-            assert [c.conv_weight.shape[0] for c in layer.local_conv] == [n_global * dim_qk] * 2 + [n_global * 6]
+            assert [c.conv_weight.shape[0] for c in layer.global_heads.local_conv] == [n_global * dim_qk] * 2 + [n_global * 6]
 
 
 @pytest.mark.parametrize("options", [

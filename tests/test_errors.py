@@ -124,14 +124,14 @@ def test_defaults_come_from_one_place():
                                          n_local_attn_heads=1, attend_axially=True, use_gate=True, use_local_conv=True)
     attention = model.transformer.layers.blocks[0][0].fn
     fold = model.transformer.layers.blocks[1][0].fn
-    assert attention.local_window.size == fold.width == model.pos_emb.width == LOCAL_WINDOW_SIZE
+    assert attention.local_heads.window.size == fold.width == model.pos_emb.width == LOCAL_WINDOW_SIZE
     kernel_default = inspect.signature(causal_linear_attention).parameters["chunk_size"].default
-    assert attention.chunk_size == kernel_default == CHUNK_SIZE
+    assert attention.global_heads.chunk_size == kernel_default == CHUNK_SIZE
     gate = inspect.signature(ForgetGate).parameters
-    assert attention.forget_gate.temperature == gate["temperature"].default
-    assert attention.forget_gate.granularity == gate["granularity"].default
-    assert attention.forget_gate.gate_down.out_features == gate["rank"].default
-    assert attention.local_conv[0].kernel_size == inspect.signature(LocalConv).parameters["kernel_size"].default
+    assert attention.global_heads.forget_gate.temperature == gate["temperature"].default
+    assert attention.global_heads.forget_gate.granularity == gate["granularity"].default
+    assert attention.global_heads.forget_gate.gate_down.out_features == gate["rank"].default
+    assert attention.global_heads.local_conv[0].kernel_size == inspect.signature(LocalConv).parameters["kernel_size"].default
 
 
 def test_gate_settings_checked_in_a_layer_of_local_heads_only():
@@ -250,7 +250,7 @@ def test_the_hugging_face_config_checks_keywords_once_and_its_model_not_again(mo
                                                  use_gate=True)
     assert checks == ["LinearAttentionTransformerConfig"]
     model = hf.LinearAttentionTransformerForCausalLM(config)
-    assert checks == ["LinearAttentionTransformerConfig"] and model.model.transformer.attention_layers[0].forget_gate
+    assert checks == ["LinearAttentionTransformerConfig"] and model.model.transformer.attention_layers[0].global_heads.forget_gate
 
 
 # ------------------------------------------------------------------ generate's keywords

@@ -75,7 +75,7 @@ OPTIONS = [
 
 # options whose effect is exact by design: the module that must carry the value
 CARRIED = {
-    "chunk_size": lambda model: any(isinstance(m, Attention) and m.chunk_size == 4 for m in model.modules()),
+    "chunk_size": lambda model: any(isinstance(m, Attention) and m.global_heads.chunk_size == 4 for m in model.modules()),
     "ff_chunks": lambda model: any(isinstance(m, FeedForward) and m.chunks == 3 for m in model.modules()),
     "checkpoint": lambda model: model.layers.checkpoint,
 }

@@ -9,7 +9,7 @@ flex is wrong on some calls in torch 2.13: ops/windowed_flex.py)."""
 import pytest
 import torch
 
-import linear_attention_transformer.attention as attention_module
+import linear_attention_transformer.heads as heads_module
 from linear_attention_transformer.attention import Attention
 from linear_attention_transformer.ops.segments import positions_in_segment, segment_runs
 from linear_attention_transformer.ops.windowed_attention import Window, windowed_attention_by_position
@@ -109,10 +109,10 @@ def test_the_layer_runs_the_picked_implementation(monkeypatch):
     def refuse(*args):
         raise AssertionError("flex called on the CPU")
 
-    monkeypatch.setattr(attention_module, "flex_windowed_attention", refuse)
+    monkeypatch.setattr(heads_module, "flex_windowed_attention", refuse)
     windowed = layer(x, input_mask=mask, segment_ids=segment_ids)  # 'auto' on the CPU: 'windowed'
     monkeypatch.undo()
-    monkeypatch.setattr(attention_module, "local_implementation", lambda *args: "flex")
+    monkeypatch.setattr(heads_module, "local_implementation", lambda *args: "flex")
     flex = layer(x, input_mask=mask, segment_ids=segment_ids)
     err = (flex - windowed).abs().max().item()
     assert err <= 1e-12, f"max error {err:.2e}"
@@ -123,7 +123,7 @@ def test_the_layers_kernel_option_picks_the_local_implementation(monkeypatch):
     """The layer hands its kernel to ``local_implementation`` (whose answer for 'torch' is
     'windowed' on every device)."""
     asked = []
-    monkeypatch.setattr(attention_module, "local_implementation", lambda *args: asked.append(args[2:]) or "windowed")
+    monkeypatch.setattr(heads_module, "local_implementation", lambda *args: asked.append(args[2:]) or "windowed")
     x = torch.randn(2, 20, 32)
     for kernel in ("auto", "torch"):  # (a layer without a causal order takes 'torch' too)
         Attention(32, heads=4, n_local_attn_heads=2, local_attn_window_size=W, kernel=kernel)(x)
@@ -201,7 +201,7 @@ def test_one_block_structure_serves_every_call_and_layer():
               for _ in range(2)]
     x = torch.randn(2, 37, 32, dtype=D)
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(attention_module, "local_implementation", lambda *args: "flex")
+        patch.setattr(heads_module, "local_implementation", lambda *args: "flex")
         for _ in range(2):
             for layer in layers:
                 layer(x)
