@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from einops import repeat
 from torch import nn
 
 from .cache import AttentionCache, for_call
@@ -20,7 +19,7 @@ from .gating import ForgetGate, LocalConv, OutputGate
 from .heads import GLOBAL_HEADS, DeltaHeads, LocalHeads
 from .ops import linear_attention_readout, linear_attention_summary
 from .ops.causal.forms import CHUNK_SIZE
-from .ops.common import check_int, check_mask, dropout
+from .ops.common import check_int, check_mask
 from .ops.kernels import check_kernel
 from .ops.segments import aligned_layout, from_layout, to_layout
 from .ops.windowed_attention import Window
@@ -187,8 +186,14 @@ class Attention(nn.Module):
         self.dim, self.heads, self.dim_head, self.kv_heads, self.dim_qk = dim, heads, dim_head, kv_heads, dim_qk
         self.receives_context, self.n_local, self.update_rule = receives_context, n_local_attn_heads, update_rule
         # the local heads first, then the global ones; keys likewise, then the values
-        q_width = n_local_attn_heads * dim_head + n_global * dim_qk
+        self.head_counts = (n_local_attn_heads, n_global)
+        self.q_widths = (n_local_attn_heads * dim_head, n_global * dim_qk)
+        q_width = sum(self.q_widths)
         self.kv_widths = (q_width // group, kv_heads * dim_head)
+        self.k_widths = self.v_widths = None  # (None: a key/value head serves heads of both kinds)
+        if n_local_attn_heads % group == 0:
+            self.k_widths = (n_local_attn_heads // group * dim_head, n_global // group * dim_qk)
+            self.v_widths = (n_local_attn_heads // group * dim_head, n_global // group * dim_head)
         self.to_q = nn.Linear(dim, q_width, bias=False)
         self.to_kv = nn.Linear(dim, sum(self.kv_widths), bias=False)
         self.to_out = nn.Linear(heads * dim_head, dim)
@@ -202,6 +207,7 @@ class Attention(nn.Module):
                 dim, n_global, dim_qk, dim_head, self.causal, use_gate=use_gate, use_local_conv=use_local_conv,
                 gate_settings=gate_settings, conv_settings=conv_settings, blindspot_size=blindspot_size,
                 chunk_size=CHUNK_SIZE if chunk_size is None else chunk_size, kernel=kernel, **options)
+        self.head_kinds = (self.local_heads, self.global_heads)  # (a plain tuple: registered above)
         self.output_gate = OutputGate(dim, heads * dim_head) if use_gate else None
         opened = None if self.global_heads is None else self.global_heads.output_gate_bias
         if self.output_gate is not None and opened is not None:  # (the global heads' channels alone)
@@ -240,8 +246,9 @@ class Attention(nn.Module):
             check_context(context, context_mask, x.shape[0], self.dim)
         if rotary is not None:
             self._check_rotary(rotary)
-        place = Place.of(x, cache, return_cache, segment_ids, context_parallel, check=self.check_place,
-                         input_mask=input_mask)
+        if input_mask is not None:
+            check_mask(input_mask, *x.shape[:2], "input_mask")
+        place = Place.of(x, cache, return_cache, segment_ids, context_parallel, self.check_place, input_mask)
         if place.cached:
             cache = self.empty_cache(x.shape[0], x.device, x.dtype, 0) if cache is None else for_call(cache, return_cache)
         out = self.attend(x, place.but(rotary=rotary), input_mask, cache, context, context_mask)
@@ -264,33 +271,28 @@ class Attention(nn.Module):
     def project(self, x, source):
         """Queries from x, keys/values from source: ((q, k, v) of the local heads, (q, k, v) of
         the global heads), each (b, h, n, dim_head) but the global heads' q and k (b, h, n,
-        dim_qk); a kind of head the layer lacks gets None."""
+        dim_qk); a kind of head the layer lacks gets None. Split by kind along the features:
+        the backward of one split is one cat, where slices would each fill a full-size zero
+        gradient and copy into it."""
         k, v = self.to_kv(source).split(self.kv_widths, dim=-1)
-        v = self._by_kind(self._query_heads(split_heads(v, self.kv_heads)))
-        if self.dim_qk == self.dim_head:  # one width: a key head may serve local and global heads
-            q = split_heads(self.to_q(x), self.heads)
-            k = split_heads(k, self.kv_heads)
-            q, k = self._by_kind(q), self._by_kind(self._query_heads(k))
-        else:
-            group = self.heads // self.kv_heads
-            q = _split_kinds(self.to_q(x), self.n_local, self.heads - self.n_local, self.dim_head, self.dim_qk)
-            k = _split_kinds(k, self.n_local // group, (self.heads - self.n_local) // group, self.dim_head, self.dim_qk)
-            k = [None if t is None else self._query_heads(t) for t in k]
-        return tuple(None if t[0] is None else t for t in zip(q, k, v))
-
-    def _query_heads(self, t):
-        """Key/value heads (b, kv_heads or fewer, n, d) repeated for the query heads they serve."""
-        if self.kv_heads == self.heads:
-            return t
-        return repeat(t, "b g n d -> b (g r) n d", r=self.heads // self.kv_heads)
-
-    def _by_kind(self, t):
-        """Every head (b, heads, n, d) -> (local heads, global heads), None for a kind without
-        heads. One split: its backward is one cat, where two slices would each fill a full-size
-        zero gradient and copy into it; no split for one kind (its backward would copy for nothing)."""
-        if not self.n_local or self.n_local == self.heads:
-            return (t, None) if self.n_local else (None, t)
-        return t.split((self.n_local, self.heads - self.n_local), dim=1)
+        group, k_widths, v_widths = self.heads // self.kv_heads, self.k_widths, self.v_widths
+        if k_widths is None:  # a key/value head serves heads of both kinds: repeated before the split
+            k = k.unflatten(-1, (self.kv_heads, -1)).repeat_interleave(group, dim=-2).flatten(-2)
+            v = v.unflatten(-1, (self.kv_heads, -1)).repeat_interleave(group, dim=-2).flatten(-2)
+            group, k_widths, v_widths = 1, self.q_widths, self.q_widths
+        qs, ks, vs = self.to_q(x).split(self.q_widths, dim=-1), k.split(k_widths, dim=-1), v.split(v_widths, dim=-1)
+        kinds = []
+        for count, q, k, v in zip(self.head_counts, qs, ks, vs):
+            if not count:
+                kinds.append(None)
+                continue
+            q = q.unflatten(-1, (count, -1)).transpose(1, 2)  # (b, n, h d) -> (b, h, n, d)
+            k = k.unflatten(-1, (count // group, -1)).transpose(1, 2)
+            v = v.unflatten(-1, (count // group, -1)).transpose(1, 2)
+            if group > 1:  # each key/value head repeated for the query heads it serves
+                k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+            kinds.append((q, k, v))
+        return kinds
 
     def _self_attention(self, x, input_mask, place, cache=None):
         """Each kind of head on its share of the projections, continuing its entry of ``cache``."""
@@ -299,8 +301,10 @@ class Attention(nn.Module):
             kinds = [None if kind is None else (apply_rotary(kind[0], tables), apply_rotary(kind[1], tables), kind[2])
                      for kind, tables in zip(kinds, self._rotary_by_kind(place.rotary))]
         entries = (None, None) if cache is None else (cache.local, cache.global_)
-        outs = [heads(*qkv, x, input_mask, place, entry)
-                for heads, qkv, entry in zip((self.local_heads, self.global_heads), kinds, entries) if qkv is not None]
+        outs = []
+        for heads, qkv, entry in zip(self.head_kinds, kinds, entries):
+            if qkv is not None:
+                outs.append(heads(*qkv, x, input_mask, place, entry))
         return self._combine(outs, x)
 
     def _combine(self, outs, x):
@@ -308,7 +312,9 @@ class Attention(nn.Module):
         out = out.transpose(1, 2).flatten(2)  # (b, h, n, d) -> (b, n, h d)
         if self.output_gate is not None:
             out = out * self.output_gate(x)
-        return dropout(self.dropout, self.to_out(dropout(self.attn_dropout, out)))
+        if self.training:
+            return self.dropout(self.to_out(self.attn_dropout(out)))
+        return self.to_out(out)
 
     def _rotary_by_kind(self, rotary):
         """The rotary tables (cos, sin) -> (the local heads', the global heads')."""
@@ -456,17 +462,6 @@ def _local_window(size, look_backward, look_forward, exact, causal):
 def split_heads(t, heads):
     """(b, n, heads * d) -> (b, heads, n, d)."""
     return t.unflatten(-1, (heads, -1)).transpose(1, 2)
-
-
-def _split_kinds(t, local_heads, global_heads, local_width, global_width):
-    """(b, n, local_heads * local_width + global_heads * global_width) -> (local (b, local_heads,
-    n, local_width), global (b, global_heads, n, global_width)), None for a kind without heads."""
-    counts, widths = (local_heads, global_heads), (local_width, global_width)
-    if all(counts):
-        parts = t.split([c * w for c, w in zip(counts, widths)], dim=-1)
-    else:  # (one kind: no split, whose backward would copy for nothing)
-        parts = [t if c else None for c in counts]
-    return [None if p is None else split_heads(p, c) for p, c in zip(parts, counts)]
 
 
 def _given(**settings):

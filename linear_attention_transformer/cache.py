@@ -56,19 +56,6 @@ def map_tensors(obj, fn):
     return obj
 
 
-def _first_rows(obj):
-    """The first dimension of the first tensor of ``obj`` that has one (None: no such tensor)."""
-    if torch.is_tensor(obj):
-        return obj.shape[0] if obj.ndim else None
-    fields = obj if isinstance(obj, (tuple, list)) else \
-        [getattr(obj, name) for name in obj.__slots__] if isinstance(obj, (_Cache, CausalState)) else ()
-    for field in fields:
-        rows = _first_rows(field)
-        if rows is not None:
-            return rows
-    return None
-
-
 def for_call(cache, return_cache):
     """The cache a call continues from and updates in place: ``cache`` itself when the call
     returns it, else a copy (a call that only reads a cache leaves it as it was)."""
@@ -127,7 +114,7 @@ class LocalCache(_Cache):
         or a long tensor of no dimension; ``mask`` (b, n): False where a token is padding) go
         to their slots; only the last ``slots``. A key's position is its column, less its row's
         first real column (``row_starts`` (b,), left padding) when given."""
-        n, slots = k.shape[2], self.slots
+        n, slots = k.shape[2], self.positions.shape[1]
         if n == 1 and mask is None and isinstance(start, int) and row_starts is None:  # (a known slot: views)
             slot = start % slots
             self.kv[:, 0, :, slot].copy_(k[:, :, 0])
@@ -191,8 +178,19 @@ class DecodingCache(_Cache):
         super().__init__(position, layers, row_starts)
 
     def rows(self):
-        """The batch size: the rows of the first layer's buffers."""
-        return _first_rows(self.layers)
+        """The batch size: the rows of the first buffer that has them (None: no such buffer)."""
+        pending = [self.layers]
+        while pending:  # (depth first, in order)
+            obj = pending.pop()
+            if torch.is_tensor(obj):
+                if obj.ndim:
+                    return obj.shape[0]
+            elif isinstance(obj, (tuple, list)):
+                pending.extend(reversed(obj))
+            elif isinstance(obj, (_Cache, CausalState)):
+                for name in reversed(obj.__slots__):
+                    pending.append(getattr(obj, name))
+        return None
 
     def static_tensors(self):
         """Every tensor a one-token forward reads or writes other than the model's parameters:

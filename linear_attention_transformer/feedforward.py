@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .ops.common import check_int, dropout
+from .ops.common import check_int
 
 _ACTIVATIONS = {"gelu": F.gelu, "relu": F.relu}
 
@@ -40,19 +40,17 @@ class FeedForward(nn.Module):
         self.dropout = nn.Dropout(dropout)
         self.proj_out = nn.Linear(hidden, dim)
 
-    def _forward(self, x):
-        hidden = _hidden(x, self.proj_in.weight, self.proj_in.bias, self.glu, self.activation)
-        return self.proj_out(dropout(self.dropout, hidden))
-
     def forward(self, x):
-        if self.chunks == 1 or x.shape[1] <= 1:
-            return self._forward(x)
-        return torch.cat([self._forward(part) for part in x.chunk(self.chunks, dim=1)], dim=1)
-
-
-def _hidden(x, weight, bias, glu, activation):
-    h = F.linear(x, weight, bias)
-    if glu:
-        h, gate = h.chunk(2, dim=-1)
-        return h * activation(gate)
-    return activation(h)
+        parts = x.chunk(self.chunks, dim=1) if self.chunks > 1 and x.shape[1] > 1 else (x,)
+        outs = []
+        for part in parts:
+            hidden = F.linear(part, self.proj_in.weight, self.proj_in.bias)
+            if self.glu:
+                hidden, gate = hidden.chunk(2, dim=-1)
+                hidden = hidden * self.activation(gate)
+            else:
+                hidden = self.activation(hidden)
+            if self.training:
+                hidden = self.dropout(hidden)
+            outs.append(self.proj_out(hidden))
+        return outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)

@@ -50,8 +50,15 @@ class LocalHeads(nn.Module):
         return LocalCache.zeros(batch_size, self.heads, self.window.most_keys, dim_head, device, dtype)
 
     def forward(self, q, k, v, x, mask, place, cache=None):
-        if place.step:
-            return self._step(q, k, v, cache, place)
+        if place.step:  # one query per row over the ring (``LocalCache``)
+            start, row_starts = place.start, place.row_starts
+            # its own key and value enter their slot first: the key they replace is older than its window
+            cache.write(k, v, start, None, row_starts)
+            p = start if row_starts is None else (start - row_starts)[:, None]
+            hidden = cache.positions < self.window.first_key(p)  # (an empty slot's NO_KEY lies below every window)
+            bias = torch.zeros(hidden.shape, dtype=cache.kv.dtype, device=hidden.device).masked_fill_(hidden, NEG_INF)
+            keys, values = cache.kv.unbind(1)
+            return windowed_attention_step(q * q.shape[-1] ** -0.5, keys, values, bias[:, None])[:, :, None]
         if place.group is not None:
             return self._context_parallel(q, k, v, mask, place.group)
         if cache is None or place.position == 0:
@@ -81,17 +88,6 @@ class LocalHeads(nn.Module):
         new_positions = q_positions.expand(q.shape[0], n) if mask is None else torch.where(mask, q_positions, NO_KEY)
         k_positions = torch.cat((cache.positions, new_positions), dim=1)  # NO_KEY: before every window
         return windowed_attention_by_position(q, keys, values, q_positions, k_positions, self.window)
-
-    def _step(self, q, k, v, ring, place):
-        """One query per row (b, h, 1, d) over the ring. Its own key and value enter their slot
-        first: the key they replace is older than this query's window."""
-        start, row_starts = place.start, place.row_starts
-        ring.write(k, v, start, None, row_starts)
-        p = start if row_starts is None else (start - row_starts)[:, None]
-        hidden = ring.positions < self.window.first_key(p)  # (an empty slot's NO_KEY lies below every window)
-        bias = torch.zeros(hidden.shape, dtype=ring.kv.dtype, device=hidden.device).masked_fill_(hidden, NEG_INF)
-        keys, values = ring.kv.unbind(1)
-        return windowed_attention_step(q * q.shape[-1] ** -0.5, keys, values, bias[:, None])[:, :, None]
 
     def _context_parallel(self, q, k, v, mask, group):
         """Across the slice's ends: the neighbours' boundary windows of keys and values
@@ -168,8 +164,6 @@ class GlobalHeads(nn.Module):
     def convolve(self, q, k, v, mask, place, cache):
         """q, k, v through the local convolution, continuing the cache's last inputs (unless the
         sequence starts here) and keeping this call's."""
-        if self.local_conv is None:
-            return q, k, v
         if place.group is not None:
             return self._convolve_context_parallel(q, k, v, mask, place.group)
         keep = (None,) * 3 if cache is None else [t for group in cache.conv for t in group.unbind(1)]  # (views)
@@ -210,14 +204,27 @@ class AdditiveHeads(GlobalHeads):
         return AdditiveCache(state, self.empty_conv(batch_size, device, dtype))
 
     def forward(self, q, k, v, x, mask, place, cache=None):
-        q, k, v = self.convolve(q, k, v, mask, place, cache)
+        if self.local_conv is not None:
+            q, k, v = self.convolve(q, k, v, mask, place, cache)
         if not self.causal:
             return self._noncausal(q, k, v, x, mask, place)
-        fm = self.feature_map
         log_gate = None if self.forget_gate is None else self.forget_gate(x)
-        q, k, exp_features = fm.causal_features(q, k)
-        if place.step:
-            return self._step(q, k, v, log_gate, cache.state, place.start, place.row_starts)
+        q, k, exp_features = self.feature_map.causal_features(q, k)
+        if place.step:  # one token per row through the state, in place, in its dtype (float32 or wider)
+            state = cache.state
+            dtype, out_dtype = state.kv.dtype, v.dtype
+            q, k, v = q[:, :, 0].to(dtype), k[:, :, 0].to(dtype), v[:, :, 0].to(dtype)
+            if log_gate is not None:
+                log_gate = log_gate[:, :, 0].to(dtype)
+            position, blindspot, where = place.start, self.blindspot_size, None
+            # a blindspot block joins where it ends: at an int position only then, at a tensor by flags
+            if blindspot > 1 and not (isinstance(position, int) and (position + 1) % blindspot):
+                zero = state.kv.new_zeros(())
+                where = join_flags(position, blindspot, exp_features, zero, zero + NEG_INF)
+            # every row has seen a key (read_state then needs no guard) once the first block is
+            # behind, where rows start together (left-padded rows count from their own start)
+            seen = isinstance(position, int) and place.row_starts is None and position >= (blindspot > 1) * blindspot
+            return state.step(q, k, v, log_gate, where, all_seen=seen)[:, :, None].to(out_dtype)
         if place.group is not None:
             return context_parallel_causal_linear_attention(q, k, v, place.group, log_gate, mask, self.chunk_size,
                                                             exp_features, self.blindspot_size, self.kernel)
@@ -261,25 +268,6 @@ class AdditiveHeads(GlobalHeads):
         log_gate = self.forget_gate(source)
         return (log_gate if log_gate.ndim == 4 else log_gate[..., None]).exp()  # (one per head: a last axis of 1)
 
-    def _step(self, q, k, v, log_gate, state, position, row_starts=None):
-        """One token per row through the state (``CausalState.step``, in place), in the state's
-        dtype (float32 or wider). ``position``: an int (a blindspot block then joins only where it
-        ends) or a long tensor (joined by flags at every position)."""
-        dtype, out_dtype = state.kv.dtype, v.dtype
-        q, k, v = (t[:, :, 0] if t.dtype == dtype else t[:, :, 0].to(dtype) for t in (q, k, v))
-        if log_gate is not None:
-            log_gate = log_gate[:, :, 0] if log_gate.dtype == dtype else log_gate[:, :, 0].to(dtype)
-        where, blindspot = None, self.blindspot_size
-        if blindspot > 1 and not (isinstance(position, int) and (position + 1) % blindspot):  # (else no join now)
-            zero = state.kv.new_zeros(())
-            where = join_flags(position, blindspot, state.ref is not None, zero, zero + NEG_INF)
-        # every row has seen a key (read_state then needs no guard) once the first block is
-        # behind, where rows start together (left-padded rows count from their own start)
-        seen = isinstance(position, int) and row_starts is None and position >= (blindspot if blindspot > 1 else 0)
-        out = state.step(q, k, v, log_gate, where, all_seen=seen)[:, :, None]
-        return out if out.dtype == out_dtype else out.to(out_dtype)
-
-
 # the RMS normalisation of the delta-rule heads' outputs: mean square + this, under the root
 DELTA_OUTPUT_EPS = 1e-5
 
@@ -318,7 +306,8 @@ class DeltaHeads(GlobalHeads):
         return DeltaCache(kv, self.empty_conv(batch_size, device, dtype))
 
     def forward(self, q, k, v, x, mask, place, cache=None):
-        q, k, v = self.convolve(q, k, v, mask, place, cache)
+        if self.local_conv is not None:
+            q, k, v = self.convolve(q, k, v, mask, place, cache)
         q, k = (F.normalize(F.silu(t.to(compute_dtype(t))), dim=-1) for t in (q, k))
         v = F.silu(v)
         beta = torch.sigmoid(self.to_beta(x)).transpose(1, 2)  # (b, h, n)

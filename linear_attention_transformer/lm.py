@@ -19,10 +19,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from .attention import HEADS, LOCAL_WINDOW_SIZE
-from .cache import for_call
 from .ops.common import check_int
-from .ops.segments import check_integer_ids
-from .place import Place
+from .ops.segments import INTEGER_DTYPES, check_integer_ids
 from .positional import AbsolutePositionalEmbedding, AxialPositionalEmbedding
 from .transformer import LinearAttentionTransformer, keyword_names, refuse_unknown_keywords
 
@@ -200,52 +198,42 @@ class LinearAttentionTransformerLM(nn.Module):
 
     def _body(self, x, input_mask, context, context_mask, cache, return_cache, segment_ids=None,
               context_parallel=None):
-        check_integer_ids(x, "x")
-        if x.ndim != 2 or x.shape[1] < 1:
-            raise ValueError(f"x must have shape (batch, seq_len) with at least one token, got {tuple(x.shape)}")
-        place = Place.of(x, cache, return_cache, segment_ids, context_parallel, check=self.transformer.check_place,
-                         input_mask=input_mask)
-        positions = place.positions(x.shape[1], x.device)
-        h = self._embed(x)
-        if self.pos_emb is not None:
-            embedded = self.pos_emb(positions)
-            h = h + (embedded if embedded.dtype == h.dtype else embedded.to(h.dtype))
-        out = self.transformer.attend(self.project_in(h), place, input_mask, context, context_mask,
-                                      for_call(cache, return_cache), positions)
-        return out[0] if place.cached and not return_cache else out
-
-    def _embed(self, x):
-        """The token embedding (ids of any integer dtype: the embedding takes int64). Ids outside
-        the vocabulary raise ``check_token_ids``' ValueError on every device: on the CPU it
-        looks only once the embedding has failed (valid ids cost nothing); elsewhere, where the
+        """The final hidden states, the call's inputs checked once, here (``place_of``). Ids
+        outside the vocabulary raise ``check_token_ids``' ValueError on every device: on the CPU
+        it looks only once the embedding has failed (valid ids cost nothing); elsewhere, where the
         embedding would fail on the device (CUDA: a device-side assert, and the process loses
         its CUDA context), it looks first, with one reduction and one host sync per forward.
-        Not inside torch.compile: a compiled model's caller checks its ids (``check_token_ids``)."""
+        Not inside torch.compile: a compiled model's caller checks its ids."""
+        if not torch.is_tensor(x) or x.dtype not in INTEGER_DTYPES:
+            check_integer_ids(x, "x")
+        if x.ndim != 2 or x.shape[1] < 1:
+            raise ValueError(f"x must have shape (batch, seq_len) with at least one token, got {tuple(x.shape)}")
+        transformer = self.transformer
+        place = transformer.place_of(x, input_mask, context, context_mask, cache, return_cache, segment_ids,
+                                     context_parallel)
         if x.device.type != "cpu" and not torch.compiler.is_compiling():
             check_token_ids(x, self.num_tokens, "x")
-        try:
-            return self.token_emb(x if x.dtype == torch.int64 else x.long())
+        try:  # (ids of any integer dtype: the embedding takes int64)
+            h = self.token_emb(x if x.dtype == torch.int64 else x.long())
         except IndexError:
             check_token_ids(x, self.num_tokens, "x")
             raise
+        positions = None
+        if self.pos_emb is not None or transformer.rotary is not None:
+            positions = place.positions(x.shape[1], x.device)
+        if self.pos_emb is not None:
+            embedded = self.pos_emb(positions)
+            h = h + (embedded if embedded.dtype == h.dtype else embedded.to(h.dtype))
+        if cache is not None and not return_cache:  # (a call that only reads a cache leaves it as it was)
+            cache = cache.clone()
+        out = transformer.attend(self.project_in(h), place, input_mask, context, context_mask, cache, positions)
+        return out[0] if place.cached and not return_cache else out
 
     def _output(self, out):
-        return _logits(out, *self._output_args())
-
-    def _output_args(self):
-        """The norm's arguments and the (weight, bias) of project_out (None: Identity) and of
-        to_logits (None: return_embeddings), for ``_logits``."""
-        norm = self.norm
-        project_out = None if isinstance(self.project_out, (nn.Identity, type(None))) else self.project_out
-        return ((norm.normalized_shape, norm.weight, norm.bias, norm.eps),
-                None if project_out is None else (project_out.weight, project_out.bias),
-                None if self.return_embeddings else (self.to_logits.weight, self.to_logits.bias))
-
-
-def _logits(out, norm_args, project_out, to_logits):
-    out = torch.layer_norm(out, *norm_args)
-    if to_logits is None:  # return_embeddings
-        return out
-    if project_out is not None:
-        out = F.linear(out, *project_out)
-    return F.linear(out, *to_logits)
+        """The logits (or the normalised embeddings) of the final hidden states."""
+        out = F.layer_norm(out, self.norm.normalized_shape, self.norm.weight, self.norm.bias, self.norm.eps)
+        if self.return_embeddings:
+            return out
+        if not isinstance(self.project_out, nn.Identity):
+            out = F.linear(out, self.project_out.weight, self.project_out.bias)
+        return F.linear(out, self.to_logits.weight, self.to_logits.bias)

@@ -31,7 +31,6 @@ from typing import Callable, Optional
 import torch
 
 from .context_parallel import ContextParallel
-from .ops.common import check_mask
 from .ops.segments import check_segment_ids, positions_in_segment, segment_runs
 
 
@@ -60,43 +59,42 @@ class Place:
     rotary: Optional[tuple] = None
     tensor: Optional[torch.Tensor] = None
     row_starts: Optional[torch.Tensor] = None
+    # the position of x's first token in its sequence: an int, or on a step the tensor
+    start: object = dataclasses.field(init=False, repr=False, compare=False)
+
+    def __post_init__(self):
+        start = self.group.start if self.group is not None else \
+            self.tensor if self.position is None else self.position
+        object.__setattr__(self, "start", start)
 
     @classmethod
     def of(cls, x, cache=None, return_cache=False, segment_ids=None, context_parallel=None,
            check: Optional[Callable[["Place", int, bool], None]] = None, input_mask=None) -> "Place":
         """The place of x (b, n, …) given a forward's arguments (``cache``: the one x continues;
-        ``return_cache``: the forward returns one; ``input_mask``: x's, for ``row_starts``),
-        checked as the module docstring says: the layer's ``check(place, n, parallel)`` runs
-        before the group communicates."""
+        ``return_cache``: the forward returns one; ``input_mask``: x's, checked by the caller,
+        for ``row_starts``), checked as the module docstring says: the layer's ``check(place,
+        n, parallel)`` runs before the group communicates."""
         cached = cache is not None or return_cache
-        check_segment_ids(segment_ids, x.shape[:2])
-        check_modes(segment_ids is not None, cached, context_parallel is not None)
-        position, tensor, step = 0, None, False
+        if segment_ids is not None or context_parallel is not None:
+            check_segment_ids(segment_ids, x.shape[:2])
+            check_modes(segment_ids is not None, cached, context_parallel is not None)
         if cache is not None:
             tensor = cache.position
-            step = x.shape[1] == 1 and not torch.is_grad_enabled() and _all_real(input_mask)
+            step = x.shape[1] == 1 and not torch.is_grad_enabled() and (input_mask is None or _all_real(input_mask))
             free = tensor.device.type == "cpu" and not torch.compiler.is_compiling()  # (a read without a wait)
-            position = int(tensor) if free or not step else None
-            row_starts = continued_row_starts(getattr(cache, "row_starts", None), tensor, input_mask)
+            row_starts = getattr(cache, "row_starts", None)
+            if row_starts is not None and input_mask is not None:
+                row_starts = continued_row_starts(row_starts, tensor, input_mask)
+            place = cls(int(tensor) if free or not step else None, True, step, tensor=tensor, row_starts=row_starts)
         elif segment_ids is None and context_parallel is None:
-            check_mask(input_mask, *x.shape[:2], "input_mask")
-            row_starts = left_padding(input_mask)
+            place = cls(0, cached, row_starts=None if input_mask is None else left_padding(input_mask))
         else:  # (packed rows count positions per segment; a slice cannot see where its row starts)
-            row_starts = None
-        place = cls(position, cached, step, None if segment_ids is None else segment_runs(segment_ids),
-                    row_starts=row_starts, tensor=tensor)
+            place = cls(0, cached, segments=None if segment_ids is None else segment_runs(segment_ids))
         if check is not None:
             check(place, x.shape[1], context_parallel is not None)
         if context_parallel is None:
             return place
         return place.but(group=ContextParallel.of(context_parallel, x.shape[0], x.shape[1], x.device))
-
-    @property
-    def start(self):
-        """The position of x's first token in its sequence: an int, or on a ``step`` the tensor."""
-        if self.group is not None:
-            return self.group.start
-        return self.tensor if self.position is None else self.position
 
     def positions(self, n, device=None) -> torch.Tensor:
         """x's positions: (n,) from ``start``, or (b, n) inside each packed segment or from

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import difflib
 import inspect
+from functools import partial
 from typing import Optional
 
 import torch
@@ -19,7 +20,7 @@ from torch import nn
 
 from .attention import (HEADS, LEFT_PADDED_BLOCKS, LOCAL_WINDOW_SIZE, Attention, check_context, pad_to_multiple,
                         refuse_unread_context, resolve_dim_qk, resolve_heads)
-from .cache import AxialCache, BranchCache, DecodingCache, copy_rows, for_call, map_tensors
+from .cache import AxialCache, BranchCache, DecodingCache, copy_rows, map_tensors
 from .context_parallel import exchange_boundaries
 from .feedforward import FeedForward
 from .linformer import LinformerContextSettings, LinformerSettings, linformer_layers
@@ -46,10 +47,7 @@ class Branch(nn.Module):
         self.norm = nn.LayerNorm(dim)
         self.fn, self.shifts, self.reads = fn, shifts, tuple(reads)
         self.dropout = nn.Dropout(dropout)
-
-    @property
-    def stateful(self):
-        return isinstance(self.fn, (Attention, FoldAxially))
+        self.stateful = isinstance(fn, (Attention, FoldAxially))  # (it reads the place, and has a cache)
 
     def empty_cache(self, batch_size, device=None, dtype=torch.float32):
         """The ``BranchCache`` before any token: a zero previous token to shift in, and the
@@ -59,23 +57,22 @@ class Branch(nn.Module):
         return BranchCache(shift, self.fn.empty_cache(batch_size, device, dtype) if self.stateful else None)
 
     def forward(self, x, place=PLAIN, cache=None, **inputs):
-        """The branch's output at ``place``; with ``place.cached`` -> (out, BranchCache),
-        ``cache`` (``empty_cache`` at a sequence's start) continuing a sequence and updated in
-        place."""
+        """The branch's output at ``place``; with ``place.cached``, ``cache`` (``empty_cache`` at
+        a sequence's start) continues a sequence and is updated in place."""
         h = self.norm(x)
-        mask = inputs.get("input_mask")
         if self.shifts is not None and place.group is not None:
-            h = _shift_tokens_context_parallel(h, self.shifts, mask, place.group)
+            h = _shift_tokens_context_parallel(h, self.shifts, inputs.get("input_mask"), place.group)
         elif self.shifts is not None:
             shift = None if cache is None else cache.shift  # (the token the next call's first token shifts in)
-            h = shift_tokens(h, self.shifts, mask, previous=shift, segments=place.segments, keep=shift)
-        routed = {name: inputs.get(name) for name in self.reads}
-        if not self.stateful:
-            out = self.fn(h, **routed)
+            h = shift_tokens(h, self.shifts, inputs.get("input_mask"), previous=shift, segments=place.segments,
+                             keep=shift)
+        if self.stateful:
+            out = self.fn.attend(h, place, cache=None if cache is None else cache.fn, **inputs)
+        elif self.reads:
+            out = self.fn(h, **{name: inputs.get(name) for name in self.reads})
         else:
-            out = self.fn.attend(h, place, cache=None if cache is None else cache.fn, **routed)
-        out = dropout(self.dropout, out)
-        return (out, cache) if place.cached else out
+            out = self.fn(h)
+        return self.dropout(out) if self.training else out
 
 
 def _shift_tokens_context_parallel(h, shifts, mask, group):
@@ -106,10 +103,11 @@ class FoldAxially(nn.Module):
     def empty_cache(self, batch_size, device=None, dtype=torch.float32):
         return AxialCache(self.attn.empty_cache(batch_size * self.width, device, dtype))
 
-    def attend(self, x, place=PLAIN, input_mask=None, cache=None):
+    def attend(self, x, place=PLAIN, input_mask=None, cache=None, context=None, context_mask=None):
         """The output at ``place`` (plain or cached: the model refuses the others);
         ``cache``: an ``AxialCache`` when ``place.cached``, updated in place. Eager only when
-        cached: the rows it continues follow the position, read on the host."""
+        cached: the rows it continues follow the position, read on the host. (A decoder's
+        ``context`` is not read by its axial layers.)"""
         if place.cached:
             return self._cached(x, input_mask, cache, int(place.start))
         b, n, _ = x.shape
@@ -408,7 +406,7 @@ class LinearAttentionTransformer(nn.Module):
         ``context_parallel``: a ``torch.distributed`` process group (or a ``ContextParallel``)
         over which one sequence is split, x (b, n_local, dim) and the output this rank's slice
         (docs/scale.md; ``positions``, if given, are the slice's). What the model cannot do with
-        either (or a cache) raises ValueError before any communication (``check_place``).
+        either (or a cache) raises ValueError before any communication (``place_of``).
 
         ``context`` / ``context_mask`` need ``receives_context=True``, and ``positions`` (the
         rotary embedding's) ``use_rotary_emb=True``: without them they raise ValueError."""
@@ -416,10 +414,33 @@ class LinearAttentionTransformer(nn.Module):
             raise ValueError(f"x must have shape (batch, seq_len >= 1, {self.dim}), got {tuple(x.shape)}")
         if positions is not None and self.rotary is None:
             raise ValueError("positions are the rotary embedding's, and this model was built without use_rotary_emb=True")
-        place = Place.of(x, cache, return_cache, segment_ids, context_parallel, check=self.check_place,
-                         input_mask=input_mask)
-        out = self.attend(x, place, input_mask, context, context_mask, for_call(cache, return_cache), positions)
+        place = self.place_of(x, input_mask, context, context_mask, cache, return_cache, segment_ids, context_parallel)
+        if cache is not None and not return_cache:  # (a call that only reads a cache leaves it as it was)
+            cache = cache.clone()
+        out = self.attend(x, place, input_mask, context, context_mask, cache, positions)
         return out[0] if place.cached and not return_cache else out
+
+    def place_of(self, x, input_mask=None, context=None, context_mask=None, cache=None, return_cache=False,
+                 segment_ids=None, context_parallel=None):
+        """Check a call's inputs once, where the call enters the model (``forward``, or the LM's),
+        and return where x (b, n, …) sits (``place.py``). What the model cannot do there raises
+        ValueError before any communication (``check_place``)."""
+        if input_mask is not None:
+            check_mask(input_mask, *x.shape[:2], "input_mask")
+        if context is not None or context_mask is not None:
+            refuse_unread_context(self.receives_context, context, context_mask, "model")
+            if context is not None:
+                check_context(context, context_mask, x.shape[0], self.dim)
+        elif self.receives_context and cache is None:
+            raise ValueError("this model has receives_context=True: pass context=(batch, ctx_len, dim)")
+        if cache is not None and cache.rows() != x.shape[0]:
+            raise ValueError(f"x must have one {'token' if x.shape[1] == 1 else 'row'} for each of the cache's "
+                             f"{cache.rows()} rows, got {x.shape[0]}")
+        place = Place.of(x, cache, return_cache, segment_ids, context_parallel, self.check_place, input_mask)
+        if place.group is not None:
+            group = place.group
+            self.check_length(group.world_size * group.length, f" ({group.world_size} slices of {group.length})")
+        return place
 
     def check_place(self, place, length, parallel=False):
         """Raise ValueError naming what this model cannot do at ``place`` for x of ``length``
@@ -429,8 +450,17 @@ class LinearAttentionTransformer(nn.Module):
                 raise ValueError(self.cache_refusal)
             if place.row_starts is not None and self.blindspot_size > 1:
                 raise ValueError(LEFT_PADDED_BLOCKS.format(self.blindspot_size))
-        if not parallel:
-            self.check_length_at(place, length)
+        if self.length_limit is not None and not parallel:
+            if place.position is not None:
+                if place.start + length > self.length_limit:
+                    self.check_length(place.start + length)
+            # a step that knows its position only on the device checks there, but in an exported graph
+            # (the flag torch.export sets: torch 2.11's Dynamo reads is_exporting() as True in every compile)
+            elif not torch.compiler._is_exporting_flag:
+                torch._assert_async(place.tensor + length <= self.length_limit,
+                                    f"sequence length exceeds max_seq_len={self.max_seq_len}, {self.limited_by}")
+        if place.segments is None and not parallel:
+            return
         whole = {"segment_ids": place.segments is not None, "context_parallel": parallel}
         for option in (name for name, given in whole.items() if given):
             for refused, what in ((self.linformer, "Linformer self-attention (linformer_settings) projects the whole "
@@ -445,44 +475,24 @@ class LinearAttentionTransformer(nn.Module):
                 module.check_place(place, length, parallel)
 
     def attend(self, x, place=PLAIN, input_mask=None, context=None, context_mask=None, cache=None, positions=None):
-        """The layers at ``place`` (``Place.of`` with ``check_place``) -> out, or with
+        """The layers at ``place`` (``place_of``), the inputs checked there -> out, or with
         ``place.cached`` (out, DecodingCache): ``cache`` (made when None) updated in place.
         ``positions``: the rotary embedding's (default ``place.positions``)."""
-        check_mask(input_mask, *x.shape[:2], "input_mask")
-        refuse_unread_context(self.receives_context, context, context_mask, "model")
-        group = place.group
-        if group is not None:
-            self.check_length(group.world_size * group.length, f" ({group.world_size} slices of {group.length})")
-        if self.receives_context and cache is None and context is None:
-            raise ValueError("this model has receives_context=True: pass context=(batch, ctx_len, dim)")
-        if context is not None:
-            check_context(context, context_mask, x.shape[0], self.dim)
         if self.rotary is not None:
             place = place.but(rotary=self.rotary(place.positions(x.shape[1], x.device) if positions is None
                                                  else positions))
         inputs = dict(input_mask=input_mask, context=context, context_mask=context_mask)
         if not place.cached:
             return self.layers(x, place=place, **inputs)
-        return self._forward_cached(x, cache, place, inputs)
-
-    def _forward_cached(self, x, cache, place, inputs):
-        """The layers one branch at a time, each continuing from its cache (updated in place;
-        made when None), composed by the stack's own rule (``reversible.py``)."""
         if cache is None:
             cache = self.empty_cache(x.shape[0], x.device, x.dtype)
-        elif cache.rows() != x.shape[0]:
-            raise ValueError(f"x must have one {'token' if x.shape[1] == 1 else 'row'} for each of the cache's "
-                             f"{cache.rows()} rows, got {x.shape[0]}")
         cache.row_starts = place.row_starts  # (a row without a real token yet moves its start on)
-
-        def continuing(branch, pair, i):
-            def call(h):
-                out, pair[i] = branch(h, place, pair[i], **inputs)
-                return out
-            return call
-
-        out = self.layers.compose(x, [(continuing(f, pair, 0), continuing(g, pair, 1))
-                                      for (f, g), pair in zip(self.layers.blocks, cache.layers)])
+        # each branch continues its own entry of the cache (updated in place), composed by the
+        # stack's own rule (reversible.py)
+        pairs = []
+        for (f, g), (cf, cg) in zip(self.layers.blocks, cache.layers):
+            pairs.append((partial(f, place=place, cache=cf, **inputs), partial(g, place=place, cache=cg, **inputs)))
+        out = self.layers.compose(x, pairs)
         cache.position.add_(x.shape[1])
         return out, cache
 
@@ -498,16 +508,6 @@ class LinearAttentionTransformer(nn.Module):
         """Make ``max_seq_len`` the longest sequence the model reads; ``limited_by`` says what
         is sized by it (a position table, Linformer's projections), for the error."""
         self.length_limit, self.limited_by = self.max_seq_len, limited_by
-
-    def check_length_at(self, place, length):
-        """``check_length`` for x of ``length`` tokens at ``place``: on a step that knows its
-        position only as a tensor, a check on the device (none in an exported graph, which
-        runs without PyTorch)."""
-        if place.position is not None or self.length_limit is None:
-            return self.check_length(place.start + length)
-        if not torch.compiler.is_exporting():
-            torch._assert_async(place.tensor + length <= self.length_limit,
-                                f"sequence length exceeds max_seq_len={self.max_seq_len}, {self.limited_by}")
 
     def check_length(self, length, detail=""):
         """ValueError when a sequence of ``length`` tokens is longer than ``length_limit``."""

@@ -797,10 +797,9 @@ def test_generate_past_max_seq_len_steps_only_within_it(monkeypatch):
     prompt = torch.randint(0, 23, (2, 10))
     recomputed = wrapper.generate(prompt, 40, temperature=0, use_cache=False)
     steps = []
-    forward_cached = net.transformer._forward_cached
-    monkeypatch.setattr(net.transformer, "_forward_cached",
-                        lambda x, cache, place, inputs: steps.extend([1] * place.step) or forward_cached(x, cache,
-                                                                                                     place, inputs))
+    attend = net.transformer.attend
+    monkeypatch.setattr(net.transformer, "attend",
+                        lambda x, place, *args: steps.extend([1] * place.step) or attend(x, place, *args))
     cached = wrapper.generate(prompt, 40, temperature=0, use_cache=True)
     assert torch.equal(cached, recomputed)  # 10 + 40 tokens: 18 steps beyond max_seq_len = 32
     assert len(steps) == 32 - 10  # the sequences of 11 to 32 tokens

@@ -46,13 +46,12 @@ def test_taylor_decoder_steps_equal_full_forward(name):
         logits, cache = model(x[:, :7], return_cache=True)
         steps = [logits[:, -1]]
         taken = []
-        original = model.transformer._forward_cached
-        model.transformer._forward_cached = lambda x, c, place, inputs: taken.append(place.step) or original(
-            x, c, place, inputs)
+        original = model.transformer.attend
+        model.transformer.attend = lambda x, place, *args: taken.append(place.step) or original(x, place, *args)
         for t in range(7, 29):
             out, cache = model(x[:, t:t + 1], cache=cache, return_cache=True)
             steps.append(out[:, 0])
-        del model.transformer._forward_cached
+        del model.transformer.attend
     assert taken == [True] * 22  # the one-token step, not the general cached path
     assert cache.position == 29
     torch.testing.assert_close(torch.stack(steps, dim=1), full[:, 6:29], rtol=1e-10, atol=1e-10)

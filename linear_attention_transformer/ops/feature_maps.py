@@ -86,13 +86,10 @@ class FeatureMap:
         if not callable(kind) and kind not in FEATURE_MAP_NAMES:
             raise ValueError(f"feature_map must be one of {FEATURE_MAP_NAMES} or a callable, got {kind!r}")
         self.kind = kind
+        self.is_softmax = kind == "softmax"
 
     def __repr__(self):
         return f"FeatureMap({getattr(self.kind, '__name__', self.kind)!r})"
-
-    @property
-    def is_softmax(self):
-        return self.kind == "softmax"
 
     def feature_dim(self, d):
         """The number of features of a head of d query / key dimensions (taylor: 1 + d + d (d + 1) / 2)."""

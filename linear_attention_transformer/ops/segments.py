@@ -17,9 +17,14 @@ __all__ = [
 ]
 
 
+# the dtypes of ids: integers, signed or unsigned, of any width (bool is not one)
+INTEGER_DTYPES = frozenset({torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.uint16, torch.uint32,
+                            torch.uint64})
+
+
 def is_integer_dtype(dtype):
     """Whether ``dtype`` holds integers (signed or unsigned, any width; bool is not one)."""
-    return not (dtype.is_floating_point or dtype.is_complex or dtype == torch.bool)
+    return dtype in INTEGER_DTYPES
 
 
 def check_integer_ids(ids, name):

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..common import NEG_INF, append_ones, apply_key_mask, check_mask, compute_dtype
+from ..common import NEG_INF, apply_key_mask, check_mask, compute_dtype
 from .scan import join_factors
 
 __all__ = ["CausalState", "causal_linear_attention_step", "recurrent_causal_linear_attention"]
@@ -97,7 +97,7 @@ class CausalState:
         (``causal_linear_attention_step`` steps a copy)."""
         kv, ref, pending, pending_ref = self.kv, self.ref, self.pending, self.pending_ref
         exp_features, blindspot = ref is not None, pending is not None
-        v1 = append_ones(v)[:, :, None, :]
+        v1 = F.pad(v, (0, 1), value=1.0)[:, :, None, :]  # (the ones column accumulates the normaliser)
         if log_decay is not None:
             ld = log_decay[..., None] if log_decay.ndim == 2 else log_decay  # (b, h, 1 or d)
             if exp_features:  # the decay moves the references, not the sums
