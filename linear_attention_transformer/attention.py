@@ -274,21 +274,24 @@ class Attention(nn.Module):
         dim_qk); a kind of head the layer lacks gets None. Split by kind along the features:
         the backward of one split is one cat, where slices would each fill a full-size zero
         gradient and copy into it."""
-        k, v = self.to_kv(source).split(self.kv_widths, dim=-1)
+        k, v = F.linear(source, self.to_kv.weight).split(self.kv_widths, dim=-1)
         group, k_widths, v_widths = self.heads // self.kv_heads, self.k_widths, self.v_widths
         if k_widths is None:  # a key/value head serves heads of both kinds: repeated before the split
             k = k.unflatten(-1, (self.kv_heads, -1)).repeat_interleave(group, dim=-2).flatten(-2)
             v = v.unflatten(-1, (self.kv_heads, -1)).repeat_interleave(group, dim=-2).flatten(-2)
             group, k_widths, v_widths = 1, self.q_widths, self.q_widths
-        qs, ks, vs = self.to_q(x).split(self.q_widths, dim=-1), k.split(k_widths, dim=-1), v.split(v_widths, dim=-1)
+        qs = F.linear(x, self.to_q.weight).split(self.q_widths, dim=-1)
+        ks, vs = k.split(k_widths, dim=-1), v.split(v_widths, dim=-1)
+        b, n, m = x.shape[0], x.shape[1], source.shape[1]
         kinds = []
         for count, q, k, v in zip(self.head_counts, qs, ks, vs):
             if not count:
                 kinds.append(None)
                 continue
-            q = q.unflatten(-1, (count, -1)).transpose(1, 2)  # (b, n, h d) -> (b, h, n, d)
-            k = k.unflatten(-1, (count // group, -1)).transpose(1, 2)
-            v = v.unflatten(-1, (count // group, -1)).transpose(1, 2)
+            heads = count // group  # (widths given: a cross-attention layer projects no query to read its context)
+            q = q.view(b, n, count, q.shape[-1] // count).transpose(1, 2)  # (b, n, h d) -> (b, h, n, d)
+            k = k.view(b, m, heads, k.shape[-1] // heads).transpose(1, 2)
+            v = v.view(b, m, heads, v.shape[-1] // heads).transpose(1, 2)
             if group > 1:  # each key/value head repeated for the query heads it serves
                 k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
             kinds.append((q, k, v))
@@ -304,7 +307,7 @@ class Attention(nn.Module):
         outs = []
         for heads, qkv, entry in zip(self.head_kinds, kinds, entries):
             if qkv is not None:
-                outs.append(heads(*qkv, x, input_mask, place, entry))
+                outs.append(heads.forward(*qkv, x, input_mask, place, entry))  # (a part of this module: no hooks)
         return self._combine(outs, x)
 
     def _combine(self, outs, x):
@@ -313,8 +316,9 @@ class Attention(nn.Module):
         if self.output_gate is not None:
             out = out * self.output_gate(x)
         if self.training:
-            return self.dropout(self.to_out(self.attn_dropout(out)))
-        return self.to_out(out)
+            out = self.attn_dropout(out)
+        out = F.linear(out, self.to_out.weight, self.to_out.bias)
+        return self.dropout(out) if self.training else out
 
     def _rotary_by_kind(self, rotary):
         """The rotary tables (cos, sin) -> (the local heads', the global heads')."""

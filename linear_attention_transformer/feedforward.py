@@ -52,5 +52,5 @@ class FeedForward(nn.Module):
                 hidden = self.activation(hidden)
             if self.training:
                 hidden = self.dropout(hidden)
-            outs.append(self.proj_out(hidden))
+            outs.append(F.linear(hidden, self.proj_out.weight, self.proj_out.bias))
         return outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)

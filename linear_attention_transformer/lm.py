@@ -214,7 +214,7 @@ class LinearAttentionTransformerLM(nn.Module):
         if x.device.type != "cpu" and not torch.compiler.is_compiling():
             check_token_ids(x, self.num_tokens, "x")
         try:  # (ids of any integer dtype: the embedding takes int64)
-            h = self.token_emb(x if x.dtype == torch.int64 else x.long())
+            h = F.embedding(x if x.dtype == torch.int64 else x.long(), self.token_emb.weight)
         except IndexError:
             check_token_ids(x, self.num_tokens, "x")
             raise
@@ -226,7 +226,9 @@ class LinearAttentionTransformerLM(nn.Module):
             h = h + (embedded if embedded.dtype == h.dtype else embedded.to(h.dtype))
         if cache is not None and not return_cache:  # (a call that only reads a cache leaves it as it was)
             cache = cache.clone()
-        out = transformer.attend(self.project_in(h), place, input_mask, context, context_mask, cache, positions)
+        if not isinstance(self.project_in, nn.Identity):
+            h = self.project_in(h)
+        out = transformer.attend(h, place, input_mask, context, context_mask, cache, positions)
         return out[0] if place.cached and not return_cache else out
 
     def _output(self, out):

@@ -14,6 +14,7 @@ from functools import partial
 from typing import Optional
 
 import torch
+import torch.nn.functional as F
 from einops import rearrange
 from product_key_memory import PKM
 from torch import nn
@@ -59,7 +60,8 @@ class Branch(nn.Module):
     def forward(self, x, place=PLAIN, cache=None, **inputs):
         """The branch's output at ``place``; with ``place.cached``, ``cache`` (``empty_cache`` at
         a sequence's start) continues a sequence and is updated in place."""
-        h = self.norm(x)
+        norm = self.norm
+        h = F.layer_norm(x, norm.normalized_shape, norm.weight, norm.bias, norm.eps)
         if self.shifts is not None and place.group is not None:
             h = _shift_tokens_context_parallel(h, self.shifts, inputs.get("input_mask"), place.group)
         elif self.shifts is not None:
@@ -491,7 +493,8 @@ class LinearAttentionTransformer(nn.Module):
         # stack's own rule (reversible.py)
         pairs = []
         for (f, g), (cf, cg) in zip(self.layers.blocks, cache.layers):
-            pairs.append((partial(f, place=place, cache=cf, **inputs), partial(g, place=place, cache=cg, **inputs)))
+            pairs.append((partial(f.forward, place=place, cache=cf, **inputs),
+                          partial(g.forward, place=place, cache=cg, **inputs)))
         out = self.layers.compose(x, pairs)
         cache.position.add_(x.shape[1])
         return out, cache
