@@ -16,7 +16,7 @@ from torch import nn
 
 from .cache import AttentionCache, for_call
 from .gating import ForgetGate, LocalConv, OutputGate
-from .heads import GLOBAL_HEADS, DeltaHeads, LocalHeads
+from .heads import GLOBAL_HEADS, LocalHeads
 from .ops import linear_attention_readout, linear_attention_summary
 from .ops.causal.forms import CHUNK_SIZE
 from .ops.common import check_int, check_mask
@@ -241,13 +241,7 @@ class Attention(nn.Module):
         ``input_mask`` and ``rotary``). A model checks its own call, then calls ``attend``."""
         if x.ndim != 3 or x.shape[-1] != self.dim or x.shape[1] < 1:
             raise ValueError(f"x must have shape (batch, seq_len >= 1, {self.dim}), got {tuple(x.shape)}")
-        self._check_routes(input_mask, context, context_mask, rotary)
-        if context is not None:
-            check_context(context, context_mask, x.shape[0], self.dim)
-        if rotary is not None:
-            self._check_rotary(rotary)
-        if input_mask is not None:
-            check_mask(input_mask, *x.shape[:2], "input_mask")
+        _check_inputs(self, x, input_mask, context, context_mask, rotary)
         place = Place.of(x, cache, return_cache, segment_ids, context_parallel, self.check_place, input_mask)
         if place.cached:
             cache = self.empty_cache(x.shape[0], x.device, x.dtype, 0) if cache is None else for_call(cache, return_cache)
@@ -374,25 +368,6 @@ class Attention(nn.Module):
             global_ = self.global_heads.empty_cache(batch_size, device, dtype)
         return AttentionCache(position, local, global_, None)
 
-    def _check_routes(self, input_mask, context, context_mask, rotary):
-        """Refuse the forward arguments this kind of layer would not read (never ignore one)."""
-        if self.receives_context:
-            for name, value in (("input_mask", input_mask), ("rotary", rotary)):
-                if value is not None:
-                    raise ValueError(f"{name} is not read by a cross-attention layer (receives_context=True): its keys "
-                                     "come from the context (mask them with context_mask), with no positions shared "
-                                     "with the queries")
-        refuse_unread_context(self.receives_context, context, context_mask, "layer")
-
-    def _check_rotary(self, rotary):
-        dh, dqk = self.dim_head, self.dim_qk
-        width = dh if dqk == dh else dh + dqk
-        if rotary[0].shape[-1] != width:
-            raise ValueError(f"rotary tables must have {width} features per position ("
-                             + ("dim_head" if dqk == dh else "dim_head + dim_qk") + f"), got {rotary[0].shape[-1]}")
-        if dqk != dh and dqk % 2:
-            raise ValueError(f"rotary embeddings need an even dim_qk, got {dqk}")
-
     def check_place(self, place, length, parallel=False):
         """Raise ValueError naming what this layer cannot do at ``place`` (``place.py``) for x
         of ``length`` tokens (one rank's slice when ``parallel``)."""
@@ -407,27 +382,38 @@ class Attention(nn.Module):
             return
         if self.receives_context:
             raise ValueError("context_parallel is not supported with a cross-attention layer (receives_context=True) yet")
-        if isinstance(self.global_heads, DeltaHeads):
-            raise ValueError("context_parallel is not supported with update_rule='delta': its state is not a sum the "
-                             "ranks could exchange; run the sequence on one process")
-        window = None if self.local_heads is None else self.local_heads.window
-        if window is not None and length % window.size:
-            raise ValueError(f"context_parallel with local heads needs slices of a multiple of "
-                             f"local_attn_window_size={window.size} tokens, got {length}")
-        if window is not None and length < max(window.look_backward, window.look_forward) * window.size:
-            raise ValueError(f"context_parallel with local heads needs slices of at least local_attn_look_backward "
-                             f"(and local_attn_look_forward) * local_attn_window_size tokens, got {length}")
-        heads = self.global_heads
-        if heads is not None and self.causal and length % heads.blindspot_size:
-            raise ValueError(f"context_parallel needs slices of a multiple of blindspot_size={heads.blindspot_size} "
-                             f"tokens, got {length}")
-        if heads is not None and heads.local_conv is not None and length < heads.local_conv[0].kernel_size - 1:
-            raise ValueError(f"context_parallel needs slices of at least local_conv_kernel - 1 tokens, got {length}")
+        for heads in self.head_kinds:
+            if heads is not None:
+                heads.check_slice(length)
 
 
 # what a cache refuses for rows padded on the left when blind-spot blocks are on
 LEFT_PADDED_BLOCKS = ("blindspot_size={} with rows padded on the left (input_mask) in a cache: each row's blocks would "
                       "start at another column; run the rows apart, pad on the right, or use blindspot_size=1")
+
+
+def _check_inputs(layer, x, input_mask, context, context_mask, rotary):
+    """Refuse the arguments of a layer's own forward that this kind of layer would not read (never
+    ignore one), and a context or rotary tables of the wrong shape."""
+    if layer.receives_context:
+        for name, value in (("input_mask", input_mask), ("rotary", rotary)):
+            if value is not None:
+                raise ValueError(f"{name} is not read by a cross-attention layer (receives_context=True): its keys "
+                                 "come from the context (mask them with context_mask), with no positions shared "
+                                 "with the queries")
+    refuse_unread_context(layer.receives_context, context, context_mask, "layer")
+    if context is not None:
+        check_context(context, context_mask, x.shape[0], layer.dim)
+    if input_mask is not None:
+        check_mask(input_mask, *x.shape[:2], "input_mask")
+    if rotary is not None:
+        dh, dqk = layer.dim_head, layer.dim_qk
+        width = dh if dqk == dh else dh + dqk
+        if rotary[0].shape[-1] != width:
+            raise ValueError(f"rotary tables must have {width} features per position ("
+                             + ("dim_head" if dqk == dh else "dim_head + dim_qk") + f"), got {rotary[0].shape[-1]}")
+        if dqk != dh and dqk % 2:
+            raise ValueError(f"rotary embeddings need an even dim_qk, got {dqk}")
 
 
 def check_context(context, context_mask, batch, dim):

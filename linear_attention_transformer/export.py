@@ -30,12 +30,8 @@ def state_names(count):
 def refusal(model):
     """Why ``model``'s decoding step cannot be exported (a sentence), or None."""
     transformer = model.transformer
-    if transformer.linformer:
-        return "Linformer self-attention (linformer_settings) has no one-token step: it has no cache"
-    if not transformer.causal:
-        return "a model that is not causal (causal=False) has no cache: every position sees the whole sequence"
-    if not model.supports_cache:
-        return "the model has no cache (supports_cache is False)"
+    if transformer.cache_refusal is not None:
+        return transformer.cache_refusal
     if transformer.attend_axially:
         return "attend_axially=True steps its axial layer on the host, which no graph holds"
     if transformer.receives_context:

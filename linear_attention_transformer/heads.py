@@ -71,6 +71,16 @@ class LocalHeads(nn.Module):
             cache.write(k, v, place.position, mask, place.row_starts)
         return out
 
+    def check_slice(self, length):
+        """ValueError unless one rank's slice of ``length`` tokens can run under context parallelism."""
+        window = self.window
+        if length % window.size:
+            raise ValueError(f"context_parallel with local heads needs slices of a multiple of "
+                             f"local_attn_window_size={window.size} tokens, got {length}")
+        if length < max(window.look_backward, window.look_forward) * window.size:
+            raise ValueError(f"context_parallel with local heads needs slices of at least local_attn_look_backward "
+                             f"(and local_attn_look_forward) * local_attn_window_size tokens, got {length}")
+
     def local_heads(self, q, k, v, mask, segments=None):
         """Over a whole sequence; flex_attention on CUDA (docs/kernels.md)."""
         if local_implementation(q.device, q.dtype, self.kernel, q.shape[-1]) == "flex":
@@ -151,6 +161,14 @@ class GlobalHeads(nn.Module):
     def key_features(self):
         """The rows of a head's state."""
         return self.dim_qk
+
+    def check_slice(self, length):
+        """ValueError unless one rank's slice of ``length`` tokens can run under context parallelism."""
+        if self.causal and length % self.blindspot_size:
+            raise ValueError(f"context_parallel needs slices of a multiple of blindspot_size={self.blindspot_size} "
+                             f"tokens, got {length}")
+        if self.local_conv is not None and length < self.local_conv[0].kernel_size - 1:
+            raise ValueError(f"context_parallel needs slices of at least local_conv_kernel - 1 tokens, got {length}")
 
     def empty_conv(self, batch_size, device, dtype):
         """The convolution's inputs before any token: per group of ``conv_groups``, (b, group,
@@ -299,6 +317,10 @@ class DeltaHeads(GlobalHeads):
                              "is one decay per head (Gated DeltaNet)")
         super().__init__(dim, heads, dim_qk, dim_head, causal, **settings)
         self.to_beta = nn.Linear(dim, heads, bias=False)
+
+    def check_slice(self, length):
+        raise ValueError("context_parallel is not supported with update_rule='delta': its state is not a sum the "
+                         "ranks could exchange; run the sequence on one process")
 
     def empty_cache(self, batch_size, device=None, dtype=torch.float32):
         kv = torch.zeros(batch_size, self.heads, self.dim_qk, self.dim_head, device=device,

@@ -526,10 +526,10 @@ class LinearAttentionTransformer(nn.Module):
     def cache_refusal(self):
         """Why this model cannot decode with a cache (a sentence), or None: what the cache, the
         exported step, the slots and vLLM all refuse."""
-        if not self.causal:
-            return "cached decoding needs a causal model (causal=True)"
         if self.linformer:
             return "Linformer self-attention (linformer_settings) has no recurrent form: no cache"
+        if not self.causal:
+            return "cached decoding needs a causal model (causal=True), and this one has causal=False"
         if self.training and any(isinstance(m, nn.Dropout) and m.p > 0 for m in self.modules()):
             return "cached decoding needs eval mode: dropout is active (call model.eval())"
         return None
