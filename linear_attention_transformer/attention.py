@@ -283,9 +283,12 @@ class Attention(nn.Module):
                 kinds.append(None)
                 continue
             heads = count // group  # (widths given: a cross-attention layer projects no query to read its context)
-            q = q.view(b, n, count, q.shape[-1] // count).transpose(1, 2)  # (b, n, h d) -> (b, h, n, d)
-            k = k.view(b, m, heads, k.shape[-1] // heads).transpose(1, 2)
-            v = v.view(b, m, heads, v.shape[-1] // heads).transpose(1, 2)
+            if n == 1 and m == 1:  # (b, 1, h d) -> (b, h, 1, d): a view, no transpose
+                q, k, v = q.view(b, count, 1, -1), k.view(b, heads, 1, -1), v.view(b, heads, 1, -1)
+            else:  # (b, n, h d) -> (b, h, n, d)
+                q = q.view(b, n, count, q.shape[-1] // count).transpose(1, 2)
+                k = k.view(b, m, heads, k.shape[-1] // heads).transpose(1, 2)
+                v = v.view(b, m, heads, v.shape[-1] // heads).transpose(1, 2)
             if group > 1:  # each key/value head repeated for the query heads it serves
                 k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
             kinds.append((q, k, v))

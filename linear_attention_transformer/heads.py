@@ -231,9 +231,11 @@ class AdditiveHeads(GlobalHeads):
         if place.step:  # one token per row through the state, in place, in its dtype (float32 or wider)
             state = cache.state
             dtype, out_dtype = state.kv.dtype, v.dtype
-            q, k, v = q[:, :, 0].to(dtype), k[:, :, 0].to(dtype), v[:, :, 0].to(dtype)
+            q, k, v = q.squeeze(2), k.squeeze(2), v.squeeze(2)
+            if q.dtype != dtype:
+                q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
             if log_gate is not None:
-                log_gate = log_gate[:, :, 0].to(dtype)
+                log_gate = log_gate.squeeze(2).to(dtype)
             position, blindspot, where = place.start, self.blindspot_size, None
             # a blindspot block joins where it ends: at an int position only then, at a tensor by flags
             if blindspot > 1 and not (isinstance(position, int) and (position + 1) % blindspot):
@@ -242,7 +244,8 @@ class AdditiveHeads(GlobalHeads):
             # every row has seen a key (read_state then needs no guard) once the first block is
             # behind, where rows start together (left-padded rows count from their own start)
             seen = isinstance(position, int) and place.row_starts is None and position >= (blindspot > 1) * blindspot
-            return state.step(q, k, v, log_gate, where, all_seen=seen)[:, :, None].to(out_dtype)
+            out = state.step(q, k, v, log_gate, where, all_seen=seen).unsqueeze(2)
+            return out if out.dtype == out_dtype else out.to(out_dtype)
         if place.group is not None:
             return context_parallel_causal_linear_attention(q, k, v, place.group, log_gate, mask, self.chunk_size,
                                                             exp_features, self.blindspot_size, self.kernel)
