@@ -1,21 +1,10 @@
 #!/usr/bin/env python
-"""The exported decoding step in ONNX Runtime against the library's eager step, per token.
-
-Two models, in eval mode, fp32, batch 1: ``bench_generate.py``'s (dim 256, depth 2, 2 local
-and 2 global heads, window 64, blindspot 64) and a larger one (dim 512, depth 6, 8 heads of
-which 4 local, window 64). Each is exported with ``export.export_onnx`` and read by an
-``onnxruntime.InferenceSession`` on the CPU. Timed: one token per call, the library's
-``model(token, cache=cache, return_cache=True)`` under ``torch.inference_mode`` and the
-``InferenceSession.run`` with the state fed back, the two in turn over ``--rounds`` rounds of
-``--tokens`` tokens (a change of the machine's load hits both); the best round of each. Both
-start from the empty state and are fed the same tokens; the printed logit difference is the
-largest over the last round. The floor: one pass of a vector through every weight matrix the
-step reads, warm (``bench_generate.weight_floors``).
+"""The exported decoding step in ONNX Runtime against the library's eager step, per token, for
+``bench_generate.py``'s model and ``LARGE``, beside the weights' warm floor (benchmarks/README.md).
 
 Usage:  python benchmarks/bench_export.py --threads 1 [--tokens 64] [--rounds 5] [--record export]
 """
 
-import argparse
 import os
 import sys
 import tempfile
@@ -26,19 +15,19 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common  # noqa: E402  (the folder of this script, see common.py)
-from bench_generate import MODEL, weight_floors  # noqa: E402
+from bench_generate import MODEL, build_wrapper  # noqa: E402
 
 LARGE = dict(num_tokens=256, dim=512, depth=6, heads=8, n_local_attn_heads=4, local_attn_window_size=64, causal=True,
              max_seq_len=2048)
+NUMPY = {"tensor(float)": np.float32, "tensor(int64)": np.int64, "tensor(double)": np.float64, "tensor(bool)": np.bool_}
 
 
 def per_token(model, graph, tokens):
     """(library seconds, runtime seconds, largest logit difference) for one round of ``tokens``."""
     cache = model.empty_cache(1)
     names = [i.name for i in graph.get_inputs()]
-    state = [np.zeros([d for d in i.shape], dtype=_numpy_dtype(i.type)) for i in graph.get_inputs()[1:]]
-    worst = 0.0
-    library = runtime = 0.0
+    state = [np.zeros(i.shape, dtype=NUMPY[i.type]) for i in graph.get_inputs()[1:]]
+    worst = library = runtime = 0.0
     for token in tokens:
         ids = torch.tensor([[token]])
         t0 = time.perf_counter()
@@ -46,37 +35,24 @@ def per_token(model, graph, tokens):
             logits, cache = model(ids, cache=cache, return_cache=True)
         t1 = time.perf_counter()
         out = graph.run(None, dict(zip(names, [ids.numpy(), *state])))
-        t2 = time.perf_counter()
-        state = out[1:]
-        library += t1 - t0
-        runtime += t2 - t1
+        library, runtime, state = library + t1 - t0, runtime + time.perf_counter() - t1, out[1:]
         worst = max(worst, float(np.abs(out[0] - logits[:, -1].numpy()).max()))
     return library / len(tokens), runtime / len(tokens), worst
 
 
-def _numpy_dtype(onnx_type):
-    return {"tensor(float)": np.float32, "tensor(int64)": np.int64, "tensor(double)": np.float64,
-            "tensor(bool)": np.bool_}[onnx_type]
-
-
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--threads", type=int, default=None, help="torch's and the runtime's threads (default: as is)")
+    p = common.arguments(__doc__, device=False)  # (--threads: torch's and the runtime's)
     p.add_argument("--tokens", type=int, default=64)
     p.add_argument("--rounds", type=int, default=5)
-    p.add_argument("--record", metavar="NAME", default=None, help="write the figures to results/NAME.json")
     args = p.parse_args(argv)
     import onnxruntime
 
-    from linear_attention_transformer import LinearAttentionTransformerLM
     from linear_attention_transformer.export import export_onnx
 
-    common.set_threads(args.threads)
-    common.print_header("cpu", args.threads)
+    common.start(args)
     rows, figures = [], {}
     for name, options in (("bench_generate's", MODEL), ("dim 512, depth 6", LARGE)):
-        torch.manual_seed(0)
-        model = LinearAttentionTransformerLM(**options).eval()
+        model = build_wrapper("cpu", options).net
         with tempfile.TemporaryDirectory() as folder:
             path = os.path.join(folder, "step.onnx")
             export_onnx(model, path, batch_size=1)
@@ -88,7 +64,7 @@ def main(argv=None):
         per_token(model, graph, tokens[:8].tolist())  # warm both
         rounds = [per_token(model, graph, tokens.tolist()) for _ in range(args.rounds)]
         library, runtime = min(r[0] for r in rounds), min(r[1] for r in rounds)
-        warm, _ = weight_floors(model, "cpu")
+        warm, _ = common.weight_floors(model, "cpu")
         figures[name] = dict(library_ms_per_token=1e3 * library, runtime_ms_per_token=1e3 * runtime,
                              runtime_over_library=runtime / library, warm_floor_ms=1e3 * warm,
                              max_logit_difference=rounds[-1][2])
@@ -96,8 +72,7 @@ def main(argv=None):
                      f"{1e3 * warm:.3f}", f"{rounds[-1][2]:.1e}"])
     print(common.table(["model", "library ms/token", "ONNX Runtime ms/token", "runtime / library",
                         "warm floor ms", "max |logit diff|"], rows))
-    if args.record:
-        print("recorded in", common.record(args.record, "cpu", figures))
+    common.finish(args, figures)
 
 
 if __name__ == "__main__":

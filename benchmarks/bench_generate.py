@@ -1,37 +1,11 @@
 #!/usr/bin/env python
-"""Cached decoding against recomputing the whole sequence at every step.
-
-    LinearAttentionTransformerLM(num_tokens=256, dim=256, depth=2, heads=4, n_local_attn_heads=2,
-                                 local_attn_window_size=64, blindspot_size=64, causal=True,
-                                 max_seq_len=2048)
-
-in eval mode, fp32, greedy (temperature 0), generates ``--new-tokens`` (1024) after a 16-token
-prompt with ``AutoregressiveWrapper(model).generate(prompt, n, temperature=0, use_cache=...)``.
-Printed, from one run: whether the cached and the recomputing paths give the same tokens; the
-speed-up, recompute seconds over cached seconds (O(n²) against O(n) in all: it grows with the
-number of tokens); flat cost, the cached per-token time over the last three quarters of the
-tokens against the first quarter (a fixed-size cache: near 1); a batch of ``--batch`` prompts
-against one; the per-token time against the weights' floor, one vector times every weight
-matrix the step reads (the token embedding's one row left out), warm (passes back to back:
-the weights stay in cache) and cold (after writing a buffer larger than the caches: read from
-memory, as a step that finds its weights evicted); the square matmul rate before and after.
-
-Past ``max_seq_len``: the same model with rotary positions and ``max_seq_len=--past-max-seq-len``
-(256) generates ``--past-factor`` (16) times that many tokens after the prompt. Printed: the
-cached per-token time within ``max_seq_len`` (the generation from the prompt to
-``max_seq_len``) and past it (the same number of tokens at the end of the long generation,
-continued from its own earlier tokens as the prompt: the tokens must be the same), each less
-the one-token generation from the same prompt (its prefill), best of ``--past-reps`` taken in
-turn, and their ratio (the cache has a fixed size: near 1); the peak memory of the whole long
-generation over a baseline taken after the model is built, against that of the generation that
-stops at ``max_seq_len`` (``common.PeakMemory``: on Linux the resident set's peak, VmHWM, reset
-at the baseline; the method is printed).
+"""Cached decoding against recomputing the whole sequence at every step, and with rotary positions
+past ``max_seq_len``: the speed-up, per-token times and peak memory (benchmarks/README.md).
 
 Usage:  python benchmarks/bench_generate.py --threads 1 [--new-tokens 1024] [--set use_gate=True,...] [--record generate]
 """
 
-import argparse
-import math
+import functools
 import os
 import sys
 
@@ -39,6 +13,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common  # noqa: E402  (the folder of this script, see common.py)
+from common import weight_floors  # noqa: E402
 
 MODEL = dict(num_tokens=256, dim=256, depth=2, heads=4, n_local_attn_heads=2, local_attn_window_size=64,
              blindspot_size=64, causal=True, max_seq_len=2048)
@@ -57,30 +32,13 @@ def generation_seconds(wrapper, prompts, tokens, use_cache, device):
         return common.timed(lambda: wrapper.generate(prompts, tokens, temperature=0, use_cache=use_cache), device)
 
 
-def weight_floors(model, device, reps=20):
-    """(warm, cold) seconds of one pass of a vector through every weight matrix (docstring)."""
-    weights = [p.detach() for name, p in model.named_parameters() if p.ndim == 2 and name != "token_emb.weight"]
-    vectors = [torch.randn(1, w.shape[1], device=device) for w in weights]
-    flush = torch.zeros(64 << 18, device=device)  # 64 MiB: more than the caches
-
-    def one_pass(cold=False):
-        if cold:
-            flush.add_(1.0)
-        return common.timed(lambda: [torch.mm(x, w.t()) for x, w in zip(vectors, weights)], device)[1]
-
-    return min(one_pass() for _ in range(reps)), sorted(one_pass(cold=True) for _ in range(reps))[reps // 2]
-
-
 def measure(args):
-    """The figures of the module docstring, as a dict."""
+    """The figures of cached generation against recomputing (benchmarks/README.md), as a dict."""
     wrapper = build_wrapper(args.device, args.model)
     g = torch.Generator().manual_seed(1)
     prompts = torch.randint(0, args.model["num_tokens"], (args.batch, args.prompt_len), generator=g).to(args.device)
     one = prompts[:1]
-
-    def run(prompts, tokens, use_cache):
-        return generation_seconds(wrapper, prompts, tokens, use_cache, args.device)
-
+    run = functools.partial(generation_seconds, wrapper, device=args.device)
     for use_cache in (True, False):  # warm both paths
         run(one, 8, use_cache)
     same = torch.equal(run(one, args.check_tokens, True)[0], run(one, args.check_tokens, False)[0])
@@ -100,7 +58,7 @@ def measure(args):
 
 
 def past_max_seq_len(args):
-    """The figures past ``max_seq_len`` (module docstring), as a dict."""
+    """The figures past ``max_seq_len`` (benchmarks/README.md), as a dict."""
     length = args.past_max_seq_len
     options = {**args.model, "use_rotary_emb": True, "max_seq_len": length}
     wrapper = build_wrapper(args.device, options)
@@ -116,12 +74,11 @@ def past_max_seq_len(args):
         peaks.append(memory.increase())
     # the same generation's last tokens: its first (factor - 1) max_seq_len tokens as the prompt
     late_prompt = torch.cat((prompt, whole), dim=1)[:, :(args.past_factor - 1) * length]
-    best = {}
-    for _ in range(args.past_reps):  # the two sides in turn: a change of the machine's load hits both
-        for side, start in (("within", prompt), ("past", late_prompt)):
-            for tokens in (1, count):
-                generated, seconds = generation_seconds(wrapper, start, tokens, True, args.device)
-                best[side, tokens] = min(best.get((side, tokens), math.inf), seconds)
+    sides = {(side, tokens): functools.partial(generation_seconds, wrapper, start, tokens, True, args.device)
+             for side, start in (("within", prompt), ("past", late_prompt)) for tokens in (1, count)}
+    runs = common.in_turn(sides, args.past_reps)  # a change of the machine's load hits both sides
+    best = {key: min(seconds for _, seconds in side) for key, side in runs.items()}
+    generated = runs["past", count][-1][0]
     # (the prompt's prefill and the first token are the one-token generation's: left out)
     within, past = ((best[side, count] - best[side, 1]) / (count - 1) for side in ("within", "past"))
     return dict(past_max_seq_len=length, past_factor=args.past_factor, tokens=whole.shape[1], whole_s=whole_s,
@@ -131,35 +88,29 @@ def past_max_seq_len(args):
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--device", default=common.default_device())
-    p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: leave as is)")
-    p.add_argument("--prompt-len", type=int, default=16)
-    p.add_argument("--new-tokens", type=int, default=1024)
-    p.add_argument("--check-tokens", type=int, default=64)
+    p = common.arguments(__doc__, matmul_size=True)
+    for flag, default in (("--prompt-len", 16), ("--new-tokens", 1024), ("--check-tokens", 64)):
+        p.add_argument(flag, type=int, default=default)
     p.add_argument("--batch", type=int, default=8, help="prompts in the batched run (default: %(default)s)")
-    p.add_argument("--matmul-size", type=int, default=None)
     p.add_argument("--set", type=common.parse_settings, default={}, help="model arguments, key=value,...")
     p.add_argument("--past-max-seq-len", type=int, default=256,
                    help="max_seq_len of the rotary model that generates past it (default: %(default)s)")
     p.add_argument("--past-factor", type=int, default=16,
                    help="it generates this many times its max_seq_len (default: %(default)s)")
     p.add_argument("--past-reps", type=int, default=5, help="best of this many generations (default: %(default)s)")
-    p.add_argument("--record", metavar="NAME", default=None, help="write the figures to results/NAME.json")
     args = p.parse_args(argv)
     args.model = {**MODEL, **args.set}
-    common.set_threads(args.threads)
-    common.print_header(args.device, args.threads, f"LinearAttentionTransformerLM({common.kwargs_text(args.model)}), "
+    common.start(args, f"LinearAttentionTransformerLM({common.kwargs_text(args.model)}), "
                         f"eval, fp32, greedy, {args.new_tokens} tokens after {args.prompt_len}")
     rate_before = common.square_matmul_rate(args.device, args.matmul_size)
     figures = measure(args)
     figures["past"] = past = past_max_seq_len(args)
     rate_after = common.square_matmul_rate(args.device, args.matmul_size)
-    print(f"tokens: cached and recomputed {'the same' if figures['same_tokens'] else 'DIFFER'}")
-    print(f"cached generate(): {figures['cached_s']:.2f} s ({figures['ms_per_token']:.2f} ms/token); "
-          f"recompute: {figures['recompute_s']:.1f} s; speed-up {figures['speedup']:.1f}x")
-    print(f"per-token time, last three quarters / first quarter: {figures['flat']:.2f}")
-    print(f"batch of {args.batch} / batch of 1: {figures['batch_ratio']:.2f}x the time")
+    print(f"tokens: cached and recomputed {'the same' if figures['same_tokens'] else 'DIFFER'}\n"
+          f"cached generate(): {figures['cached_s']:.2f} s ({figures['ms_per_token']:.2f} ms/token); "
+          f"recompute: {figures['recompute_s']:.1f} s; speed-up {figures['speedup']:.1f}x\n"
+          f"per-token time, last three quarters / first quarter: {figures['flat']:.2f}\n"
+          f"batch of {args.batch} / batch of 1: {figures['batch_ratio']:.2f}x the time")
     print(f"weights' floor per token: warm {figures['warm_floor_ms']:.3f} ms "
           f"({figures['ms_per_token'] / figures['warm_floor_ms']:.1f}x), cold {figures['cold_floor_ms']:.3f} ms "
           f"({figures['ms_per_token'] / figures['cold_floor_ms']:.1f}x)")
@@ -169,10 +120,8 @@ def main(argv=None):
           f"generated again {'the same' if past['same_tokens'] else 'DIFFER'}")
     print(f"peak memory of that generation: +{past['peak_bytes'] / 2 ** 10:,.0f} KiB; of the one that stops at "
           f"max_seq_len: +{past['peak_within_bytes'] / 2 ** 10:,.0f} KiB ({past['memory_method']})")
-    print(f"matmul rate: {rate_before / 1e9:.1f} GFLOP/s before, {rate_after / 1e9:.1f} after "
-          f"({common.load_average()} at the end)")
-    if args.record:
-        print("recorded in", common.record(args.record, args.device, figures))
+    print(f"matmul rate: {rate_before / 1e9:.1f} GFLOP/s before, {rate_after / 1e9:.1f} after")
+    common.finish(args, figures)
     return 0 if figures["same_tokens"] and past["same_tokens"] else 1
 
 

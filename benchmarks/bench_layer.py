@@ -1,17 +1,8 @@
 #!/usr/bin/env python
-"""One attention layer, forward and backward, against its matmul floor, with its peak memory.
+"""One attention layer, ``LinearSelfAttention(**LAYER, **variant)`` or the softmax reference, forward
+and backward, against its matmul floor and the first variant, with its peak memory (benchmarks/README.md).
 
-    LinearSelfAttention(dim=512, heads=8, dim_head=64, causal=True, **variant)
-
-batch 1, fp32. Each ``--variants`` entry is ``base`` or ``key=value,...`` of the layer's
-arguments (``feature_map=elu``, ``use_gate=True,use_local_conv=True``, ...), or ``layer=softmax``:
-the softmax reference of the same shapes (``common.SoftmaxSelfAttention``). Every (variant,
-length) runs in a fresh subprocess (``common.run_step_cases``): time against the matmul floor and
-against the first variant, peak memory.
-
-Usage:  python benchmarks/bench_layer.py --threads 1 --lengths 4096 16384
-        python benchmarks/bench_layer.py --variants base use_gate=True use_gate=True,use_local_conv=True
-        python benchmarks/bench_layer.py --variants base layer=softmax --lengths 1024 4096
+Usage:  python benchmarks/bench_layer.py --threads 1 --lengths 4096 --variants base use_gate=True layer=softmax
 """
 
 import os
@@ -49,9 +40,8 @@ def build_step(case, device):
 def main(argv=None):
     args = common.step_arguments(__doc__, lengths=[4096, 16384]).parse_args(argv)
     if args.worker is not None:
-        return common.step_worker(args, build_step)
-    common.set_threads(args.threads)
-    common.print_header(args.device, args.threads, f"LinearSelfAttention({common.kwargs_text(LAYER)}), batch 1, fp32")
+        return common.step_worker(args.worker, build_step)
+    common.start(args, f"LinearSelfAttention({common.kwargs_text(LAYER)}), batch 1, fp32")
     cases = [dict(impl="ours", settings=settings, n=n) for n in args.lengths for settings in args.variants]
     return common.report_step_cases(args, cases, common.run_step_cases(__file__, args, cases))
 

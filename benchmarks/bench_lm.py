@@ -1,20 +1,8 @@
 #!/usr/bin/env python
-"""One training step (forward, loss, backward) of LinearAttentionTransformerLM against its
-matmul floor, with its peak memory; variants of the model and of the step are flags.
+"""One training step of LinearAttentionTransformerLM against its matmul floor, with its peak memory;
+variants of the model and of the step, upstream 0.19.1 and a busy core are flags (benchmarks/README.md).
 
-``--model``: ``bench`` (every head global, exact causal linear attention) or ``upstream-readme``,
-the language model of upstream ``linear-attention-transformer``'s README. Each ``--variants``
-entry is ``base`` or ``key=value,...``: a model argument (``checkpoint=True``, ...) or a setting
-of the step: ``loss=wrapper`` (AutoregressiveWrapper's chunked loss; default ``plain``, cross-
-entropy over the logits), ``segments=K`` (K packed documents), ``compile=True``. Every (variant,
-length) runs in a fresh subprocess (``common.run_step_cases``). ``--upstream-path DIR`` (a folder
-holding ``linear-attention-transformer==0.19.1``) runs each case on upstream's model too, built
-with the same arguments; ``--busy`` keeps one more process spinning on a core meanwhile.
-
-Usage:  python benchmarks/bench_lm.py --threads 1 --lengths 4096 16384
-        python benchmarks/bench_lm.py --variants base checkpoint=True reversible=True
-        python benchmarks/bench_lm.py --model upstream-readme --lengths 8192 \\
-            --variants loss=wrapper,ff_glu=False,ff_dropout=0.0 --upstream-path /tmp/upstream
+Usage:  python benchmarks/bench_lm.py --threads 1 --lengths 4096 16384 [--variants base checkpoint=True]
 """
 
 import os
@@ -40,10 +28,8 @@ STEP_SETTINGS = {"loss": "plain", "segments": 1, "compile": False}
 
 def segment_ids_for(n, count, seed=1):
     """(1, n) ids of ``count`` documents cut at random positions (on or off the chunk grid)."""
-    g = torch.Generator().manual_seed(seed)
-    cuts = torch.randperm(n - 1, generator=g)[: count - 1] + 1
     ids = torch.zeros(n, dtype=torch.long)
-    ids[cuts] = 1
+    ids[torch.randperm(n - 1, generator=torch.Generator().manual_seed(seed))[: count - 1] + 1] = 1
     return ids.cumsum(0)[None]
 
 
@@ -78,18 +64,6 @@ def build_step(case, device):
     return model, step
 
 
-def start_busy_process():
-    """One more process that keeps a core busy (what a shared machine does to a run)."""
-    return subprocess.Popen([sys.executable, "-c", "while True: pass"])
-
-
-def upstream_environment(args, case):
-    """Upstream's package first on the path and ours not on it, for upstream's cases."""
-    if case["impl"] != "upstream":
-        return None
-    return {**os.environ, "PYTHONPATH": os.path.abspath(args.upstream_path)}
-
-
 def main(argv=None):
     p = common.step_arguments(__doc__, lengths=[4096, 16384])
     p.add_argument("--model", choices=list(MODELS), default="bench")
@@ -97,16 +71,16 @@ def main(argv=None):
     p.add_argument("--busy", action="store_true", help="keep one more process spinning during the runs")
     args = p.parse_args(argv)
     if args.worker is not None:
-        return common.step_worker(args, build_step)
-    common.set_threads(args.threads)
-    common.print_header(args.device, args.threads, f"{args.model}: LinearAttentionTransformerLM("
+        return common.step_worker(args.worker, build_step)
+    common.start(args, f"{args.model}: LinearAttentionTransformerLM("
                         f"{common.kwargs_text(MODELS[args.model])}), batch 1, fp32" + ", one busy process" * args.busy)
     impls = ["ours"] + ["upstream"] * bool(args.upstream_path)
     cases = [dict(model=args.model, impl=impl, settings=settings, n=n)
              for n in args.lengths for settings in args.variants for impl in impls]
-    busy = start_busy_process() if args.busy else None
+    upstream = {**os.environ, "PYTHONPATH": os.path.abspath(args.upstream_path or ".")}  # its package, not ours
+    busy = subprocess.Popen([sys.executable, "-c", "while True: pass"]) if args.busy else None
     try:
-        results = common.run_step_cases(__file__, args, cases, lambda case: upstream_environment(args, case))
+        results = common.run_step_cases(__file__, args, cases, lambda c: upstream if c["impl"] == "upstream" else None)
     finally:
         if busy:
             busy.kill()

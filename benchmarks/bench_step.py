@@ -1,22 +1,10 @@
 #!/usr/bin/env python
-"""One decoding step of two models, timed in alternating rounds in one process.
-
-    LinearAttentionTransformerLM(num_tokens=256, dim=256, depth=2, heads=4, n_local_attn_heads=2,
-                                 local_attn_window_size=64, causal=True, max_seq_len=2048, **shared)
-
-``bench_generate.py``'s model without its blindspot (the delta rule has none), in eval mode,
-fp32, one row. ``--base`` and ``--other`` are ``key=value,...`` added to the base model (default:
-``update_rule=additive`` against ``update_rule=delta``), ``--set`` to both. After a 16-token
-prompt and 50 warm-up steps each, every round times ``--steps`` one-token forwards of the
-base model, then as many of the other, on their own caches. Printed: each round's per-token
-times and their ratio; the median ratio is the figure (the machine's load moves both sides of
-a round alike, so the ratio holds where absolute times drift). The floor is the base model's
-step in the same round.
+"""One decoding step of two models (``--base`` and ``--other``, ``--set`` added to both), timed in
+alternating rounds in one process; the rounds' median ratio is the figure (benchmarks/README.md).
 
 Usage:  python benchmarks/bench_step.py --threads 1 [--set use_gate=True] [--record step_delta]
 """
 
-import argparse
 import os
 import statistics
 import sys
@@ -26,16 +14,13 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common  # noqa: E402  (the folder of this script, see common.py)
+import bench_generate  # noqa: E402
 
-MODEL = dict(num_tokens=256, dim=256, depth=2, heads=4, n_local_attn_heads=2, local_attn_window_size=64, causal=True,
-             max_seq_len=2048)
+MODEL = {k: v for k, v in bench_generate.MODEL.items() if k != "blindspot_size"}
 
 
 def build(settings):
-    from linear_attention_transformer import LinearAttentionTransformerLM
-
-    torch.manual_seed(0)
-    return LinearAttentionTransformerLM(**MODEL, **settings).eval()
+    return bench_generate.build_wrapper("cpu", {**MODEL, **settings}).net
 
 
 def time_steps(model, cache, steps):
@@ -47,38 +32,31 @@ def time_steps(model, cache, steps):
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = common.arguments(__doc__, device=False)
     p.add_argument("--base", type=common.parse_settings, default={"update_rule": "additive"})
     p.add_argument("--other", type=common.parse_settings, default={"update_rule": "delta"})
     p.add_argument("--set", type=common.parse_settings, default={}, help="settings of both models, key=value,...")
     p.add_argument("--rounds", type=int, default=12)
     p.add_argument("--steps", type=int, default=100, help="one-token forwards per model and round")
-    p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: leave as is)")
-    p.add_argument("--record", metavar="NAME", default=None, help="write the figures to results/NAME.json")
     args = p.parse_args(argv)
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    common.print_header("cpu", args.threads, [f"base {args.base}, other {args.other}, both {args.set}"])
-    models = [build({**args.set, **args.base}), build({**args.set, **args.other})]
-    ratios, times = [], []
+    common.start(args, [f"base {args.base}, other {args.other}, both {args.set}"])
+    models = {"base": build({**args.set, **args.base}), "other": build({**args.set, **args.other})}
     with torch.no_grad():
         prompt = torch.randint(0, MODEL["num_tokens"], (1, 16), generator=torch.Generator().manual_seed(1))
-        caches = [model(prompt, return_cache=True)[1] for model in models]
-        for model, cache in zip(models, caches):
-            time_steps(model, cache, 50)
-        for round_ in range(args.rounds):
-            base, other = (time_steps(model, cache, args.steps) for model, cache in zip(models, caches))
-            ratios.append(other / base)
-            times.append((base, other))
-            print(f"round {round_}: base {base * 1e3:.3f} ms/token, other {other * 1e3:.3f}, ratio {ratios[-1]:.3f}")
+        caches = {name: model(prompt, return_cache=True)[1] for name, model in models.items()}
+        for name, model in models.items():
+            time_steps(model, caches[name], 50)
+        times = common.in_turn({name: lambda name=name: time_steps(models[name], caches[name], args.steps)
+                                for name in models}, args.rounds)
+    ratios = [other / base for base, other in zip(times["base"], times["other"])]
+    for round_, (base, other, ratio) in enumerate(zip(times["base"], times["other"], ratios)):
+        print(f"round {round_}: base {base * 1e3:.3f} ms/token, other {other * 1e3:.3f}, ratio {ratio:.3f}")
     ratio = statistics.median(ratios)
-    base_ms, other_ms = (statistics.median(t[i] for t in times) * 1e3 for i in (0, 1))
+    base_ms, other_ms = (statistics.median(times[name]) * 1e3 for name in ("base", "other"))
     print(f"median: base {base_ms:.3f} ms/token (the floor), other {other_ms:.3f}: {ratio:.3f}x")
-    if args.record:
-        figures = dict(base=args.base, other=args.other, shared=args.set, base_ms=round(base_ms, 3),
-                       other_ms=round(other_ms, 3), ratio=round(ratio, 3), ratios=[round(r, 3) for r in ratios])
-        print("recorded in", common.record(args.record, "cpu", figures))
-    return 0
+    figures = dict(base=args.base, other=args.other, shared=args.set, base_ms=round(base_ms, 3),
+                   other_ms=round(other_ms, 3), ratio=round(ratio, 3), ratios=[round(r, 3) for r in ratios])
+    return common.finish(args, figures)
 
 
 if __name__ == "__main__":

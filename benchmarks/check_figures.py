@@ -1,15 +1,8 @@
 #!/usr/bin/env python
 """Checks that each figure README.md and docs/ quote from a benchmark is the one its latest run
-recorded (with ``--record NAME``, in ``benchmarks/results/NAME.json``), and that the run's date
-stands in the document too (each row of benchmarks/README.md's table of latest figures bears
-its record's date). Each entry of ``QUOTES`` names a document, a recorded result, the
-figure's key in it, and the quoted text with the figure as a format field. After a new run,
-update the quoting documents: this script says which.
-
-Usage:  python benchmarks/check_figures.py
+recorded in ``benchmarks/results/NAME.json``, with the run's date beside it ("Recorded runs" in
+benchmarks/README.md). After a new run, update the quoting documents: this script says which.
 """
-
-from __future__ import annotations
 
 import json
 import os
@@ -94,7 +87,7 @@ def problems(quotes=QUOTES, root=ROOT, results=RESULTS):
             found.append(f"{document}: should quote {quoted!r} ({name}, {entry['date']}: {entry['command']})")
         elif entry["date"][:10] not in content:
             found.append(f"{document}: quotes {quoted!r} without its run's date {entry['date'][:10]}")
-    table, rows = os.path.join(root, "benchmarks", "README.md"), []  # its latest figures: each row dated as its record
+    table, rows = os.path.join(root, "benchmarks", "README.md"), []  # each row of its tables dated as its record
     if os.path.exists(table):
         with open(table) as f:
             rows = re.findall(r"\| `(\w+)` \| (\d{4}-\d\d-\d\d \d\d:\d\d UTC) \|", f.read())
@@ -107,7 +100,7 @@ def main():
     found = problems()
     for line in found:
         print(line)
-    print(f"{len(found)} to update" if found else f"all {len(QUOTES)} quotes and the table of latest figures match")
+    print(f"{len(found)} to update" if found else f"all {len(QUOTES)} quotes and the tables of latest figures match")
     return 1 if found else 0
 
 

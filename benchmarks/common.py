@@ -1,13 +1,6 @@
-"""What the benchmark scripts of this folder share: the device and its description, the
-header, peak memory, timing, the square matmul rate and the step's matmul FLOPs (the floor every
-figure is read against), the softmax reference layer, the training-step harness (each case in a
-fresh subprocess, so that its peak memory is its own), tables and recorded results.
-
-The scripts import this file as ``common`` from their own folder: run them as
-``python benchmarks/<script>.py``.
+"""What the benchmark scripts of this folder share (benchmarks/README.md): the command line, timing, peak memory,
+the floors, the softmax reference, the training-step harness, tables and records. They import it from their folder.
 """
-
-from __future__ import annotations
 
 import argparse
 import ast
@@ -29,9 +22,6 @@ from torch.utils._python_dispatch import TorchDispatchMode
 GiB = 2 ** 30
 RESULT_TAG = "BENCH_RESULT "
 RESULTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
-
-
-# ------------------------------------------------------------------------------ devices
 
 
 def default_device():
@@ -68,9 +58,6 @@ def device_name(device):
     return f"cpu: {cpu} ({os.cpu_count()} logical cores visible)"
 
 
-# --------------------------------------------------------------------------- peak memory
-
-
 def _proc_status_bytes(field):
     """A 'VmXXX:  1234 kB' field of /proc/self/status in bytes, or None off Linux."""
     try:
@@ -80,20 +67,9 @@ def _proc_status_bytes(field):
         return None
 
 
-def _reset_peak_rss():
-    """Reset the peak RSS (VmHWM) to the current RSS (Linux >= 4.0). True if done."""
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        return True
-    except OSError:
-        return False
-
-
 class PeakMemory:
-    """Peak memory above a baseline taken at construction: CUDA's max_memory_allocated, or on
-    the CPU the peak resident set (VmHWM, reset at the baseline). Where the peak cannot be reset
-    (not Linux), the process's lifetime peak is used and the increase is a lower bound."""
+    """Peak memory above a baseline taken at construction (benchmarks/README.md); where the peak
+    cannot be reset (not Linux), the process's lifetime peak is used: the increase is a lower bound."""
 
     def __init__(self, device):
         self.device, self.cuda = device, torch.device(device).type == "cuda"
@@ -103,7 +79,12 @@ class PeakMemory:
             self.base, self.method = torch.cuda.memory_allocated(device), "torch.cuda.max_memory_allocated"
             return
         rss = _proc_status_bytes("VmRSS")
-        self.exact = rss is not None and _reset_peak_rss()
+        try:  # reset the peak RSS (VmHWM) to the current RSS (Linux >= 4.0)
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")
+            self.exact = rss is not None
+        except OSError:
+            self.exact = False
         self.base = rss if self.exact else self._lifetime_peak()
         self.method = "VmHWM over VmRSS at baseline" if self.exact else "ru_maxrss increase (lower bound)"
 
@@ -119,9 +100,6 @@ class PeakMemory:
             synchronize(self.device)
             return torch.cuda.max_memory_allocated(self.device) - self.base
         return (_proc_status_bytes("VmHWM") if self.exact else self._lifetime_peak()) - self.base
-
-
-# ------------------------------------------------------------------- time and the floor
 
 
 def timed(fn, device):
@@ -141,20 +119,37 @@ def best_seconds(fn, device, reps, min_time=0.05):
     return min(timed(lambda: [fn() for _ in range(inner)], device)[1] for _ in range(reps)) / inner
 
 
-def default_matmul_size(device):
-    """Side of the square reference matmul: 2048 on CPU, 8192 on CUDA."""
-    return 8192 if torch.device(device).type == "cuda" else 2048
-
-
 def square_matmul_rate(device, size=None, reps=5):
-    """fp32 FLOP/s of a (size x size) @ (size x size) matmul, best of ``reps``."""
-    size = size or default_matmul_size(device)
+    """fp32 FLOP/s of a square matmul of side ``size`` (default 2048 on a CPU, 8192 on CUDA), best of ``reps``."""
+    size = size or (8192 if torch.device(device).type == "cuda" else 2048)
     g = torch.Generator(device="cpu").manual_seed(0)
     a, b = (torch.randn(size, size, generator=g).to(device) for _ in range(2))
     return 2 * size ** 3 / best_seconds(lambda: a @ b, device, reps)
 
 
-# ------------------------------------------------------------------------ FLOP counting
+def in_turn(sides, rounds, alternate=False):
+    """{name: [what it returned, per round]}: each round calls every one of ``sides`` ({name: a function})
+    in turn, so that a change of load hits all alike (``alternate``: every other round reversed)."""
+    times = {name: [] for name in sides}
+    for i in range(rounds):
+        for name, side in list(sides.items())[:: -1 if alternate and i % 2 else 1]:
+            times[name].append(side())
+    return times
+
+
+def weight_floors(model, device, reps=20, rows=1):
+    """(warm, cold) seconds of ``rows`` vectors through every 2-D parameter but the token embedding
+    (of which a step reads one row): the best of ``reps`` passes, and their median after writing 64 MiB each."""
+    weights = [p.detach() for name, p in model.named_parameters() if p.ndim == 2 and name != "token_emb.weight"]
+    vectors = [torch.randn(rows, w.shape[1], device=device) for w in weights]
+    flush = torch.zeros(64 << 18, device=device)
+
+    def one_pass(cold=False):
+        if cold:
+            flush.add_(1.0)
+        return timed(lambda: [torch.mm(x, w.t()) for x, w in zip(vectors, weights)], device)[1]
+
+    return min(one_pass() for _ in range(reps)), sorted(one_pass(cold=True) for _ in range(reps))[reps // 2]
 
 
 def bound_args(func, args, kwargs):
@@ -186,9 +181,8 @@ def _sdpa_flops(name, a):
 
 
 def contraction_flops(func, args, kwargs, out):
-    """Matmul-class FLOPs of one aten op (a multiply-add counts 2), or None if it is not one.
-    The single FLOP count of these benchmarks: the matmul floor, the GPU cost model and the
-    tests all read it."""
+    """Matmul-class FLOPs of one aten op (a multiply-add counts 2), or None if it is not one: the
+    single FLOP count that the matmul floor, the GPU cost model and the tests read."""
     name = func.overloadpacket.__name__
     a = bound_args(func, args, kwargs)
     if name in ("mv", "dot", "vdot"):
@@ -234,10 +228,8 @@ def step_flops(step):
 
 
 def measure_step(step, device, steps, warmup, matmul_size=None):
-    """Seconds of ``step`` (``warmup`` untimed calls first), its peak memory over a baseline
-    taken before the first call, its matmul FLOPs, and the square matmul rate just before and
-    after the timed calls (the better of the two): the floor, FLOPs / rate, is what the step
-    would take if it were its matmuls at that rate, and ``floor_share`` floor / median time."""
+    """Seconds of ``step`` (``warmup`` untimed calls first), its peak memory, its matmul FLOPs, the
+    better of the square matmul rates just before and after, and ``floor_share``: FLOPs / rate / median."""
     rate_before = square_matmul_rate(device, matmul_size)
     memory = PeakMemory(device)
     times = [timed(step, device)[1] for _ in range(warmup + steps)][warmup:]
@@ -248,12 +240,8 @@ def measure_step(step, device, steps, warmup, matmul_size=None):
                 memory_method=memory.method, threads=torch.get_num_threads())
 
 
-# ---------------------------------------------------------------------- softmax reference
-
-
 class SoftmaxSelfAttention(nn.Module):
-    """The softmax reference: multi-head self-attention through ``F.scaled_dot_product_attention``
-    with the shapes of ``LinearSelfAttention`` (q, k, v and out projections)."""
+    """The softmax reference: ``F.scaled_dot_product_attention`` between the projections of ``LinearSelfAttention``."""
 
     def __init__(self, dim, heads=8, dim_head=64, causal=True):
         super().__init__()
@@ -266,9 +254,6 @@ class SoftmaxSelfAttention(nn.Module):
         q, k, v = self.to_qkv(x).view(b, n, 3, self.heads, -1).permute(2, 0, 3, 1, 4)
         out = F.scaled_dot_product_attention(q, k, v, is_causal=self.causal)
         return self.to_out(out.transpose(1, 2).reshape(b, n, -1))
-
-
-# ------------------------------------------------------------------------- command line
 
 
 def parse_settings(text):
@@ -296,7 +281,18 @@ def kwargs_text(kwargs):
     return ", ".join(f"{k}={v}" for k, v in kwargs.items())
 
 
-# --------------------------------------------------------------------------------- output
+def arguments(doc, device=True, matmul_size=False):
+    """A parser with ``doc`` as its description and the options the scripts share."""
+    p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    if device:
+        p.add_argument("--device", default=default_device())
+    if matmul_size:
+        p.add_argument("--matmul-size", type=int, default=None,
+                       help="square matmul side (default: %(default)s; None: 2048 on a CPU, 8192 on CUDA)")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch.set_num_threads (default: %(default)s; None: as is)")
+    p.add_argument("--record", metavar="NAME", default=None, help="write the figures to results/NAME.json")
+    return p
 
 
 def print_header(device, threads_arg, model_lines=()):
@@ -312,6 +308,12 @@ def print_header(device, threads_arg, model_lines=()):
     print()
 
 
+def start(args, model_lines=()):
+    """Set ``--threads``, then print the header (the device: ``--device``, or the CPU)."""
+    set_threads(args.threads)
+    print_header(getattr(args, "device", "cpu"), args.threads, model_lines)
+
+
 def table(headers, rows):
     """Right-aligned plain-text table with a dashed rule under the headers."""
     widths = [max(len(str(c)) for c in col) for col in zip(headers, *rows)]
@@ -320,8 +322,7 @@ def table(headers, rows):
 
 
 def record(script, device, figures):
-    """Write ``figures`` to results/<script>.json with the command, date and machine: what
-    benchmarks/README.md and check_figures.py read. Returns the path."""
+    """Write ``figures`` to results/<script>.json with the command, date and machine; returns the path."""
     os.makedirs(RESULTS_DIR, exist_ok=True)
     path = os.path.join(RESULTS_DIR, f"{script}.json")
     entry = dict(command="python " + " ".join(["benchmarks/" + os.path.basename(sys.argv[0])] + sys.argv[1:]),
@@ -334,7 +335,12 @@ def record(script, device, figures):
     return path
 
 
-# ------------------------------------------------------------------------ subprocess runs
+def finish(args, figures):
+    """With ``--record``, write the figures; then the load average at the end. Returns 0, the exit code."""
+    if args.record:
+        print("recorded in", record(args.record, getattr(args, "device", "cpu"), figures))
+    print(f"({load_average()} at the end)")
+    return 0
 
 
 def emit_result(result):
@@ -342,12 +348,10 @@ def emit_result(result):
     print(RESULT_TAG + json.dumps(result), flush=True)
 
 
-def run_in_subprocess(script, argv, label, python=None, env=None):
-    """Run ``python script *argv`` in a fresh process and read the result it emitted.
-
-    Returns (result dict, None), or (None, an error text naming ``label`` with the tail of the
-    worker's output) when the worker printed no result."""
-    cmd = [python or sys.executable, os.path.abspath(script)] + [str(a) for a in argv]
+def run_in_subprocess(script, argv, label, env=None):
+    """Run ``python script *argv`` in a fresh process: (the result it emitted, None), or (None, an
+    error text naming ``label`` with the tail of its output) when it emitted none."""
+    cmd = [sys.executable, os.path.abspath(script)] + [str(a) for a in argv]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
     for line in proc.stdout.splitlines():
         if line.startswith(RESULT_TAG):
@@ -356,33 +360,24 @@ def run_in_subprocess(script, argv, label, python=None, env=None):
     return None, f"worker for {label} failed (exit {proc.returncode}):\n{tail}"
 
 
-# ------------------------------------------------------------- the training-step harness
-#
-# bench_lm and bench_layer: every case (implementation, variant, length) is one step function
-# measured by ``measure_step`` in a fresh subprocess, then tabled against the same floor.
-
-
 def step_arguments(doc, lengths):
-    """The options every step benchmark takes; the script adds its own."""
-    p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--device", default=default_device())
+    """The options of the training-step harness (bench_lm, bench_layer: every case, implementation,
+    variant and length, is one step measured by ``measure_step`` in a fresh subprocess)."""
+    p = arguments(doc, matmul_size=True)
     p.add_argument("--lengths", type=int, nargs="+", default=lengths)
     p.add_argument("--variants", type=parse_settings, nargs="+", default=[{}], help="'base' or key=value,...")
     p.add_argument("--steps", type=int, default=3, help="timed steps per run (default: %(default)s)")
     p.add_argument("--warmup", type=int, default=1, help="untimed steps first (default: %(default)s)")
     p.add_argument("--rounds", type=int, default=1, help="runs of every case, the fastest kept (default: 1)")
-    p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: leave as is)")
-    p.add_argument("--matmul-size", type=int, default=None, help="square matmul side (default 2048 cpu, 8192 cuda)")
-    p.add_argument("--record", metavar="NAME", default=None, help="write the figures to results/NAME.json")
     p.add_argument("--worker", type=json.loads, default=None, help=argparse.SUPPRESS)
     return p
 
 
-def step_worker(args, build_step):
+def step_worker(job, build_step):
     """Worker side: measure the step that ``build_step(case, device)`` returns (with its model)."""
-    set_threads(args.threads)
-    model, step = build_step(args.worker, args.device)
-    result = measure_step(step, args.device, args.steps, args.warmup, args.matmul_size)
+    set_threads(job["threads"])
+    model, step = build_step(job["case"], job["device"])
+    result = measure_step(step, job["device"], job["steps"], job["warmup"], job["matmul_size"])
     emit_result(dict(result, parameters=sum(p.numel() for p in model.parameters())))
 
 
@@ -391,17 +386,14 @@ def case_name(case):
 
 
 def run_step_cases(script, args, cases, env_for=lambda case: None):
-    """Each case in a fresh subprocess of ``script``, one after the other, ``args.rounds`` times
-    round-robin so that the load of other work drifts over all cases alike. Returns each case's
-    result of least median time (None for a case whose worker failed, its error printed)."""
-    options = ["--device", args.device, "--steps", args.steps, "--warmup", args.warmup]
-    options += [] if args.threads is None else ["--threads", args.threads]
-    options += [] if args.matmul_size is None else ["--matmul-size", args.matmul_size]
+    """Each case in a fresh subprocess of ``script``, ``args.rounds`` times round-robin: each case's result
+    of least median time (None for a case whose worker failed, its error printed)."""
+    options = {k: getattr(args, k) for k in ("device", "steps", "warmup", "threads", "matmul_size")}
     best = [None] * len(cases)
     for _ in range(args.rounds):
         for i, case in enumerate(cases):
-            result, error = run_in_subprocess(script, ["--worker", json.dumps(case)] + options, case_name(case),
-                                              env=env_for(case))
+            result, error = run_in_subprocess(script, ["--worker", json.dumps(dict(options, case=case))],
+                                              case_name(case), env=env_for(case))
             print(f"  {case_name(case)}: " + (error if error else f"{result['median']:.3f} s/step"), flush=True)
             if result and (best[i] is None or result["median"] < best[i]["median"]):
                 best[i] = result
@@ -449,7 +441,5 @@ def report_step_cases(args, cases, results):
     for name, value in figures.items():
         print(f"{name}: {value:.2f}x")
     figures.update({case_name(c): {k: r[k] for k in ("median", "peak", "floor_share")} for c, r in done})
-    if args.record:
-        print("recorded in", record(args.record, args.device, figures))
-    print(f"({load_average()} at the end)")
+    finish(args, figures)
     return 0 if len(done) == len(cases) else 1
