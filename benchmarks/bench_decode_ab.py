@@ -14,6 +14,7 @@ Usage:  git worktree add /tmp/other <commit>
 
 import json
 import os
+import subprocess
 import sys
 
 import torch
@@ -52,6 +53,8 @@ def main(argv=None):
     if args.other is None:
         p.error("--other is required")
     checkouts = {"this": os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "other": args.other}
+    figures = {"other": subprocess.run(["git", "-C", args.other, "rev-parse", "--short", "HEAD"], capture_output=True,
+                                       text=True).stdout.strip()}
     for model in args.models:
         def side(label, model=model):
             job = dict(model=model, tokens=args.tokens, threads=args.threads or 1)
@@ -63,9 +66,11 @@ def main(argv=None):
             return got["ms"]
 
         times = common.in_turn({label: lambda label=label: side(label) for label in checkouts}, args.rounds, True)
-        print(f"{model}: this {min(times['this']):.3f} ms/token, other {min(times['other']):.3f}, ratio "
-              f"{min(times['this']) / min(times['other']):.2f} (best of {args.rounds} rounds)")
-    return 0
+        this, other = min(times["this"]), min(times["other"])
+        figures[model] = {"this_ms": this, "other_ms": other, "ratio": this / other, "rounds": times}
+        print(f"{model}: this {this:.3f} ms/token, other {other:.3f}, ratio {this / other:.2f} (best of "
+              f"{args.rounds} rounds)")
+    return common.finish(args, figures)
 
 
 if __name__ == "__main__":

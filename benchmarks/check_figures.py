@@ -44,6 +44,8 @@ QUOTES = [
     ("benchmarks/README.md", "step_delta", ["ratio"], "| {:.2f}x | `step_delta`"),
     ("benchmarks/README.md", "vllm", ["vllm_over_library"], "| {:.2f}x | `vllm`"),
     ("benchmarks/README.md", "step_delta_gated", ["ratio"], "| {:.2f}x | `step_delta_gated`"),
+    ("benchmarks/README.md", "decode_vs_fbcdff8", ["generate", "ratio"], "| {:.2f}x; "),
+    ("benchmarks/README.md", "decode_vs_1366b1f", ["generate", "ratio"], "| {:.2f}x; "),
     ("benchmarks/README.md", "layer_delta", ["time vs first variant, update_rule=delta n=16384"],
      "| {:.2f}x | `layer_delta`"),
     ("docs/layers.md", "generate_past", ["past", "past_over_within"], "a token at the end costs {:.2f}x one"),

@@ -39,7 +39,7 @@ from .ops.windowed_flex import flex_windowed_attention, local_implementation
 class LocalHeads(nn.Module):
     """Windowed softmax heads (``ops/windowed_attention.py``); positions come from the model.
 
-    Args: heads; window: the ``Window``; kernel: which implementation may run (``local_heads``).
+    Args: heads; window: the ``Window``; kernel: which implementation may run (``whole_sequence``).
     No parameters: the layer projects their q, k and v."""
 
     def __init__(self, heads, window, kernel="auto"):
@@ -64,7 +64,7 @@ class LocalHeads(nn.Module):
         if cache is None or place.position == 0:
             # (rows padded on the left: each row's windows start at its first real token)
             runs = place.segments if place.segments is not None else place.row_runs(q.shape[2], q.device)
-            out = self.local_heads(q, k, v, mask, runs)
+            out = self.whole_sequence(q, k, v, mask, runs)
         else:
             out = self._continued(q, k, v, mask, cache, place.position, place.row_starts)
         if cache is not None:
@@ -81,7 +81,7 @@ class LocalHeads(nn.Module):
             raise ValueError(f"context_parallel with local heads needs slices of at least local_attn_look_backward "
                              f"(and local_attn_look_forward) * local_attn_window_size tokens, got {length}")
 
-    def local_heads(self, q, k, v, mask, segments=None):
+    def whole_sequence(self, q, k, v, mask, segments=None):
         """Over a whole sequence; flex_attention on CUDA (docs/kernels.md)."""
         if local_implementation(q.device, q.dtype, self.kernel, q.shape[-1]) == "flex":
             return flex_windowed_attention(q, k, v, self.window, mask, segments)
