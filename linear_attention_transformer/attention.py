@@ -268,13 +268,13 @@ class Attention(nn.Module):
         dim_qk); a kind of head the layer lacks gets None. Split by kind along the features:
         the backward of one split is one cat, where slices would each fill a full-size zero
         gradient and copy into it."""
-        k, v = F.linear(source, self.to_kv.weight).split(self.kv_widths, dim=-1)
+        k, v = self.to_kv(source).split(self.kv_widths, dim=-1)
         group, k_widths, v_widths = self.heads // self.kv_heads, self.k_widths, self.v_widths
         if k_widths is None:  # a key/value head serves heads of both kinds: repeated before the split
             k = k.unflatten(-1, (self.kv_heads, -1)).repeat_interleave(group, dim=-2).flatten(-2)
             v = v.unflatten(-1, (self.kv_heads, -1)).repeat_interleave(group, dim=-2).flatten(-2)
             group, k_widths, v_widths = 1, self.q_widths, self.q_widths
-        qs = F.linear(x, self.to_q.weight).split(self.q_widths, dim=-1)
+        qs = self.to_q(x).split(self.q_widths, dim=-1)
         ks, vs = k.split(k_widths, dim=-1), v.split(v_widths, dim=-1)
         b, n, m = x.shape[0], x.shape[1], source.shape[1]
         kinds = []
@@ -314,7 +314,7 @@ class Attention(nn.Module):
             out = out * self.output_gate(x)
         if self.training:
             out = self.attn_dropout(out)
-        out = F.linear(out, self.to_out.weight, self.to_out.bias)
+        out = self.to_out(out)  # (each projection a module call: a wrapped or adapted Linear acts)
         return self.dropout(out) if self.training else out
 
     def _rotary_by_kind(self, rotary):

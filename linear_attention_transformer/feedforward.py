@@ -44,7 +44,7 @@ class FeedForward(nn.Module):
         parts = x.chunk(self.chunks, dim=1) if self.chunks > 1 and x.shape[1] > 1 else (x,)
         outs = []
         for part in parts:
-            hidden = F.linear(part, self.proj_in.weight, self.proj_in.bias)
+            hidden = self.proj_in(part)
             if self.glu:
                 hidden, gate = hidden.chunk(2, dim=-1)
                 hidden = hidden * self.activation(gate)
@@ -52,5 +52,5 @@ class FeedForward(nn.Module):
                 hidden = self.activation(hidden)
             if self.training:
                 hidden = self.dropout(hidden)
-            outs.append(F.linear(hidden, self.proj_out.weight, self.proj_out.bias))
+            outs.append(self.proj_out(hidden))
         return outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)

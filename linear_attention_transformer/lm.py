@@ -15,7 +15,6 @@ addresses), and the step exports (``export.py``). A model with axial attention
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from .attention import HEADS, LOCAL_WINDOW_SIZE
@@ -214,7 +213,7 @@ class LinearAttentionTransformerLM(nn.Module):
         if x.device.type != "cpu" and not torch.compiler.is_compiling():
             check_token_ids(x, self.num_tokens, "x")
         try:  # (ids of any integer dtype: the embedding takes int64)
-            h = F.embedding(x if x.dtype == torch.int64 else x.long(), self.token_emb.weight)
+            h = self.token_emb(x if x.dtype == torch.int64 else x.long())
         except IndexError:
             check_token_ids(x, self.num_tokens, "x")
             raise
@@ -233,9 +232,7 @@ class LinearAttentionTransformerLM(nn.Module):
 
     def _output(self, out):
         """The logits (or the normalised embeddings) of the final hidden states."""
-        out = F.layer_norm(out, self.norm.normalized_shape, self.norm.weight, self.norm.bias, self.norm.eps)
+        out = self.norm(out)
         if self.return_embeddings:
             return out
-        if not isinstance(self.project_out, nn.Identity):
-            out = F.linear(out, self.project_out.weight, self.project_out.bias)
-        return F.linear(out, self.to_logits.weight, self.to_logits.bias)
+        return self.to_logits(self.project_out(out))

@@ -14,7 +14,6 @@ from functools import partial
 from typing import Optional
 
 import torch
-import torch.nn.functional as F
 from einops import rearrange
 from product_key_memory import PKM
 from torch import nn
@@ -25,7 +24,7 @@ from .cache import AxialCache, BranchCache, DecodingCache, copy_rows, map_tensor
 from .context_parallel import exchange_boundaries
 from .feedforward import FeedForward
 from .linformer import LinformerContextSettings, LinformerSettings, linformer_layers
-from .ops.common import check_int, check_mask, dropout
+from .ops.common import check_int, check_mask
 from .place import PLAIN, Place
 from .positional import RotaryEmbedding
 from .reversible import ReversibleSequence, SequentialSequence
@@ -60,8 +59,7 @@ class Branch(nn.Module):
     def forward(self, x, place=PLAIN, cache=None, **inputs):
         """The branch's output at ``place``; with ``place.cached``, ``cache`` (``empty_cache`` at
         a sequence's start) continues a sequence and is updated in place."""
-        norm = self.norm
-        h = F.layer_norm(x, norm.normalized_shape, norm.weight, norm.bias, norm.eps)
+        h = self.norm(x)
         if self.shifts is not None and place.group is not None:
             h = _shift_tokens_context_parallel(h, self.shifts, inputs.get("input_mask"), place.group)
         elif self.shifts is not None:

@@ -399,3 +399,22 @@ def test_dim_qk_flows_from_the_models_to_every_linear_attention_layer():
     assert all(layer.to_q.out_features == layer.n_local * 4 + (4 - layer.n_local) * 2 for layer in layers)
     attn = LinearSelfAttention(dim=16, heads=4, dim_qk=3, causal=True)
     assert attn.to_q.out_features == 4 * 3 and attn.to_kv.out_features == 4 * 3 + 4 * 4
+
+
+def test_a_decoding_step_calls_each_projection_as_a_module():
+    """A wrapped or adapted Linear (a forward hook here; LoRA or quantisation alike) acts on every
+    path, the one-token step included: no projection is read as a bare weight."""
+    torch.manual_seed(0)
+    model = LinearAttentionTransformerLM(num_tokens=16, dim=16, depth=1, max_seq_len=32, heads=2, causal=True,
+                                         n_local_attn_heads=1, local_attn_window_size=4).eval()
+    layer = model.transformer.attention_layers[0]
+    feedforward = model.transformer.layers.blocks[0][1].fn
+    seen = []
+    for name, module in [(n, getattr(layer, n)) for n in ("to_q", "to_kv", "to_out")] + \
+            [(n, getattr(feedforward, n)) for n in ("proj_in", "proj_out")] + [("to_logits", model.to_logits)]:
+        module.register_forward_hook(lambda m, args, out, name=name: seen.append(name))
+    with torch.no_grad():
+        _, cache = model(torch.randint(0, 16, (1, 5)), return_cache=True)
+        seen.clear()
+        model(torch.randint(0, 16, (1, 1)), cache=cache, return_cache=True)
+    assert sorted(seen) == ["proj_in", "proj_out", "to_kv", "to_logits", "to_out", "to_q"]

@@ -60,12 +60,6 @@ class _DivideRows(torch.autograd.Function):
         return grad_num, grad_den
 
 
-def dropout(module, x):
-    """``module`` (an ``nn.Dropout``) on x, skipped where it is the identity (eval mode, p = 0:
-    a decoding step meets several)."""
-    return module(x) if module.training and module.p > 0 else x
-
-
 def check_int(name, value, minimum=1):
     if isinstance(value, bool) or not isinstance(value, int):
         raise TypeError(f"{name} must be an int, got {type(value).__name__}")
