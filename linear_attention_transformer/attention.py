@@ -360,8 +360,8 @@ class Attention(nn.Module):
         """The cache before any token: each kind's empty entry (a cross-attention layer's context
         is reduced on the first call); ``position``: 0 for a layer that counts its own tokens
         (``forward``), None in a model (the model counts)."""
-        if self.cache_refusal is not None:
-            raise ValueError(self.cache_refusal)
+        if (why := self.cache_refusal) is not None:
+            raise ValueError(why)
         if position is not None:
             position = torch.tensor(position, dtype=torch.long, device=device)
         local = None if self.local_heads is None else self.local_heads.empty_cache(batch_size, self.dim_head, device,
@@ -375,8 +375,8 @@ class Attention(nn.Module):
         """Raise ValueError naming what this layer cannot do at ``place`` (``place.py``) for x
         of ``length`` tokens (one rank's slice when ``parallel``)."""
         if place.cached:
-            if self.cache_refusal is not None:
-                raise ValueError(self.cache_refusal)
+            if (why := self.cache_refusal) is not None:
+                raise ValueError(why)
             if place.row_starts is not None and self.blindspot_blocks:
                 raise ValueError(LEFT_PADDED_BLOCKS.format(self.global_heads.blindspot_size))
         if place.segments is not None and self.receives_context:

@@ -16,7 +16,7 @@ from .ops.causal.recurrent import CausalState
 NO_KEY = -(2 ** 62)
 
 
-class _Cache:
+class CacheRecord:
     """A record of buffers: its fields are its ``__slots__``, given in that order."""
 
     __slots__ = ()
@@ -51,7 +51,7 @@ def map_tensors(obj, fn):
         return fn(obj)
     if isinstance(obj, (tuple, list)):
         return type(obj)(map_tensors(o, fn) for o in obj)
-    if isinstance(obj, (_Cache, CausalState)):
+    if isinstance(obj, (CacheRecord, CausalState)):
         return obj.map_tensors(fn)
     return obj
 
@@ -77,7 +77,7 @@ def copy_rows(into, rows, part):
     elif isinstance(into, (tuple, list)):
         for a, b in zip(into, part):
             copy_rows(a, rows, b)
-    elif isinstance(into, (_Cache, CausalState)):
+    elif isinstance(into, (CacheRecord, CausalState)):
         for name in getattr(into, "fields", into.__slots__):
             field = getattr(into, name)
             if torch.is_tensor(field) and field.ndim == 0:  # (a count has no rows)
@@ -86,7 +86,7 @@ def copy_rows(into, rows, part):
                 copy_rows(field, rows, getattr(part, name))
 
 
-class LocalCache(_Cache):
+class LocalCache(CacheRecord):
     """Local heads: a ring of ``slots`` (``Window.most_keys``) keys and values, kv (b, 2, h, slots,
     d), and each slot's key position per row, positions (b, slots) (``NO_KEY``: no real key). A
     row's key of position t (counted from the row's first real column) is in slot t mod slots,
@@ -98,10 +98,6 @@ class LocalCache(_Cache):
     def zeros(cls, batch, heads, slots, dim_head, device=None, dtype=torch.float32):
         kv = torch.zeros(batch, 2, heads, slots, dim_head, device=device, dtype=dtype)
         return cls(kv, torch.full((batch, slots), NO_KEY, dtype=torch.long, device=device))
-
-    @property
-    def slots(self):
-        return self.positions.shape[1]
 
     @property
     def keys(self):
@@ -141,7 +137,7 @@ class LocalCache(_Cache):
         self.positions.scatter_(1, where, positions)
 
 
-class AttentionCache(_Cache):
+class AttentionCache(CacheRecord):
     """One attention layer: ``local`` (LocalCache or None), ``global_`` (the global heads' entry,
     ``heads.AdditiveCache`` or ``heads.DeltaCache``, or None),
     for a cross-attention layer ``context`` (the encoder's keys and values reduced once to
@@ -151,21 +147,21 @@ class AttentionCache(_Cache):
     __slots__ = ("position", "local", "global_", "context")
 
 
-class AxialCache(_Cache):
+class AxialCache(CacheRecord):
     """Axial attention: one ``AttentionCache`` over a batch of b * w rows, row (i, r) holding
     the sequence of positions t = r mod w of batch element i."""
 
     __slots__ = ("inner",)
 
 
-class BranchCache(_Cache):
+class BranchCache(CacheRecord):
     """A residual branch: the previous token's normalised features for token shifting
     (b, dim) or None, and the cache of the branch's module or None."""
 
     __slots__ = ("shift", "fn")
 
 
-class DecodingCache(_Cache):
+class DecodingCache(CacheRecord):
     """The whole model after ``position`` tokens: ``position`` is the count, a long tensor of no
     dimension on the model's device (the one count every layer reads, advanced in place);
     ``layers`` holds a (BranchCache, BranchCache) pair per residual block, in order;
@@ -187,7 +183,7 @@ class DecodingCache(_Cache):
                     return obj.shape[0]
             elif isinstance(obj, (tuple, list)):
                 pending.extend(reversed(obj))
-            elif isinstance(obj, (_Cache, CausalState)):
+            elif isinstance(obj, (CacheRecord, CausalState)):
                 for name in reversed(obj.__slots__):
                     pending.append(getattr(obj, name))
         return None

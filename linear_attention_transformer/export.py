@@ -30,8 +30,8 @@ def state_names(count):
 def refusal(model):
     """Why ``model``'s decoding step cannot be exported (a sentence), or None."""
     transformer = model.transformer
-    if transformer.cache_refusal is not None:
-        return transformer.cache_refusal
+    if (why := transformer.cache_refusal) is not None:
+        return why
     if transformer.attend_axially:
         return "attend_axially=True steps its axial layer on the host, which no graph holds"
     if transformer.receives_context:

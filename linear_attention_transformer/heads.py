@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from einops import rearrange
 from torch import nn
 
-from .cache import NO_KEY, LocalCache, _Cache
+from .cache import NO_KEY, CacheRecord, LocalCache
 from .context_parallel import (context_parallel_causal_linear_attention, context_parallel_linear_attention,
                                exchange_boundaries)
 from .gating import ForgetGate, LocalConv
@@ -114,7 +114,7 @@ class LocalHeads(nn.Module):
         return out[:, :, before : before + n]
 
 
-class AdditiveCache(_Cache):
+class AdditiveCache(CacheRecord):
     """The cache entry of ``AdditiveHeads``: their ``CausalState`` (running KᵀV, normaliser,
     references, blindspot block; its position None, the model counts) and ``conv``, the local
     convolution's last inputs (``GlobalHeads.empty_conv``) or None."""
@@ -122,7 +122,7 @@ class AdditiveCache(_Cache):
     __slots__ = ("state", "conv")
 
 
-class DeltaCache(_Cache):
+class DeltaCache(CacheRecord):
     """The cache entry of ``DeltaHeads``: S (b, h, dim_qk, dim_head), and ``conv`` as
     ``AdditiveCache``'s."""
 

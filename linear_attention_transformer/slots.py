@@ -126,8 +126,8 @@ def _check_model(model):
 
     if not isinstance(model, LinearAttentionTransformerLM):
         raise TypeError(f"model must be a LinearAttentionTransformerLM, got {type(model).__name__}")
-    if model.transformer.cache_refusal is not None:
-        raise ValueError(model.transformer.cache_refusal)
+    if (why := model.transformer.cache_refusal) is not None:
+        raise ValueError(why)
     if model.transformer.attend_axially:
         raise ValueError("attend_axially=True keeps a state per axial row, which a slot does not hold")
     if model.transformer.receives_context:

@@ -446,8 +446,8 @@ class LinearAttentionTransformer(nn.Module):
         """Raise ValueError naming what this model cannot do at ``place`` for x of ``length``
         tokens (one rank's slice when ``parallel``), as ``Attention.check_place``."""
         if place.cached:
-            if self.cache_refusal is not None:
-                raise ValueError(self.cache_refusal)
+            if (why := self.cache_refusal) is not None:
+                raise ValueError(why)
             if place.row_starts is not None and self.blindspot_size > 1:
                 raise ValueError(LEFT_PADDED_BLOCKS.format(self.blindspot_size))
         if self.length_limit is not None and not parallel:
@@ -500,8 +500,8 @@ class LinearAttentionTransformer(nn.Module):
     def empty_cache(self, batch_size, device=None, dtype=torch.float32):
         """The ``DecodingCache`` before any token: every layer's empty state (zero sums, no
         keys in the rings, zero convolution and shift inputs) at position 0."""
-        if self.cache_refusal is not None:
-            raise ValueError(self.cache_refusal)
+        if (why := self.cache_refusal) is not None:
+            raise ValueError(why)
         layers = [[branch.empty_cache(batch_size, device, dtype) for branch in pair] for pair in self.layers.blocks]
         return DecodingCache(torch.zeros((), dtype=torch.long, device=device), layers)
 
