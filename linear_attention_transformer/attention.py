@@ -16,7 +16,7 @@ from torch import nn
 
 from .cache import AttentionCache, for_call
 from .gating import ForgetGate, LocalConv, OutputGate
-from .heads import GLOBAL_HEADS, LocalHeads
+from .heads import GLOBAL_HEADS, LocalHeads, WindowLinearHeads
 from .ops import linear_attention_readout, linear_attention_summary
 from .ops.causal.forms import CHUNK_SIZE
 from .ops.common import check_int, check_mask
@@ -91,6 +91,10 @@ class Attention(nn.Module):
             ``local_attn_window_size`` (w, default ``LOCAL_WINDOW_SIZE``),
             ``local_attn_look_backward`` / ``local_attn_look_forward`` (windows before / after
             its own) and ``local_attn_exact_windowsize`` (``ops/windowed_attention.py``).
+            ``local_attn_older_keys='linear'`` (causal, exact windows): the keys older than the
+            window are read too, by linear attention through learnt features of
+            ``local_attn_feature_dim`` (default dim_head), under the window's normalisation
+            (``heads.WindowLinearHeads``).
         blindspot_size: B; causal global heads see only keys in earlier blocks of B tokens.
         kv_heads: number of key/value heads, shared by groups of query heads (one_kv_head: 1).
         feature_map: the global heads' ('softmax' by default, 'elu', 'relu', 'taylor' or a
@@ -110,6 +114,7 @@ class Attention(nn.Module):
             global heads on flash-linear-attention where it serves, the local heads on
             flex_attention), 'torch' (this library's kernels only) or 'fla' (the causal global
             heads on fla, the ``[cuda]`` extra; a call it cannot run raises).
+        bias: a bias on the output projection ``to_out`` (q, k and v have none).
     Shapes:
         x (b, n, dim); input_mask (b, n) bool; context (b, m, dim); context_mask (b, m) bool;
         rotary: (cos, sin) of the positions, each (n, dim_head) or (b, n, dim_head); with a
@@ -124,7 +129,8 @@ class Attention(nn.Module):
         blindspot_size=None, kv_heads=None, one_kv_head=False, feature_map=None, attn_dropout=0.0,
         dropout=0.0, receives_context=False, chunk_size=None, use_gate=False, gate_rank=None,
         gate_temperature=None, gate_granularity=None, use_local_conv=False, local_conv_kernel=None,
-        kernel="auto", dim_qk=None, update_rule="additive"
+        kernel="auto", dim_qk=None, update_rule="additive", bias=True, local_attn_older_keys=None,
+        local_attn_feature_dim=None
     ):
         super().__init__()
         dim_head, kv_heads = resolve_heads(dim, heads, dim_head, kv_heads, one_kv_head)
@@ -182,6 +188,8 @@ class Attention(nn.Module):
             LocalConv(1, causal=self.causal, **conv_settings)
         window = _local_window(local_attn_window_size, local_attn_look_backward, local_attn_look_forward,
                                local_attn_exact_windowsize, self.causal)
+        _check_older_keys(local_attn_older_keys, local_attn_feature_dim, n_local_attn_heads, self.causal,
+                          local_attn_exact_windowsize)
 
         self.dim, self.heads, self.dim_head, self.kv_heads, self.dim_qk = dim, heads, dim_head, kv_heads, dim_qk
         self.receives_context, self.n_local, self.update_rule = receives_context, n_local_attn_heads, update_rule
@@ -196,10 +204,15 @@ class Attention(nn.Module):
             self.v_widths = (n_local_attn_heads // group * dim_head, n_global // group * dim_head)
         self.to_q = nn.Linear(dim, q_width, bias=False)
         self.to_kv = nn.Linear(dim, sum(self.kv_widths), bias=False)
-        self.to_out = nn.Linear(heads * dim_head, dim)
+        self.to_out = nn.Linear(heads * dim_head, dim, bias=bias)
         self.attn_dropout = nn.Dropout(attn_dropout)
         self.dropout = nn.Dropout(dropout)
-        self.local_heads = LocalHeads(n_local_attn_heads, window, kernel) if n_local_attn_heads else None
+        self.local_heads = None
+        if local_attn_older_keys == "linear":
+            self.local_heads = WindowLinearHeads(n_local_attn_heads, window, dim_head,
+                                                 dim_head if local_attn_feature_dim is None else local_attn_feature_dim)
+        elif n_local_attn_heads:
+            self.local_heads = LocalHeads(n_local_attn_heads, window, kernel)
         self.global_heads = None
         if n_global:
             options = {} if feature_map is None else {"feature_map": feature_map}
@@ -381,6 +394,9 @@ class Attention(nn.Module):
                 raise ValueError(LEFT_PADDED_BLOCKS.format(self.global_heads.blindspot_size))
         if place.segments is not None and self.receives_context:
             raise ValueError("segment_ids is not supported in a cross-attention layer (receives_context=True)")
+        if place.segments is not None and isinstance(self.local_heads, WindowLinearHeads):
+            raise ValueError("segment_ids is not supported with local_attn_older_keys='linear' yet: run the "
+                             "sequences as rows of a batch")
         if not parallel:
             return
         if self.receives_context:
@@ -433,6 +449,23 @@ def _moved_parameters(state_dict, prefix, *args):
         rest = name[len(prefix):]
         if rest.split(".", 1)[0] in ("forget_gate", "local_conv", "to_beta"):
             state_dict[prefix + "global_heads." + rest] = state_dict.pop(name)
+
+
+def _check_older_keys(older_keys, feature_dim, n_local, causal, exact):
+    """Check what the local heads do with the keys older than their window."""
+    if older_keys not in (None, "linear"):
+        raise ValueError(f"local_attn_older_keys must be None (unseen) or 'linear', got {older_keys!r}")
+    if older_keys is None:
+        if feature_dim is not None:
+            raise ValueError("local_attn_feature_dim sizes the features of local_attn_older_keys='linear'")
+        return
+    if not n_local:
+        raise ValueError("local_attn_older_keys is a setting of local heads, and n_local_attn_heads is 0")
+    if not causal or not exact:
+        raise ValueError("local_attn_older_keys='linear' reads the keys before a sliding window: it needs causal=True "
+                         "and local_attn_exact_windowsize=True")
+    if feature_dim is not None:
+        check_int("local_attn_feature_dim", feature_dim)
 
 
 def _local_window(size, look_backward, look_forward, exact, causal):

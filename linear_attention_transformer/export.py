@@ -5,7 +5,8 @@ the decoding state, and gives ``logits`` (batch, num_tokens) and the next state.
 input starts at zeros of the shape and dtype the graph declares: the graph reads a position of
 zero as the start of a sequence and puts the model's empty state in place of what it is given,
 so a runner needs nothing but the graph (examples/onnx_generate.py runs one with onnxruntime
-and numpy). What the graph takes and gives, and what is refused: docs/training.md, "Export".
+and numpy). A Hugging Face ``LinearAttentionTransformerForCausalLM`` exports as the library
+model it holds. What the graph takes and gives, and what is refused: docs/training.md, "Export".
 
 Needs the ``[export]`` extra (onnx, onnxscript, onnxruntime); the package itself does not
 import this module.
@@ -14,6 +15,7 @@ import this module.
 from __future__ import annotations
 
 import os
+import sys
 
 import torch
 from torch import nn
@@ -76,9 +78,22 @@ class DecodingStep(nn.Module):
         return (logits[:, -1], *tensors_of(cache))
 
 
+def _library_model(model):
+    """``model`` itself, or the ``LinearAttentionTransformerLM`` that a Hugging Face
+    ``LinearAttentionTransformerForCausalLM`` holds (its ``.model``)."""
+    # (an instance of the wrapper exists only once linear_attention_transformer.hf is imported:
+    # looked up there, so this module never imports transformers itself)
+    hf = sys.modules.get(f"{__package__}.hf")
+    if hf is not None and isinstance(model, hf.LinearAttentionTransformerForCausalLM):
+        return model.model
+    return model
+
+
 def export_onnx(model, path, batch_size=1):
-    """Write the one-token decoding step of ``model`` (a ``LinearAttentionTransformerLM``) to
-    ``path`` as one ONNX graph, for ``batch_size`` rows decoded together.
+    """Write the one-token decoding step of ``model`` (a ``LinearAttentionTransformerLM``, or
+    the Hugging Face ``LinearAttentionTransformerForCausalLM`` of ``linear_attention_transformer.hf``,
+    whose ``.model`` is exported) to ``path`` as one ONNX graph, for ``batch_size`` rows
+    decoded together.
 
     Inputs: ``input_ids`` int64 (batch_size, 1), then ``state_0`` ... ``state_{k-1}``.
     Outputs: ``logits`` (batch_size, num_tokens), then ``next_state_0`` ...
@@ -90,12 +105,14 @@ def export_onnx(model, path, batch_size=1):
     embedding decodes past ``max_seq_len``; a position table's model up to it (past it the
     runtime fails on the table's index, as the library refuses).
 
-    Raises TypeError unless ``model`` is a ``LinearAttentionTransformerLM`` and ``path`` a path,
+    Raises TypeError unless ``model`` is one of those two and ``path`` a path,
     ValueError for a ``batch_size`` that is not a positive int, and ValueError, saying why, for
     a model whose step the graph cannot hold: no cache (Linformer, not causal),
     ``attend_axially``, ``receives_context``, ``return_embeddings``."""
+    model = _library_model(model)
     if not isinstance(model, LinearAttentionTransformerLM):
-        raise TypeError(f"model must be a LinearAttentionTransformerLM, got {type(model).__name__}")
+        raise TypeError(f"model must be a LinearAttentionTransformerLM or a LinearAttentionTransformerForCausalLM, "
+                        f"got {type(model).__name__}")
     if not isinstance(path, (str, os.PathLike)):
         raise TypeError(f"path must be a str or os.PathLike, got {type(path).__name__}")
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:

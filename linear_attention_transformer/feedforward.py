@@ -8,7 +8,7 @@ from torch import nn
 
 from .ops.common import check_int
 
-_ACTIVATIONS = {"gelu": F.gelu, "relu": F.relu}
+_ACTIVATIONS = {"gelu": F.gelu, "relu": F.relu, "silu": F.silu}
 
 
 class FeedForward(nn.Module):
@@ -18,27 +18,35 @@ class FeedForward(nn.Module):
 
     Args:
         dim: model width. mult: hidden width = dim * mult (a positive int).
+        hidden_dim: the hidden width itself, any positive int (with mult left at 4).
         dropout: dropout on the hidden activations.
-        glu: use the GLU variant (Shazeer 2020): hidden = act(gate) * value.
-        activation: 'gelu' (default) or 'relu' (``linformer-pytorch``'s two choices).
+        glu: use the GLU variant (Shazeer 2020): hidden = act(gate) * value; with 'silu',
+            SwiGLU (Llama's feed-forward: ``proj_in`` holds the value rows, then the gate's).
+        activation: 'gelu' (default), 'relu' (``linformer-pytorch``'s two choices) or 'silu'.
         chunks: run over this many slices of the sequence in turn (one slice's hidden at a time).
+        bias: biases on both projections (the model's ``bias``).
     Shapes: x (b, n, dim) -> (b, n, dim).
     """
 
-    def __init__(self, dim, mult=4, dropout=0.0, glu=False, chunks=1, activation="gelu"):
+    def __init__(self, dim, mult=4, dropout=0.0, glu=False, chunks=1, activation="gelu", hidden_dim=None,
+                 bias=True):
         super().__init__()
         if int(chunks) != chunks or chunks < 1:
             raise ValueError(f"ff_chunks must be a positive integer, got {chunks!r}")
         check_int("ff_mult", mult)
+        if hidden_dim is not None and mult != 4:
+            raise ValueError(f"ff_mult={mult} and ff_hidden_dim={hidden_dim} both set the hidden width: give one")
+        if hidden_dim is None:
+            hidden_dim = dim * mult
+        check_int("ff_hidden_dim", hidden_dim)
         if activation not in _ACTIVATIONS:
             raise ValueError(f"ff_activation must be one of {sorted(_ACTIVATIONS)}, got {activation!r}")
-        hidden = dim * mult
         self.glu = glu
         self.activation = _ACTIVATIONS[activation]
         self.chunks = int(chunks)
-        self.proj_in = nn.Linear(dim, hidden * (2 if glu else 1))
+        self.proj_in = nn.Linear(dim, hidden_dim * (2 if glu else 1), bias=bias)
         self.dropout = nn.Dropout(dropout)
-        self.proj_out = nn.Linear(hidden, dim)
+        self.proj_out = nn.Linear(hidden_dim, dim, bias=bias)
 
     def forward(self, x):
         parts = x.chunk(self.chunks, dim=1) if self.chunks > 1 and x.shape[1] > 1 else (x,)

@@ -33,6 +33,8 @@ from .ops.causal.recurrent import CausalState, join_flags
 from .ops.common import NEG_INF, compute_dtype
 from .ops.delta import chunk_delta_rule, delta_rule_step
 from .ops.windowed_attention import windowed_attention, windowed_attention_by_position, windowed_attention_step
+from .ops.window_linear import (window_linear_attention, window_linear_attention_by_position,
+                                window_linear_attention_step)
 from .ops.windowed_flex import flex_windowed_attention, local_implementation
 
 
@@ -112,6 +114,118 @@ class LocalHeads(nn.Module):
         k, v = torch.cat((kb, k, ka), dim=2), torch.cat((vb, v, va), dim=2)
         out = windowed_attention(q, k, v, window, torch.cat((mb, mask, ma), dim=1))
         return out[:, :, before : before + n]
+
+
+class HedgehogFeatures(nn.Module):
+    """Hedgehog's learnt feature map, per head: f(x) = [softmax(x W_h + b_h), softmax(-(x W_h +
+    b_h))] over its ``features``, so f(q)·f(k) >= 0. W starts as the identity (its first
+    min(d, features) columns), b at 0. x (b, h, n, d) -> (b, h, n, 2 features), in at least
+    float32."""
+
+    def __init__(self, heads, dim_head, features):
+        super().__init__()
+        self.weight = nn.Parameter(torch.eye(dim_head, features).repeat(heads, 1, 1))  # (h, d, features)
+        self.bias = nn.Parameter(torch.zeros(heads, features))
+
+    def forward(self, x):
+        projected = torch.einsum("bhnd,hdf->bhnf", x.to(compute_dtype(x)), self.weight) + self.bias[:, None]
+        return torch.cat((projected.softmax(dim=-1), (-projected).softmax(dim=-1)), dim=-1)
+
+
+class WindowLinearCache(CacheRecord):
+    """The cache entry of ``WindowLinearHeads``: ``ring``, the last W keys and values
+    (``LocalCache``), and the state of every older key, kv (b, h, 2 features, d) and z (b, h, 2
+    features), in at least float32."""
+
+    __slots__ = ("ring", "kv", "z")
+
+
+class WindowLinearHeads(nn.Module):
+    """Softmax over the last W keys, and linear attention through learnt features
+    (``HedgehogFeatures``) over every older key, one normalisation
+    (``ops/window_linear.py``): what ``convert.linearize`` makes of a pretrained softmax head.
+
+    Args: heads; window: the ``Window`` (causal and exact: W = look_backward * size keys);
+    dim_head; features: the feature map's size (each head reads 2 features). Causal only; not
+    with packed sequences or context parallelism."""
+
+    def __init__(self, heads, window, dim_head, features):
+        super().__init__()
+        self.heads, self.window, self.keys = heads, window, window.most_keys
+        self.features = HedgehogFeatures(heads, dim_head, features)
+
+    def empty_cache(self, batch_size, dim_head, device=None, dtype=torch.float32):
+        state_dtype = torch.promote_types(dtype, torch.float32)
+        width = 2 * self.features.bias.shape[-1]
+        return WindowLinearCache(LocalCache.zeros(batch_size, self.heads, self.keys, dim_head, device, dtype),
+                                 torch.zeros(batch_size, self.heads, width, dim_head, device=device, dtype=state_dtype),
+                                 torch.zeros(batch_size, self.heads, width, device=device, dtype=state_dtype))
+
+    def check_slice(self, length):
+        raise ValueError("context_parallel is not supported with local_attn_older_keys='linear': run the sequence "
+                         "on one process")
+
+    def forward(self, q, k, v, x, mask, place, cache=None):
+        fq, fk = self.features(q), self.features(k)
+        if place.step:
+            return self._step(q, k, v, fq, place, cache)
+        if cache is None or place.position == 0:
+            out = window_linear_attention(q, k, v, fq, fk, self.keys, mask)
+            if cache is not None:  # the keys before the ring's into the state
+                older = torch.ones(q.shape[2], dtype=torch.bool, device=q.device)
+                older[max(q.shape[2] - self.keys, 0):] = False
+                self._fold(cache, fk, v, older if mask is None else mask & older)
+        else:
+            out = self._continued(q, k, v, fq, fk, mask, cache, place.position, place.row_starts)
+        if cache is not None:
+            cache.ring.write(k, v, place.position, mask, place.row_starts)
+        return out
+
+    def _step(self, q, k, v, fq, place, cache):
+        """One token: the key leaving the ring joins the state, the new one takes its slot."""
+        ring, start, row_starts = cache.ring, place.start, place.row_starts
+        p = start if row_starts is None else start - row_starts  # (each row's own position)
+        slot = torch.remainder(torch.as_tensor(p, device=q.device), self.keys).reshape(-1, 1)
+        leaving = ring.positions.gather(1, slot.expand(ring.positions.shape[0], 1))[:, 0] >= 0
+        index = slot.expand(ring.positions.shape[0], 1)[:, None, :, None].expand(-1, self.heads, -1, q.shape[-1])
+        old_k, old_v = (ring.kv[:, i].gather(2, index) for i in (0, 1))  # (b, h, 1, d)
+        self._fold(cache, self.features(old_k), old_v, leaving[:, None])
+        ring.write(k, v, start, None, row_starts)
+        hidden = ring.positions < self.window.first_key(p if row_starts is None else p[:, None])
+        dtype = cache.kv.dtype
+        bias = torch.zeros(hidden.shape, dtype=dtype, device=q.device).masked_fill_(hidden, NEG_INF)[:, None]
+        keys, values = (t.to(dtype) for t in ring.kv.unbind(1))
+        out = window_linear_attention_step(q[:, :, 0].to(dtype), keys, values, bias, fq[:, :, 0].to(dtype), cache.kv,
+                                           cache.z)
+        return out[:, :, None].to(v.dtype)
+
+    def _continued(self, q, k, v, fq, fk, mask, cache, position, row_starts):
+        """New queries over the ring's keys, their own and the state; the keys that leave the
+        window of the last query join the state."""
+        ring, n = cache.ring, q.shape[2]
+        keys, values = (torch.cat((stored, new.to(stored.dtype)), dim=2) for stored, new in zip(ring.kv.unbind(1), (k, v)))
+        q_positions = torch.arange(position, position + n, device=q.device)
+        if row_starts is not None:
+            q_positions = q_positions - row_starts[:, None]
+        new_positions = q_positions.expand(q.shape[0], n) if mask is None else torch.where(mask, q_positions, NO_KEY)
+        k_positions = torch.cat((ring.positions, new_positions), dim=1)
+        features = torch.cat((self.features(ring.kv[:, 0]), fk), dim=2)
+        out = window_linear_attention_by_position(q, keys, values, fq, features, q_positions, k_positions, self.keys,
+                                                  (cache.kv, cache.z))
+        last = q_positions[..., -1:] if q_positions.ndim == 2 else q_positions[-1:]
+        self._fold(cache, features, values, (k_positions >= 0) & (k_positions <= last - self.keys))
+        return out
+
+    @staticmethod
+    @torch.no_grad()
+    def _fold(cache, fk, v, keep):
+        """Add the keys ``keep`` (b, n) or (n,) marks, features fk (b, h, n, F) and values v,
+        to the state."""
+        keep = keep.to(cache.kv.dtype)
+        keep = keep[None, None, :, None] if keep.ndim == 1 else keep[:, None, :, None]
+        fk, v = fk.to(cache.kv.dtype) * keep, v.to(cache.kv.dtype)
+        cache.kv.add_(fk.transpose(-1, -2) @ v)
+        cache.z.add_(fk.sum(dim=2))
 
 
 class AdditiveCache(CacheRecord):

@@ -265,6 +265,7 @@ class LinearAttentionTransformerForCausalLM(PreTrainedModel, GenerationMixin):
     ``LinearAttentionTransformerCache`` under ``CACHE_NAME``. Tied and untied embeddings
     (``tie_embedding``) save and reload as they were. Parameters are initialised by the
     library's constructor; ``_init_weights`` only rebuilds the rotary table, which is not saved.
+    ``wrap(model)`` makes one around a library model already built.
     """
 
     config_class = LinearAttentionTransformerConfig
@@ -290,6 +291,22 @@ class LinearAttentionTransformerForCausalLM(PreTrainedModel, GenerationMixin):
         heads' gates, convolution and writing strengths on the layer itself loads as well."""
         kwargs.setdefault("key_mapping", MOVED_PARAMETERS)
         return super().from_pretrained(*args, **kwargs)
+
+    @classmethod
+    def wrap(cls, model):
+        """``model``, a ``LinearAttentionTransformerLM``, as this class (for ``save_pretrained``,
+        ``generate``, ``Trainer``), its config built from the keywords it was built with
+        (``model.options``). The wrapper's ``.model`` is ``model`` itself, not a copy: training
+        either trains both. The wrapper takes the model's training mode. ValueError as for a
+        model built from a config (an option JSON cannot hold, ``causal=False``)."""
+        if not isinstance(model, LinearAttentionTransformerLM):
+            raise TypeError(f"model must be a LinearAttentionTransformerLM, got {type(model).__name__}")
+        # (a keyword left out had the library's default, which for causal is not the config's)
+        config = cls.config_class(**{"causal": _LIBRARY_DEFAULTS["causal"], **model.options})
+        with torch.device("meta"):  # (its own model is replaced at once: no memory for it)
+            wrapper = cls(config)
+        wrapper.model = model
+        return wrapper.train(model.training)
 
     @classmethod
     def _supports_default_dynamic_cache(cls):

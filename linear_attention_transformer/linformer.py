@@ -105,6 +105,7 @@ class LinformerSelfAttention(nn.Module):
         per_head: a sequence projection per key/value head (parameter_sharing 'none').
         projection: an existing (seq_len, k) parameter as E = F (parameter_sharing
             'layerwise'); implies ``share_kv``.
+        bias: a bias on ``to_out``.
     Parameters: to_q, to_k, to_v (no bias), to_out; proj_k (E) and proj_v (F, absent with
     ``share_kv``): (seq_len, k), or (kv_heads, seq_len, k) ``per_head``, Xavier-uniform.
 
@@ -120,7 +121,7 @@ class LinformerSelfAttention(nn.Module):
 
     def __init__(self, dim: int, seq_len: int, k: int = 256, heads: int = 8, dim_head: Optional[int] = None,
                  one_kv_head: bool = False, share_kv: bool = False, dropout: float = 0.0, per_head: bool = False,
-                 projection: Optional[nn.Parameter] = None):
+                 projection: Optional[nn.Parameter] = None, bias: bool = True):
         super().__init__()
         for name, value in (("dim", dim), ("seq_len", seq_len), ("k", k), ("heads", heads)):
             check_int(name, value)
@@ -145,7 +146,7 @@ class LinformerSelfAttention(nn.Module):
         self.proj_k = projection if projection is not None else nn.Parameter(_xavier(torch.empty(shape)))
         self.proj_v = None if share_kv else nn.Parameter(_xavier(torch.empty(shape)))
         self.dropout = nn.Dropout(dropout)
-        self.to_out = nn.Linear(inner, dim)
+        self.to_out = nn.Linear(inner, dim, bias=bias)
 
     @classmethod
     def from_settings(cls, dim, seq_len, settings, heads=8, dim_head=None, dropout=0.0):
@@ -216,7 +217,7 @@ class LinformerSelfAttention(nn.Module):
         return self.to_out(out)
 
 
-def linformer_layers(settings, dim, seq_len, depth, heads=8, dim_head=None, attn_dropout=0.0):
+def linformer_layers(settings, dim, seq_len, depth, heads=8, dim_head=None, attn_dropout=0.0, bias=True):
     """The ``depth`` ``LinformerSelfAttention`` layers of a model (its keyword arguments:
     exactly the model options a Linformer layer honours), from ``LinformerSettings`` (keys and
     values from the layer's input, of length <= ``seq_len``, the model's max_seq_len) or
@@ -230,7 +231,7 @@ def linformer_layers(settings, dim, seq_len, depth, heads=8, dim_head=None, attn
     return [LinformerSelfAttention(dim, seq_len, k=max(1, settings.k - layer * settings.k_reduce_by_layer), heads=heads,
                                    dim_head=dim_head, one_kv_head=settings.one_kv_head,
                                    share_kv=settings.share_kv or sharing == "kv", dropout=attn_dropout,
-                                   per_head=sharing == "none", projection=shared)
+                                   per_head=sharing == "none", projection=shared, bias=bias)
             for layer in range(depth)]
 
 

@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from .attention import HEADS, LOCAL_WINDOW_SIZE
+from .normalization import make_norm
 from .ops.common import check_int
 from .ops.segments import INTEGER_DTYPES, check_integer_ids
 from .positional import AbsolutePositionalEmbedding, AxialPositionalEmbedding
@@ -43,7 +44,11 @@ class LinearAttentionTransformerLM(nn.Module):
             to ``dim``, and the logits read through dim -> emb_dim -> num_tokens, so no
             (num_tokens x dim) matrix exists when emb_dim < dim.
         tie_embedding: the output projection's weight is the token embedding matrix (one
-            tensor, trained by both uses; the output keeps its own bias).
+            tensor, trained by both uses; the output keeps its own bias unless ``bias=False``).
+        norm, norm_eps, bias: as in ``LinearAttentionTransformer``; the final normalisation is
+            ``norm`` too, and ``bias=False`` also drops the biases of the output layer and of
+            the emb_dim projections (a Llama-style model: ``norm='rmsnorm', bias=False,
+            ff_glu=True, ff_activation='silu', use_rotary_emb=True``).
         return_embeddings: return the final hidden states (b, n, dim) instead of logits.
         use_axial_pos_emb: axial position embedding (the default unless use_rotary_emb) of
             shape (ceil(max_seq_len / w), w), w = local_attn_window_size.
@@ -56,6 +61,8 @@ class LinearAttentionTransformerLM(nn.Module):
             positions, and the model refuses longer sequences (``length_limit``); with rotary or
             no positions it reads any length, and its cache streams without end.
         **kwargs: every other ``LinearAttentionTransformer`` option.
+    Attributes: ``options``, every keyword the model was built with (its defaults included):
+        ``LinearAttentionTransformerLM(**model.options)`` builds another like it.
     Shapes:
         x (b, n) integer tokens, n <= ``length_limit``; input_mask (b, n) bool; context
         (b, m, dim) and context_mask (b, m) for a decoder; segment_ids (b, n) integer for
@@ -67,12 +74,15 @@ class LinearAttentionTransformerLM(nn.Module):
 
     def __init__(
         self, num_tokens, dim, depth, max_seq_len, heads=HEADS, emb_dim=None, tie_embedding=False,
-        return_embeddings=False, use_axial_pos_emb=None, use_rotary_emb=False, use_pos_emb=True,
-        _keywords_checked=False, **kwargs
+        return_embeddings=False, use_axial_pos_emb=None, use_rotary_emb=False, use_pos_emb=True, norm="layernorm",
+        norm_eps=1e-5, bias=True, _keywords_checked=False, **kwargs
     ):
+        given = {name: value for name, value in locals().items() if name not in ("self", "kwargs", "_keywords_checked",
+                                                                                    "__class__")}
         super().__init__()
         if not _keywords_checked:
             refuse_unknown_keywords(type(self).__name__, kwargs, self.option_names())
+        self.options = {**given, **kwargs}  # (what rebuilds this model: ``LinearAttentionTransformerLM(**options)``)
         check_int("num_tokens", num_tokens)
         emb_dim = dim if emb_dim is None else emb_dim
         check_int("emb_dim", emb_dim)
@@ -109,18 +119,19 @@ class LinearAttentionTransformerLM(nn.Module):
             self.pos_emb = AxialPositionalEmbedding(emb_dim, max_seq_len, LOCAL_WINDOW_SIZE if window is None else window)
         else:
             self.pos_emb = AbsolutePositionalEmbedding(emb_dim, max_seq_len)
-        self.project_in = nn.Linear(emb_dim, dim) if emb_dim != dim else nn.Identity()
-        self.transformer = LinearAttentionTransformer(dim, depth, max_seq_len, heads=heads,
-                                                      use_rotary_emb=use_rotary_emb, _keywords_checked=True, **kwargs)
+        self.project_in = nn.Linear(emb_dim, dim, bias=bias) if emb_dim != dim else nn.Identity()
+        self.transformer = LinearAttentionTransformer(dim, depth, max_seq_len, heads=heads, use_rotary_emb=use_rotary_emb,
+                                                      norm=norm, norm_eps=norm_eps, bias=bias, _keywords_checked=True,
+                                                      **kwargs)
         if self.pos_emb is not None:
             self.transformer.limit_length(f"the length of the {'axial' if axial else 'absolute'} position table "
                                           "(use_rotary_emb=True or use_pos_emb=False read any length)")
-        self.norm = nn.LayerNorm(dim)
+        self.norm = make_norm(norm, dim, norm_eps)
         self.return_embeddings = return_embeddings
         self.project_out = self.to_logits = None
         if not return_embeddings:
-            self.project_out = nn.Linear(dim, emb_dim) if emb_dim != dim else nn.Identity()
-            self.to_logits = nn.Linear(emb_dim, num_tokens)
+            self.project_out = nn.Linear(dim, emb_dim, bias=bias) if emb_dim != dim else nn.Identity()
+            self.to_logits = nn.Linear(emb_dim, num_tokens, bias=bias)
             if tie_embedding:  # one Parameter in two modules: state_dict round trips keep it shared
                 self.to_logits.weight = self.token_emb.weight
 

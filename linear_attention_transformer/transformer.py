@@ -24,6 +24,7 @@ from .cache import AxialCache, BranchCache, DecodingCache, copy_rows, map_tensor
 from .context_parallel import exchange_boundaries
 from .feedforward import FeedForward
 from .linformer import LinformerContextSettings, LinformerSettings, linformer_layers
+from .normalization import check_norm, make_norm
 from .ops.common import check_int, check_mask
 from .place import PLAIN, Place
 from .positional import RotaryEmbedding
@@ -32,19 +33,21 @@ from .token_shift import shift_tokens, token_shifts
 
 
 class Branch(nn.Module):
-    """One residual branch: LayerNorm, optional token shift, then ``fn``.
+    """One residual branch: a normalisation, optional token shift, then ``fn``.
 
     Args:
         dim: width. fn: the module. shifts: token shifts or None. dropout: on fn's output.
+        norm: the normalisation module (default ``nn.LayerNorm(dim)``).
         reads: the model's inputs besides x that ``fn`` takes (self-attention: input_mask;
             cross-attention: context and context_mask; a feed-forward: none). A module with a
             sequence of its own (``Attention``, ``FoldAxially``) also reads the ``Place``.
     x (b, n, dim) -> (b, n, dim).
     """
 
-    def __init__(self, dim, fn, shifts=None, reads=(), dropout=0.0):
+    def __init__(self, dim, fn, shifts=None, reads=(), dropout=0.0, norm=None):
         super().__init__()
-        self.norm = nn.LayerNorm(dim)
+        self.dim = dim
+        self.norm = nn.LayerNorm(dim) if norm is None else norm
         self.fn, self.shifts, self.reads = fn, shifts, tuple(reads)
         self.dropout = nn.Dropout(dropout)
         self.stateful = isinstance(fn, (Attention, FoldAxially))  # (it reads the place, and has a cache)
@@ -52,7 +55,7 @@ class Branch(nn.Module):
     def empty_cache(self, batch_size, device=None, dtype=torch.float32):
         """The ``BranchCache`` before any token: a zero previous token to shift in, and the
         module's empty cache (None for a module without state)."""
-        shift = None if self.shifts is None else torch.zeros(batch_size, self.norm.normalized_shape[0], device=device,
+        shift = None if self.shifts is None else torch.zeros(batch_size, self.dim, device=device,
                                                              dtype=dtype)
         return BranchCache(shift, self.fn.empty_cache(batch_size, device, dtype) if self.stateful else None)
 
@@ -185,7 +188,8 @@ _LOCAL_OPTIONS = frozenset({"n_local_attn_heads", "blindspot_size"}) | {
 }
 _SEQUENCE_OPTIONS = _LOCAL_OPTIONS | {"chunk_size", "kernel", "use_local_conv", "local_conv_kernel", "update_rule"}
 # what the model itself decides for every attention layer: not options to hand over
-_SET_BY_MODEL = frozenset({"dim", "heads", "dim_head", "causal", "receives_context", "local_attn_window_size", "dropout"})
+_SET_BY_MODEL = frozenset({"dim", "heads", "dim_head", "causal", "receives_context", "local_attn_window_size", "dropout",
+                           "bias"})
 
 
 def refuse_unknown_keywords(owner, given, known):
@@ -257,9 +261,14 @@ class LinearAttentionTransformer(nn.Module):
         pkm_layers: 1-based layers whose feed-forward is a product-key memory of ``pkm_num_keys``.
         linformer_settings / context_linformer_settings: Linformer self- / cross-attention.
         shift_tokens: shift a slice of the features by one token in every branch.
-        use_rotary_emb: rotary position embeddings on queries and keys of self-attention.
-        ff_*: the ``FeedForward``'s options with the prefix (ff_mult, ff_activation, ff_glu,
-            ff_dropout, ff_chunks).
+        use_rotary_emb: rotary position embeddings on queries and keys of self-attention;
+            rotary_base: the base of their angles (default 10000).
+        norm, norm_eps: the normalisation before each branch: 'layernorm' (default) or
+            'rmsnorm' (``normalization.py``), with this eps.
+        bias: biases on the attention layers' output projections and the feed-forwards'
+            Linears (False: none, as Llama).
+        ff_*: the ``FeedForward``'s options with the prefix (ff_mult, ff_hidden_dim, ff_activation,
+            ff_glu, ff_dropout, ff_chunks).
         **attention_options: the attention layers' options (``Attention``'s, one
             n_local_attn_heads per layer allowed), each handed to the layer kinds that honour
             it. An unknown keyword raises TypeError; one that no layer can honour ValueError.
@@ -274,11 +283,20 @@ class LinearAttentionTransformer(nn.Module):
         attn_layer_dropout=0.0, reversible=False, checkpoint=False, receives_context=False, attend_axially=False,
         pkm_layers=(), pkm_num_keys=128, linformer_settings: Optional[LinformerSettings] = None,
         context_linformer_settings: Optional[LinformerContextSettings] = None, shift_tokens=False,
-        use_rotary_emb=False, _keywords_checked=False, **options
+        use_rotary_emb=False, rotary_base=None, norm="layernorm", norm_eps=1e-5, bias=True, _keywords_checked=False,
+        **options
     ):
         super().__init__()
         check_int("depth", depth)
         check_int("max_seq_len", max_seq_len)
+        check_norm(norm, norm_eps)
+        if not isinstance(bias, bool):
+            raise TypeError(f"bias must be True or False, got {bias!r}")
+        if rotary_base is not None:
+            if not use_rotary_emb:
+                raise ValueError("rotary_base is the base of the rotary embedding's angles: set use_rotary_emb=True")
+            if isinstance(rotary_base, bool) or not isinstance(rotary_base, (int, float)) or not rotary_base > 1:
+                raise ValueError(f"rotary_base must be a number above 1, got {rotary_base!r}")
         if linformer_settings is not None:
             if not isinstance(linformer_settings, LinformerSettings):
                 raise TypeError("linformer_settings must be a LinformerSettings")
@@ -310,7 +328,7 @@ class LinearAttentionTransformer(nn.Module):
             refuse_unknown_keywords(type(self).__name__, options, self.option_names())
         ff_options = {name[3:]: options.pop(name) for name in list(options) if name.startswith("ff_")}
         options = _AttentionOptions(options)
-        shared = dict(heads=heads, dim_head=dim_head)
+        shared = dict(heads=heads, dim_head=dim_head, bias=bias)
 
         # each layer kind takes its options once, here
         if linformer_settings is None:
@@ -346,11 +364,14 @@ class LinearAttentionTransformer(nn.Module):
         options.check_all_taken()
 
         def feedforward_branch(layer):
-            fn = ProductKeyMemory(dim, pkm_num_keys) if layer + 1 in pkm_layers else FeedForward(dim, **ff_options)
-            return Branch(dim, fn, shifts)
+            if layer + 1 in pkm_layers:
+                fn = ProductKeyMemory(dim, pkm_num_keys)
+            else:
+                fn = FeedForward(dim, bias=bias, **ff_options)
+            return Branch(dim, fn, shifts, norm=make_norm(norm, dim, norm_eps))
 
         def attention_branch(fn, *reads, shifts=shifts):
-            return Branch(dim, fn, shifts, reads, dropout=attn_layer_dropout)
+            return Branch(dim, fn, shifts, reads, dropout=attn_layer_dropout, norm=make_norm(norm, dim, norm_eps))
 
         blocks = []
         for layer in range(depth):
@@ -377,7 +398,8 @@ class LinearAttentionTransformer(nn.Module):
                                   default=1)
         if use_rotary_emb:
             dim_head = resolve_heads(dim, heads, dim_head)[0]
-            self.rotary = RotaryEmbedding(dim_head, dim_qk=resolve_dim_qk(options.given.get("dim_qk"), dim_head))
+            self.rotary = RotaryEmbedding(dim_head, 10000 if rotary_base is None else rotary_base,
+                                          dim_qk=resolve_dim_qk(options.given.get("dim_qk"), dim_head))
         else:
             self.rotary = None
 
@@ -385,7 +407,7 @@ class LinearAttentionTransformer(nn.Module):
     def option_names(cls):
         """Every keyword the constructor accepts: its own, the feed-forward's (``ff_`` and a
         ``FeedForward`` keyword) and the attention layers' options."""
-        feedforward = {"ff_" + name for name in keyword_names(FeedForward) - {"dim"}}
+        feedforward = {"ff_" + name for name in keyword_names(FeedForward) - {"dim", "bias"}}
         return keyword_names(cls) | feedforward | _AttentionOptions.names()
 
     @staticmethod
@@ -470,9 +492,8 @@ class LinearAttentionTransformer(nn.Module):
                                    "row")):
                 if refused:
                     raise ValueError(f"{option} is not supported here: {what}")
-        if parallel:  # (what a layer refuses depends on the slice's length)
-            for module in self.attention_layers:
-                module.check_place(place, length, parallel)
+        for module in self.attention_layers:  # (what a layer refuses depends on the slice's length)
+            module.check_place(place, length, parallel)
 
     def attend(self, x, place=PLAIN, input_mask=None, context=None, context_mask=None, cache=None, positions=None):
         """The layers at ``place`` (``place_of``), the inputs checked there -> out, or with

@@ -1,8 +1,9 @@
 """The ONNX graph of the one-token decoding step (linear_attention_transformer/export.py): ONNX
 Runtime, fed one token at a time from zero states, gives the library's logits and greedy
-tokens; what the graph cannot hold is refused by name; examples/onnx_generate.py decodes
-without torch."""
+tokens; the Hugging Face model exports as the library model it holds; what the graph cannot
+hold is refused by name; examples/onnx_generate.py decodes without torch."""
 
+import importlib
 import os
 import subprocess
 import sys
@@ -159,6 +160,25 @@ def test_position_zero_starts_a_sequence_whatever_the_other_states_hold(tmp_path
     for a, b in zip(from_zeros, from_noise):
         np.testing.assert_array_equal(a, b)
     assert from_zeros[1 + position].reshape(()) == 1  # the position advances by one
+
+
+@ONNX
+@pytest.mark.requires("transformers", "safetensors")
+def test_the_hugging_face_model_exports_as_its_library_model(tmp_path):
+    hf = importlib.import_module("linear_attention_transformer.hf")
+    options = dict(TINY, depth=1, max_seq_len=16, n_local_attn_heads=2, local_attn_window_size=4, use_rotary_emb=True)
+    torch.manual_seed(0)
+    hf_lm = hf.LinearAttentionTransformerForCausalLM(hf.LinearAttentionTransformerConfig(**options)).eval()
+    with torch.no_grad():
+        hf_lm.model.to_logits.weight.normal_(std=1.0)  # (as make_model does: greedy choices far from ties)
+    export_onnx(hf_lm, tmp_path / "hf.onnx")
+    export_onnx(hf_lm.model, tmp_path / "library.onnx")
+    prompt = np.array([[3, 1, 4, 1]])
+    tokens, logits = runtime_decode(graph_of(tmp_path / "hf.onnx"), prompt, 8)
+    expected_tokens, expected_logits = runtime_decode(graph_of(tmp_path / "library.onnx"), prompt, 8)
+    np.testing.assert_array_equal(tokens, expected_tokens)
+    np.testing.assert_array_equal(logits, expected_logits)
+    np.testing.assert_array_equal(tokens, library_greedy(hf_lm.model, torch.from_numpy(prompt), 8).numpy())
 
 
 def test_the_step_leaves_its_inputs_as_they_were():

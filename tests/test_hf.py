@@ -167,6 +167,38 @@ def test_save_and_reload_keep_the_tie_and_the_logits(hf, tmp_path, tie):
         assert torch.equal(loaded(x).logits, model(x).logits)
 
 
+WRAPPED = dict(SMALL, n_local_attn_heads=2, local_attn_window_size=8, use_rotary_emb=True, use_gate=True,
+               tie_embedding=True)
+
+
+def test_a_wrapped_library_model_saves_and_reloads_with_its_logits(hf, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    model = LinearAttentionTransformerLM(**WRAPPED).to(torch.float64).eval()
+    wrapped = hf.LinearAttentionTransformerForCausalLM.wrap(model)
+    assert wrapped.model is model and not wrapped.training
+    assert wrapped.config == hf.LinearAttentionTransformerConfig(**WRAPPED)
+    x = tokens((2, 20))
+    with torch.no_grad():
+        expected = model(x)
+        assert torch.equal(wrapped(x).logits, expected)
+        wrapped.save_pretrained(tmp_path)
+        loaded = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float64).eval()
+        assert type(loaded) is hf.LinearAttentionTransformerForCausalLM
+        assert loaded.model.to_logits.weight is loaded.model.token_emb.weight
+        # (close, not equal: the reloaded rotary table is computed in float32, the converted one in float64)
+        torch.testing.assert_close(loaded(x).logits, expected)
+
+
+def test_wrap_refuses_what_the_config_refuses(hf):
+    wrap = hf.LinearAttentionTransformerForCausalLM.wrap
+    with pytest.raises(ValueError, match="causal=False"):  # (left out: the library's default)
+        wrap(LinearAttentionTransformerLM(**{name: value for name, value in WRAPPED.items() if name != "causal"}))
+    with pytest.raises(TypeError, match="LinearAttentionTransformerLM"):
+        wrap(LinearAttentionTransformerLM(**WRAPPED).transformer)
+
+
 # -- generate -----------------------------------------------------------------------------------
 
 def test_greedy_generate_equals_the_librarys_with_and_without_the_cache(hf):

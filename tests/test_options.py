@@ -69,6 +69,17 @@ OPTIONS = [
     ("update_rule", "delta", {}),
     ("dim_qk", 2, {}),
     ("dim_qk", 6, dict(use_rotary_emb=True)),
+    ("rotary_base", 100.0, dict(use_rotary_emb=True)),
+    ("rotary_base", 100.0, {}),  # no rotary embedding: nothing to shape
+    ("norm", "rmsnorm", {}),
+    ("norm_eps", 0.5, {}),
+    ("norm_eps", 0.5, dict(norm="rmsnorm")),
+    ("bias", False, {}),
+    ("ff_hidden_dim", 24, {}),
+    ("ff_activation", "silu", {}),
+    ("local_attn_older_keys", "linear", {**WINDOW, "local_attn_exact_windowsize": True}),
+    ("local_attn_feature_dim", 3, {**WINDOW, "local_attn_exact_windowsize": True, "local_attn_older_keys": "linear"}),
+    ("local_attn_feature_dim", 3, {}),  # no keys beyond a window to read
     ("bogus_option", 1, {}),
     ("ff_bogus", 1, {}),
 ]

@@ -52,7 +52,7 @@ def random_mask(n, w):
 
 
 @pytest.mark.parametrize("causal, back, forward, exact", WINDOWS)
-@pytest.mark.parametrize("n", [12, 14])
+@pytest.mark.parametrize("n", [3, 12, 14])  # (3: shorter than one window)
 @pytest.mark.parametrize("masked", [False, True])
 def test_blocked_form_equals_explicit_softmax(causal, back, forward, exact, n, masked):
     torch.manual_seed(n)

@@ -16,7 +16,8 @@ query i sees exactly the last L * w keys, itself included,
 keys in a ring at any positions), ``windowed_attention_step`` one decoder query over that ring,
 and ``windowed_attention`` the local heads' 'windowed' implementation (``windowed_flex.py``'s
 ``local_implementation`` names the two), O(n (L + F + 1) w): each window of queries meets the
-L + F + 1 windows of keys around it, masked by the same rule.
+L + F + 1 windows of keys around it, masked by the same rule. A sequence shorter than w lies in
+one window, whose queries see every key (causal: every earlier one): it is one block of n.
 
 With ``segments`` (``segments.py``) positions count from each query's segment start and only
 its own segment's keys are visible; ``windowed_attention`` then meets one more window each side.
@@ -88,6 +89,10 @@ def windowed_attention(q, k, v, window, key_mask=None, segments=None):
     Each block of w queries meets the windows of keys around it (one more each side with
     segments), padded and masked."""
     b, _, n, _ = q.shape
+    if n < window.size:  # one window holds the sequence, and sees all of it: blocks of n, not n padded to w
+        if window.causal and key_mask is None and segments is None:  # (plain causal softmax attention)
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        window = window._replace(size=n, look_backward=0, look_forward=0, exact=False)
     w = window.size
     runs = None if segments is None else segment_runs(segments)
     packed = runs is not None

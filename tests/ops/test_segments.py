@@ -156,6 +156,7 @@ def test_noncausal_with_segments_equals_each_segment_alone(kind, masked, helpers
 WINDOWS = [
     Window(4, 1, 0, True), Window(4, 2, 0, True), Window(3, 1, 0, True, exact=True), Window(4, 2, 0, True, exact=True),
     Window(4, 1, 1, False), Window(3, 2, 2, False), Window(4, 0, 1, False), Window(4, 1, 0, False),
+    Window(16, 1, 0, True, exact=True), Window(16, 0, 0, True), Window(16, 1, 1, False),  # (longer than n = 13)
 ]
 
 
