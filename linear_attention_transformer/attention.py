@@ -93,8 +93,9 @@ class Attention(nn.Module):
             its own) and ``local_attn_exact_windowsize`` (``ops/windowed_attention.py``).
             ``local_attn_older_keys='linear'`` (causal, exact windows): the keys older than the
             window are read too, by linear attention through learnt features of
-            ``local_attn_feature_dim`` (default dim_head), under the window's normalisation
-            (``heads.WindowLinearHeads``).
+            ``local_attn_feature_dim`` (default dim_head), under the window's normalisation,
+            the sequence's first ``local_attn_sinks`` keys (default 0) by softmax beside the
+            window (``heads.WindowLinearHeads``).
         blindspot_size: B; causal global heads see only keys in earlier blocks of B tokens.
         kv_heads: number of key/value heads, shared by groups of query heads (one_kv_head: 1).
         feature_map: the global heads' ('softmax' by default, 'elu', 'relu', 'taylor' or a
@@ -130,7 +131,7 @@ class Attention(nn.Module):
         dropout=0.0, receives_context=False, chunk_size=None, use_gate=False, gate_rank=None,
         gate_temperature=None, gate_granularity=None, use_local_conv=False, local_conv_kernel=None,
         kernel="auto", dim_qk=None, update_rule="additive", bias=True, local_attn_older_keys=None,
-        local_attn_feature_dim=None
+        local_attn_feature_dim=None, local_attn_sinks=None
     ):
         super().__init__()
         dim_head, kv_heads = resolve_heads(dim, heads, dim_head, kv_heads, one_kv_head)
@@ -188,8 +189,8 @@ class Attention(nn.Module):
             LocalConv(1, causal=self.causal, **conv_settings)
         window = _local_window(local_attn_window_size, local_attn_look_backward, local_attn_look_forward,
                                local_attn_exact_windowsize, self.causal)
-        _check_older_keys(local_attn_older_keys, local_attn_feature_dim, n_local_attn_heads, self.causal,
-                          local_attn_exact_windowsize)
+        _check_older_keys(local_attn_older_keys, local_attn_feature_dim, local_attn_sinks, n_local_attn_heads,
+                          self.causal, local_attn_exact_windowsize)
 
         self.dim, self.heads, self.dim_head, self.kv_heads, self.dim_qk = dim, heads, dim_head, kv_heads, dim_qk
         self.receives_context, self.n_local, self.update_rule = receives_context, n_local_attn_heads, update_rule
@@ -210,7 +211,8 @@ class Attention(nn.Module):
         self.local_heads = None
         if local_attn_older_keys == "linear":
             self.local_heads = WindowLinearHeads(n_local_attn_heads, window, dim_head,
-                                                 dim_head if local_attn_feature_dim is None else local_attn_feature_dim)
+                                                 dim_head if local_attn_feature_dim is None else local_attn_feature_dim,
+                                                 local_attn_sinks or 0)
         elif n_local_attn_heads:
             self.local_heads = LocalHeads(n_local_attn_heads, window, kernel)
         self.global_heads = None
@@ -451,14 +453,17 @@ def _moved_parameters(state_dict, prefix, *args):
             state_dict[prefix + "global_heads." + rest] = state_dict.pop(name)
 
 
-def _check_older_keys(older_keys, feature_dim, n_local, causal, exact):
+def _check_older_keys(older_keys, feature_dim, sinks, n_local, causal, exact):
     """Check what the local heads do with the keys older than their window."""
     if older_keys not in (None, "linear"):
         raise ValueError(f"local_attn_older_keys must be None (unseen) or 'linear', got {older_keys!r}")
     if older_keys is None:
-        if feature_dim is not None:
-            raise ValueError("local_attn_feature_dim sizes the features of local_attn_older_keys='linear'")
+        for name, value in (("local_attn_feature_dim", feature_dim), ("local_attn_sinks", sinks)):
+            if value is not None:
+                raise ValueError(f"{name} is a setting of local_attn_older_keys='linear'")
         return
+    if sinks is not None:
+        check_int("local_attn_sinks", sinks, minimum=0)
     if not n_local:
         raise ValueError("local_attn_older_keys is a setting of local heads, and n_local_attn_heads is 0")
     if not causal or not exact:

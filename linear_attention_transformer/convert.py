@@ -21,8 +21,10 @@ attention dropout, another activation or architecture) is refused by name.
 ``linearize(model, window)`` then makes each head see the last ``window`` keys by softmax and
 every older key by linear attention through learnt features, one normalisation over both
 (LoLCATs' form, ``heads.WindowLinearHeads``): a state of fixed size, whatever the length. It
-keeps every pretrained weight; ``transfer_attention`` trains the new features alone so that
-each layer's output matches the softmax layer's on the same input (attention transfer).
+keeps every pretrained weight; ``transfer_attention`` trains the new parameters alone so that
+each layer's output matches the softmax layer's on the same input (attention transfer), and
+``finetune`` then trains them with the attention projections on the next-token loss (LoLCATs'
+two stages, the second on selected parameters rather than low-rank adapters).
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ import time
 import torch
 import torch.nn.functional as F
 
+from .heads import WindowLinearHeads
 from .lm import LinearAttentionTransformerLM
 from .ops.common import check_int
 from .place import PLAIN
@@ -137,10 +140,11 @@ def _library_state(source, depth, tied):
     return state
 
 
-def linearize(model, window=64, feature_dim=None):
-    """A copy of ``model`` whose heads see the last ``window`` keys by softmax and every older
-    key by linear attention through learnt features of ``feature_dim`` (default: the heads'
-    width), under one normalisation (``local_attn_older_keys='linear'``). Every weight of
+def linearize(model, window=64, sinks=4, feature_dim=None):
+    """A copy of ``model`` whose heads see the last ``window`` keys and the first ``sinks`` by
+    softmax and every other older key by linear attention through learnt features of
+    ``feature_dim`` (default: the heads' width), under one normalisation
+    (``local_attn_older_keys='linear'``). Every weight of
     ``model`` is kept; the features start at the identity (``heads.HedgehogFeatures``), untrained
     (``transfer_attention`` trains them). ``model``: causal, every head a local head with an
     exact window, as ``from_llama`` returns it."""
@@ -151,19 +155,25 @@ def linearize(model, window=64, feature_dim=None):
         raise ValueError("linearize turns softmax heads into window + linear heads: it takes a causal model whose "
                          "every head is a local head with an exact window (n_local_attn_heads == heads, "
                          "local_attn_exact_windowsize=True), as from_llama returns")
+    for name in ("shift_tokens", "reversible", "receives_context", "attend_axially"):
+        if options.get(name):  # (attention transfer reads each layer's input as a plain stack passes it on)
+            raise ValueError(f"linearize takes a plain stack of attention and feed-forward layers, not {name}=True")
     check_int("window", window)
-    options.update(local_attn_window_size=window, local_attn_older_keys="linear", local_attn_feature_dim=feature_dim)
+    options.update(local_attn_window_size=window, local_attn_older_keys="linear", local_attn_feature_dim=feature_dim,
+                   local_attn_sinks=sinks)
     parameter = next(model.parameters())
     linear = LinearAttentionTransformerLM(**options).to(parameter.device, parameter.dtype)
     missing, unexpected = linear.load_state_dict(model.state_dict(), strict=False)
-    if unexpected or any(".features." not in name for name in missing):
+    if unexpected or set(missing) != set(linear_parameters(linear)):
         raise RuntimeError(f"linearize: weights not carried over: {unexpected or missing}")
     return linear.eval()
 
 
-def feature_parameters(model):
-    """The parameters ``linearize`` added: each layer's feature map."""
-    return {name: p for name, p in model.named_parameters() if ".features." in name}
+def linear_parameters(model):
+    """The parameters ``linearize`` added, by name: each layer's feature maps of queries and
+    keys, and its heads' weights on their older keys."""
+    return {f"{owner}.{name}": p for owner, module in model.named_modules() if isinstance(module, WindowLinearHeads)
+            for name, p in module.named_parameters()}
 
 
 def attention_pairs(teacher, student, x):
@@ -189,10 +199,10 @@ def attention_pairs(teacher, student, x):
 
 def transfer_attention(student, teacher, batches, steps=None, minutes=None, lr=1e-2, checkpoint=None,
                        save_every=50, on_step=None):
-    """Attention transfer: train the student's feature maps (``feature_parameters``) alone, so
+    """Attention transfer: train the student's new parameters (``linear_parameters``) alone, so
     that each attention layer's output matches the teacher's on the teacher's input to that
-    layer (mean squared error, summed over the layers; the teacher frozen, each layer's graph
-    freed once its gradient is taken). AdamW at ``lr``.
+    layer (mean squared error; the teacher frozen, each layer's graph freed once its gradient is
+    taken). AdamW at ``lr``.
 
     Args:
         student: ``linearize(teacher, ...)``. teacher: the softmax model.
@@ -201,54 +211,93 @@ def transfer_attention(student, teacher, batches, steps=None, minutes=None, lr=1
         steps / minutes: stop after that many steps in all / minutes of this run (or when the
             batches end).
         checkpoint: a file: the run resumes from it when it exists, and writes it every
-            ``save_every`` steps and at the end (the features, the optimiser, the losses).
-        on_step: called with (step, mean layer loss) after each step (a progress bar).
-    Returns the mean layer loss of every step, the resumed ones included."""
-    params = feature_parameters(student)
+            ``save_every`` steps and at the end (the parameters trained, the optimiser, the
+            losses).
+        on_step: called with (step, loss) after each step (a progress bar).
+    Returns the loss (the mean over the layers) of every step, the resumed ones included."""
+    params = linear_parameters(student)
     if not params:
-        raise ValueError("the student has no feature maps to train: pass linearize(teacher)")
+        raise ValueError("the student has no window + linear heads to train: pass linearize(teacher)")
+
+    def step(x):
+        total = 0.0
+        with torch.no_grad():
+            pairs = list(attention_pairs(teacher, student, x))
+        for normed, target, layer, place in pairs:
+            loss = F.mse_loss(layer.attend(normed, place), target)
+            loss.backward()
+            total += loss.item()
+        return total / len(pairs)
+
+    return _train((student, teacher), params, step, batches, steps, minutes, lr, checkpoint, save_every, on_step)
+
+
+def finetune(model, batches, steps=None, minutes=None, lr=1e-4, checkpoint=None, save_every=50, on_step=None):
+    """Fine-tune a linearized model with the next-token loss, after ``transfer_attention``:
+    its new parameters (``linear_parameters``) and every attention layer's projections (q, k, v
+    and output) train, the rest stays as it was. Arguments and return value as
+    ``transfer_attention``'s (the loss: the mean next-token cross-entropy)."""
+    params = linear_parameters(model)
+    if not params:
+        raise ValueError("finetune trains a linearized model's attention: pass linearize(...)'s model")
+    for i, layer in enumerate(model.transformer.attention_layers):
+        params.update({f"attention.{i}.{name}": p for name, p in layer.named_parameters() if name.startswith("to_")})
+
+    def step(x):
+        logits = model(x[:, :-1])
+        loss = F.cross_entropy(logits.flatten(0, 1), x[:, 1:].flatten())
+        loss.backward()
+        return loss.item()
+
+    return _train((model,), params, step, batches, steps, minutes, lr, checkpoint, save_every, on_step)
+
+
+def _train(models, params, step, batches, steps, minutes, lr, checkpoint, save_every, on_step):
+    """The loop both trainings share: ``step(x)`` computes a batch's gradients of ``params``
+    (a dict by name: the only parameters of ``models`` that train) and returns its loss; AdamW
+    at ``lr``; resumed from and saved to ``checkpoint``; ``models`` in eval mode meanwhile (no
+    dropout), their modes and ``requires_grad`` flags restored after."""
     optimizer = torch.optim.AdamW(params.values(), lr=lr, weight_decay=0.0)
-    losses, done = [], 0
+    losses = []
     if checkpoint is not None and os.path.exists(checkpoint):
         saved = torch.load(checkpoint, map_location=next(iter(params.values())).device)
+        if set(saved["parameters"]) != set(params):
+            raise ValueError(f"checkpoint {checkpoint} holds other parameters than this training's")
         with torch.no_grad():
-            for name, value in saved["features"].items():
+            for name, value in saved["parameters"].items():
                 params[name].copy_(value)
         optimizer.load_state_dict(saved["optimizer"])
-        losses, done = saved["losses"], saved["step"]
+        losses = saved["losses"]
 
     def save():
         if checkpoint is not None:
-            torch.save({"features": {name: p.detach() for name, p in params.items()},
-                        "optimizer": optimizer.state_dict(), "losses": losses, "step": done}, checkpoint)
+            torch.save({"parameters": {name: p.detach() for name, p in params.items()},
+                        "optimizer": optimizer.state_dict(), "losses": losses}, checkpoint)
 
-    trained = {p: p.requires_grad for p in student.parameters()}
-    for p in student.parameters():
-        p.requires_grad_(id(p) in {id(q) for q in params.values()})
-    start, mode = time.monotonic(), (teacher.training, student.training)
-    teacher.eval(), student.eval()
+    trained = {id(p) for p in params.values()}
+    flags = [(p, p.requires_grad) for model in models for p in model.parameters()]
+    modes = [(model, model.training) for model in models]
+    for p, _ in flags:
+        p.requires_grad_(id(p) in trained)
+    for model in models:
+        model.eval()
+    start = time.monotonic()
     try:
-        for x in itertools.islice(batches, done, None):
-            if (steps is not None and done >= steps) or (minutes is not None and time.monotonic() - start > 60 * minutes):
+        for x in itertools.islice(batches, len(losses), None):
+            if (steps is not None and len(losses) >= steps) or (minutes is not None
+                                                                 and time.monotonic() - start > 60 * minutes):
                 break
-            total, count = 0.0, 0
-            with torch.no_grad():
-                pairs = list(attention_pairs(teacher, student, x))
-            for normed, target, layer, place in pairs:
-                loss = F.mse_loss(layer.attend(normed, place), target)
-                loss.backward()
-                total, count = total + loss.item(), count + 1
+            losses.append(step(x))
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
-            done += 1
-            losses.append(total / count)
             if on_step is not None:
-                on_step(done, losses[-1])
-            if done % save_every == 0:
+                on_step(len(losses), losses[-1])
+            if len(losses) % save_every == 0:
                 save()
         save()
     finally:
-        for p, flag in trained.items():
+        for p, flag in flags:
             p.requires_grad_(flag)
-        teacher.train(mode[0]), student.train(mode[1])
+        for model, mode in modes:
+            model.train(mode)
     return losses

@@ -132,32 +132,43 @@ class HedgehogFeatures(nn.Module):
         return torch.cat((projected.softmax(dim=-1), (-projected).softmax(dim=-1)), dim=-1)
 
 
-class WindowLinearCache(CacheRecord):
-    """The cache entry of ``WindowLinearHeads``: ``ring``, the last W keys and values
-    (``LocalCache``), and the state of every older key, kv (b, h, 2 features, d) and z (b, h, 2
-    features), in at least float32."""
+# the starting log weight of a window + linear head's older keys: a linearized model starts close
+# to its window and sinks alone, and learns how much the older keys weigh
+OLDER_LOG_WEIGHT = -3.0
 
-    __slots__ = ("ring", "kv", "z")
+
+class WindowLinearCache(CacheRecord):
+    """The cache entry of ``WindowLinearHeads``: ``ring``, the last W keys and values, and
+    ``sinks``, the sequence's first S (``LocalCache`` both; sinks None when S is 0); the state
+    of every other older key, kv (b, h, 2 features, d) and z (b, h, 2 features), in at least
+    float32."""
+
+    __slots__ = ("ring", "sinks", "kv", "z")
 
 
 class WindowLinearHeads(nn.Module):
-    """Softmax over the last W keys, and linear attention through learnt features
-    (``HedgehogFeatures``) over every older key, one normalisation
-    (``ops/window_linear.py``): what ``convert.linearize`` makes of a pretrained softmax head.
+    """Softmax over the last W keys and the sequence's first S, and linear attention through
+    learnt features (``HedgehogFeatures``, one map for queries, one for keys) over every other
+    older key, one normalisation (``ops/window_linear.py``): what ``convert.linearize`` makes of
+    a pretrained softmax head.
 
     Args: heads; window: the ``Window`` (causal and exact: W = look_backward * size keys);
-    dim_head; features: the feature map's size (each head reads 2 features). Causal only; not
-    with packed sequences or context parallelism."""
+    dim_head; features: each feature map's size (a head reads 2 features); sinks: S. Causal
+    only; not with packed sequences or context parallelism."""
 
-    def __init__(self, heads, window, dim_head, features):
+    def __init__(self, heads, window, dim_head, features, sinks=0):
         super().__init__()
-        self.heads, self.window, self.keys = heads, window, window.most_keys
-        self.features = HedgehogFeatures(heads, dim_head, features)
+        self.heads, self.window, self.keys, self.sinks = heads, window, window.most_keys, sinks
+        self.query_features = HedgehogFeatures(heads, dim_head, features)
+        self.key_features = HedgehogFeatures(heads, dim_head, features)
+        # each head's weight on its older keys, exp of this, at first small beside the window's
+        self.older_log_weight = nn.Parameter(torch.full((heads,), OLDER_LOG_WEIGHT))
 
     def empty_cache(self, batch_size, dim_head, device=None, dtype=torch.float32):
         state_dtype = torch.promote_types(dtype, torch.float32)
-        width = 2 * self.features.bias.shape[-1]
-        return WindowLinearCache(LocalCache.zeros(batch_size, self.heads, self.keys, dim_head, device, dtype),
+        width = 2 * self.key_features.bias.shape[-1]
+        sinks = LocalCache.zeros(batch_size, self.heads, self.sinks, dim_head, device, dtype) if self.sinks else None
+        return WindowLinearCache(LocalCache.zeros(batch_size, self.heads, self.keys, dim_head, device, dtype), sinks,
                                  torch.zeros(batch_size, self.heads, width, dim_head, device=device, dtype=state_dtype),
                                  torch.zeros(batch_size, self.heads, width, device=device, dtype=state_dtype))
 
@@ -166,55 +177,82 @@ class WindowLinearHeads(nn.Module):
                          "on one process")
 
     def forward(self, q, k, v, x, mask, place, cache=None):
-        fq, fk = self.features(q), self.features(k)
+        fq = self.query_features(q) * self.older_log_weight.exp()[:, None, None].to(compute_dtype(q))
         if place.step:
             return self._step(q, k, v, fq, place, cache)
+        fk = self.key_features(k)
+        n = q.shape[2]
+        # each token's position in its row (counted from the row's first real column); a key's NO_KEY where masked
+        at = place.positions(n, q.device).expand(q.shape[0], n)
+        positions = at if mask is None else torch.where(mask, at, NO_KEY)
         if cache is None or place.position == 0:
-            out = window_linear_attention(q, k, v, fq, fk, self.keys, mask)
-            if cache is not None:  # the keys before the ring's into the state
-                older = torch.ones(q.shape[2], dtype=torch.bool, device=q.device)
-                older[max(q.shape[2] - self.keys, 0):] = False
-                self._fold(cache, fk, v, older if mask is None else mask & older)
+            out = window_linear_attention(q, k, v, fq, fk, self.keys, mask, self.sinks, place.row_starts)
+            if cache is not None:  # the keys before the ring's, sinks aside, into the state
+                older = torch.arange(n, device=q.device) < n - self.keys
+                self._fold(cache, fk, v, older & (positions >= self.sinks))
         else:
-            out = self._continued(q, k, v, fq, fk, mask, cache, place.position, place.row_starts)
+            out = self._continued(q, k, v, fq, fk, at, positions, cache)
         if cache is not None:
             cache.ring.write(k, v, place.position, mask, place.row_starts)
+            self._write_sinks(cache, k, v, positions)
         return out
 
     def _step(self, q, k, v, fq, place, cache):
-        """One token: the key leaving the ring joins the state, the new one takes its slot."""
+        """One token: the key leaving the window joins the state (a sink stays a sink), the new
+        one takes its slot in the ring (and among the sinks, if it is one)."""
         ring, start, row_starts = cache.ring, place.start, place.row_starts
-        p = start if row_starts is None else start - row_starts  # (each row's own position)
-        slot = torch.remainder(torch.as_tensor(p, device=q.device), self.keys).reshape(-1, 1)
-        leaving = ring.positions.gather(1, slot.expand(ring.positions.shape[0], 1))[:, 0] >= 0
-        index = slot.expand(ring.positions.shape[0], 1)[:, None, :, None].expand(-1, self.heads, -1, q.shape[-1])
+        p = torch.as_tensor(start if row_starts is None else start - row_starts, device=q.device).reshape(-1, 1)
+        rows = ring.positions.shape[0]
+        slot = torch.remainder(p, self.keys).expand(rows, 1)
+        leaving = ring.positions.gather(1, slot) >= self.sinks  # (b, 1)
+        index = slot[:, None, :, None].expand(-1, self.heads, -1, q.shape[-1])
         old_k, old_v = (ring.kv[:, i].gather(2, index) for i in (0, 1))  # (b, h, 1, d)
-        self._fold(cache, self.features(old_k), old_v, leaving[:, None])
+        self._fold(cache, self.key_features(old_k), old_v, leaving)
         ring.write(k, v, start, None, row_starts)
-        hidden = ring.positions < self.window.first_key(p if row_starts is None else p[:, None])
+        keys, values, positions = ring.kv[:, 0], ring.kv[:, 1], ring.positions
+        hidden = (positions < self.window.first_key(p)) | (positions < self.sinks)  # (sinks: seen as sinks)
+        if self.sinks:
+            self._write_sinks(cache, k, v, p.expand(rows, 1))
+            sinks = cache.sinks
+            keys, values = torch.cat((sinks.kv[:, 0], keys), dim=2), torch.cat((sinks.kv[:, 1], values), dim=2)
+            hidden = torch.cat((sinks.positions < 0, hidden), dim=1)
         dtype = cache.kv.dtype
         bias = torch.zeros(hidden.shape, dtype=dtype, device=q.device).masked_fill_(hidden, NEG_INF)[:, None]
-        keys, values = (t.to(dtype) for t in ring.kv.unbind(1))
-        out = window_linear_attention_step(q[:, :, 0].to(dtype), keys, values, bias, fq[:, :, 0].to(dtype), cache.kv,
-                                           cache.z)
+        out = window_linear_attention_step(q[:, :, 0].to(dtype), keys.to(dtype), values.to(dtype), bias,
+                                           fq[:, :, 0].to(dtype), cache.kv, cache.z)
         return out[:, :, None].to(v.dtype)
 
-    def _continued(self, q, k, v, fq, fk, mask, cache, position, row_starts):
-        """New queries over the ring's keys, their own and the state; the keys that leave the
-        window of the last query join the state."""
-        ring, n = cache.ring, q.shape[2]
-        keys, values = (torch.cat((stored, new.to(stored.dtype)), dim=2) for stored, new in zip(ring.kv.unbind(1), (k, v)))
-        q_positions = torch.arange(position, position + n, device=q.device)
-        if row_starts is not None:
-            q_positions = q_positions - row_starts[:, None]
-        new_positions = q_positions.expand(q.shape[0], n) if mask is None else torch.where(mask, q_positions, NO_KEY)
-        k_positions = torch.cat((ring.positions, new_positions), dim=1)
-        features = torch.cat((self.features(ring.kv[:, 0]), fk), dim=2)
-        out = window_linear_attention_by_position(q, keys, values, fq, features, q_positions, k_positions, self.keys,
-                                                  (cache.kv, cache.z))
-        last = q_positions[..., -1:] if q_positions.ndim == 2 else q_positions[-1:]
-        self._fold(cache, features, values, (k_positions >= 0) & (k_positions <= last - self.keys))
+    def _continued(self, q, k, v, fq, fk, at, positions, cache):
+        """New queries over the sinks, the ring's keys, their own and the state; the keys that
+        leave the window of the last query join the state."""
+        ring, sinks = cache.ring, cache.sinks
+        stored = [(ring.kv, torch.where(ring.positions < self.sinks, NO_KEY, ring.positions))]  # (sinks: as sinks)
+        if sinks is not None:
+            stored.insert(0, (sinks.kv, sinks.positions))
+        keys = torch.cat([kv[:, 0] for kv, _ in stored] + [k.to(ring.kv.dtype)], dim=2)
+        values = torch.cat([kv[:, 1] for kv, _ in stored] + [v.to(ring.kv.dtype)], dim=2)
+        k_positions = torch.cat([at for _, at in stored] + [positions], dim=1)
+        features = torch.cat([self.key_features(kv[:, 0]) for kv, _ in stored] + [fk], dim=2)
+        out = window_linear_attention_by_position(q, keys, values, fq, features, at, k_positions, self.keys,
+                                                  (cache.kv, cache.z), self.sinks)
+        last = at[:, -1:]
+        self._fold(cache, features, values, (k_positions >= self.sinks) & (k_positions <= last - self.keys))
         return out
+
+    @torch.no_grad()
+    def _write_sinks(self, cache, k, v, positions):
+        """The keys and values at positions (b, n) below S into their sink slots."""
+        if not self.sinks:
+            return
+        sinks = cache.sinks
+        slots = torch.arange(self.sinks, device=k.device)
+        hit = positions[:, :, None] == slots  # (b, n, S)
+        written = hit.any(dim=1)  # (b, S)
+        hit = hit.to(sinks.kv.dtype)
+        for i, new in enumerate((k, v)):
+            sinks.kv[:, i].copy_(torch.where(written[:, None, :, None],
+                                             torch.einsum("bns,bhnd->bhsd", hit, new.to(sinks.kv.dtype)), sinks.kv[:, i]))
+        sinks.positions.copy_(torch.where(written, slots, sinks.positions))
 
     @staticmethod
     @torch.no_grad()

@@ -134,3 +134,108 @@ def test_other_architectures_and_bare_bodies_refused():
         from_llama(LlamaModel(llama().config))
     with pytest.raises(TypeError, match="LlamaForCausalLM"):
         from_llama(torch.nn.Linear(2, 2))
+
+
+# -- linearize and attention transfer -------------------------------------------------------------
+
+def linearized(window=8, seed=0, sinks=1, **options):
+    from linear_attention_transformer.convert import from_llama, linearize
+
+    teacher = from_llama(llama(seed=seed, **options))
+    with torch.no_grad():  # (sharper attention than a random checkpoint's: something for the features to learn)
+        for layer in teacher.transformer.attention_layers:
+            layer.to_q.weight.mul_(4.0)
+    return teacher, linearize(teacher, window=window, sinks=sinks, feature_dim=6)
+
+
+def test_linearize_keeps_every_weight_and_is_the_teacher_within_its_window():
+    teacher, student = linearized(window=16)
+    x = tokens((2, 16))
+    with torch.no_grad():  # (no key is older than the window: the softmax heads exactly)
+        torch.testing.assert_close(student(x), teacher(x), rtol=1e-12, atol=1e-12)
+        assert not torch.allclose(student(tokens((2, 40))), teacher(tokens((2, 40))), rtol=1e-3, atol=1e-3)
+    from linear_attention_transformer.heads import WindowLinearHeads
+
+    assert all(isinstance(layer.local_heads, WindowLinearHeads) and layer.local_heads.keys == 16
+               for layer in student.transformer.attention_layers)
+    assert student.options["local_attn_window_size"] == 16 and student.options["local_attn_feature_dim"] == 6
+
+
+def test_linearize_refuses_a_model_without_softmax_heads():
+    from linear_attention_transformer import LinearAttentionTransformerLM
+    from linear_attention_transformer.convert import linearize
+
+    with pytest.raises(ValueError, match="n_local_attn_heads == heads"):
+        linearize(LinearAttentionTransformerLM(num_tokens=20, dim=16, depth=1, max_seq_len=32, heads=2, causal=True))
+    with pytest.raises(TypeError, match="window"):
+        linearize(linearized()[0], window=4.5)
+
+
+def layer_error(teacher, student, x):
+    from linear_attention_transformer.convert import attention_pairs
+
+    with torch.no_grad():
+        return sum(float((layer.attend(normed, place) - target).pow(2).mean())
+                   for normed, target, layer, place in attention_pairs(teacher, student, x))
+
+
+def batches(seed=5, n=40):
+    g = torch.Generator().manual_seed(seed)
+    while True:
+        yield torch.randint(0, 97, (2, n), generator=g)
+
+
+def test_attention_transfer_lowers_the_layer_error_and_trains_only_the_features():
+    from linear_attention_transformer.convert import transfer_attention
+
+    teacher, student = linearized()
+    before = {name: p.detach().clone() for name, p in student.named_parameters()}
+    held_out = tokens((2, 40), seed=9)
+    error = layer_error(teacher, student, held_out)
+    losses = transfer_attention(student, teacher, batches(), steps=40, lr=0.1)
+    assert len(losses) == 40 and sum(losses[-5:]) < sum(losses[:5])
+    assert layer_error(teacher, student, held_out) < 0.2 * error
+    changed = {name for name, p in student.named_parameters() if not torch.equal(p, before[name])}
+    assert changed and all(".local_heads." in name for name in changed)
+    assert all(p.requires_grad for p in student.parameters())  # (left as they were)
+
+
+def test_attention_transfer_resumes_where_it_stopped(tmp_path):
+    from linear_attention_transformer.convert import linear_parameters, transfer_attention
+
+    teacher, whole = linearized()
+    _, resumed = linearized()
+    expected = transfer_attention(whole, teacher, batches(), steps=6)
+    checkpoint = tmp_path / "transfer.pt"
+    transfer_attention(resumed, teacher, batches(), steps=3, checkpoint=checkpoint)
+    assert transfer_attention(resumed, teacher, batches(), steps=6, checkpoint=checkpoint) == expected
+    for (name, a), b in zip(linear_parameters(whole).items(), linear_parameters(resumed).values()):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12, msg=name)
+
+
+def test_a_linearized_model_saves_and_reloads_with_its_logits(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from linear_attention_transformer.hf import LinearAttentionTransformerForCausalLM
+
+    _, student = linearized()
+    x = tokens((2, 30))
+    LinearAttentionTransformerForCausalLM.wrap(student).save_pretrained(tmp_path)
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=D).eval()
+    assert loaded.model.options == student.options
+    with torch.no_grad():  # (transformers loads the rotary frequencies in float32: angles to about 1e-7)
+        torch.testing.assert_close(loaded(x).logits, student(x), rtol=1e-6, atol=1e-6)
+
+
+def test_finetune_lowers_the_next_token_loss_and_trains_the_attention_alone(tmp_path):
+    from linear_attention_transformer.convert import finetune
+
+    _, student = linearized()
+    before = {name: p.detach().clone() for name, p in student.named_parameters()}
+    text = tokens((2, 40), seed=3)  # (one batch, seen again and again: its loss must fall)
+    losses = finetune(student, (text for _ in range(30)), steps=30, lr=1e-2, checkpoint=tmp_path / "f.pt")
+    assert len(losses) == 30 and losses[-1] < 0.8 * losses[0]
+    changed = {name for name, p in student.named_parameters() if not torch.equal(p, before[name])}
+    assert any(".to_q." in name for name in changed) and any(".local_heads." in name for name in changed)
+    assert all(".local_heads." in name or ".fn.to_" in name for name in changed)
+    assert finetune(student, (text for _ in range(30)), steps=30, checkpoint=tmp_path / "f.pt") == losses  # done

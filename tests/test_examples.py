@@ -412,3 +412,40 @@ def test_compare_scripts_default_to_the_built_in_corpus(tmp_path):
     args = compare_improvements.build_parser().parse_args(["--corpus-cache", str(cache)])
     assert args.data is None and compare_improvements.shared_options(args).data == str(cache)
     assert compare_variants.build_parser().parse_args([]).data is None
+
+
+@pytest.mark.requires("transformers", "safetensors")
+def test_linearize_script_converts_trains_measures_and_saves(tmp_path):
+    """The recipe end to end on a tiny random Llama (the SmolLM2 run's figures are in
+    examples/README.md): perplexities for the four models, the curve, a folder that reloads."""
+    import torch
+    from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+
+    from linear_attention_transformer.hf import byte_tokenizer
+
+    torch.manual_seed(0)
+    llama = LlamaForCausalLM(LlamaConfig(vocab_size=256, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256))
+    source = tmp_path / "llama"
+    llama.save_pretrained(source)
+    byte_tokenizer().save_pretrained(source)
+    out, figures = tmp_path / "linear", tmp_path / "figures.json"
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    cmd = [sys.executable, str(EXAMPLES / "linearize.py"), "--checkpoint-from", str(source), "--window", "8",
+           "--sinks", "1", "--steps", "4", "3", "--minutes", "2", "--eval-at", "0.5", "--transfer-minutes", "1",
+           "--checkpoint", str(tmp_path / "run"),
+           "--seq-len", "48", "--train-chars", "20000", "--eval-windows", "1", "--eval-len", "64", "--new-tokens",
+           "4", "--threads", "1", "--out", str(out), "--json", str(figures)]
+    subprocess.run(cmd, check=True, env=env, cwd=ROOT, capture_output=True, timeout=600)
+    report = json.loads(figures.read_text())
+    ppl = report["perplexity"]
+    assert set(ppl) == {"original", "window 8 alone", "linearized, before transfer", "linearized, after training"}
+    assert all(1 < value < 1e4 for value in ppl.values())
+    curve = report["curve"]
+    assert [point["minutes"] for point in curve] == [0.5, 2]
+    assert curve[0]["steps"] == {"transfer": 4} and curve[-1]["steps"] == {"transfer": 4, "finetune": 3}
+    assert (tmp_path / "run.transfer.pt").exists() and (tmp_path / "run.finetune.pt").exists()
+    import linear_attention_transformer.hf  # noqa: F401  (registers the model with transformers)
+
+    loaded = AutoModelForCausalLM.from_pretrained(out)
+    assert loaded.model.options["local_attn_older_keys"] == "linear" and loaded.model.options["local_attn_sinks"] == 1

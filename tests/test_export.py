@@ -122,6 +122,14 @@ def test_delta_rule_heads_with_gate_conv_and_rotary_decode_past_max_seq_len(tmp_
 
 
 @ONNX
+def test_window_linear_heads_with_sinks_decode_past_max_seq_len(tmp_path):
+    model = make_model(depth=1, max_seq_len=16, n_local_attn_heads=4, local_attn_window_size=4,
+                       local_attn_exact_windowsize=True, local_attn_older_keys="linear", local_attn_sinks=2,
+                       local_attn_feature_dim=4, use_rotary_emb=True, kv_heads=2)
+    check_decodes(model, tmp_path / "step.onnx", prompt_length=3, new_tokens=21)  # 24 positions, 16 trained
+
+
+@ONNX
 def test_shifted_reversible_glu_gated_two_rows(tmp_path):
     model = make_model(depth=2, max_seq_len=16, n_local_attn_heads=2, local_attn_window_size=4, shift_tokens=True,
                        reversible=True, ff_glu=True, use_gate=True)

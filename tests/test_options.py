@@ -80,6 +80,8 @@ OPTIONS = [
     ("local_attn_older_keys", "linear", {**WINDOW, "local_attn_exact_windowsize": True}),
     ("local_attn_feature_dim", 3, {**WINDOW, "local_attn_exact_windowsize": True, "local_attn_older_keys": "linear"}),
     ("local_attn_feature_dim", 3, {}),  # no keys beyond a window to read
+    ("local_attn_sinks", 2, {**WINDOW, "local_attn_exact_windowsize": True, "local_attn_older_keys": "linear"}),
+    ("local_attn_sinks", 2, {}),
     ("bogus_option", 1, {}),
     ("ff_bogus", 1, {}),
 ]

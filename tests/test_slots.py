@@ -25,6 +25,9 @@ CONFIGS = {
                                             use_local_conv=True),
     "exact window+elu": dict(n_local_attn_heads=2, local_attn_window_size=3, local_attn_exact_windowsize=True,
                              feature_map="elu"),
+    "window+linear+sinks": dict(n_local_attn_heads=2, local_attn_window_size=3, local_attn_exact_windowsize=True,
+                                local_attn_older_keys="linear", local_attn_sinks=2, local_attn_feature_dim=3,
+                                use_rotary_emb=True),
 }
 
 
@@ -33,7 +36,7 @@ def make(cfg, **overrides):
     model = LinearAttentionTransformerLM(**{**BASE, **overrides}, **cfg).to(D).eval()
     with torch.no_grad():  # gates and convolutions start near identity: move them
         for name, p in model.named_parameters():
-            if "gate" in name or "conv" in name:
+            if "gate" in name or "conv" in name or "local_heads" in name:
                 p.add_(torch.randn_like(p) * 0.3)
     return model
 

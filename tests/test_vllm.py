@@ -29,6 +29,9 @@ CONFIGS = {
     "delta, no positions": dict(**BASE, update_rule="delta", use_gate=True, use_local_conv=True,
                                 use_pos_emb=False, ff_glu=True, reversible=True),
     "axial positions": dict(**BASE),  # a position table: max_seq_len binds
+    "window + linear heads, sinks": dict(**{**BASE, "n_local_attn_heads": 4, "local_attn_window_size": 4},
+                                         local_attn_exact_windowsize=True, local_attn_older_keys="linear",
+                                         local_attn_sinks=2, use_rotary_emb=True, kv_heads=2),
 }
 # prompts of different lengths, one longer than max_seq_len (32), and 30 new tokens each: every
 # request but the first ends past max_seq_len

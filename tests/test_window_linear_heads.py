@@ -20,11 +20,12 @@ OLDER = dict(local_attn_exact_windowsize=True, local_attn_older_keys="linear")
 def model(seed=0, **options):
     torch.manual_seed(seed)
     options = {**dict(num_tokens=50, dim=32, depth=2, max_seq_len=64, heads=4, causal=True, n_local_attn_heads=4,
-                      local_attn_window_size=5, local_attn_feature_dim=6, use_rotary_emb=True), **OLDER, **options}
+                      local_attn_window_size=5, local_attn_feature_dim=6, local_attn_sinks=2, use_rotary_emb=True),
+               **OLDER, **options}
     lm = LinearAttentionTransformerLM(**options).to(D).eval()
     with torch.no_grad():  # (features away from the identity they start at)
         for name, p in lm.named_parameters():
-            if "features" in name:
+            if ".local_heads." in name:
                 p.add_(torch.randn_like(p) * 0.5)
     return lm
 
@@ -47,23 +48,26 @@ def test_hedgehog_features_follow_their_definition():
     assert torch.equal(fresh.weight[0], torch.eye(3, 4)) and not fresh.bias.any()  # the identity, at first
 
 
-def test_layer_equals_the_plain_form_of_its_projections():
+@pytest.mark.parametrize("sinks", [0, 2])
+def test_layer_equals_the_plain_form_of_its_projections(sinks):
     torch.manual_seed(0)
     layer = Attention(16, heads=2, causal=True, n_local_attn_heads=2, local_attn_window_size=3,
-                      local_attn_look_backward=2, local_attn_feature_dim=5, **OLDER).to(D)
+                      local_attn_look_backward=2, local_attn_feature_dim=5, local_attn_sinks=sinks, **OLDER).to(D)
     x = torch.randn(2, 19, 16, dtype=D)
     mask = torch.rand(2, 19) > 0.3
     mask[:, 0] = True
     (q, k, v), _ = layer.project(x, x)
     heads = layer.local_heads
     assert isinstance(heads, WindowLinearHeads) and heads.keys == 6  # look_backward * size keys in the window
-    expected = naive_window_linear_attention(q, k, v, heads.features(q), heads.features(k), 6, mask)
+    fq = heads.query_features(q) * heads.older_log_weight.exp()[:, None, None]
+    expected = naive_window_linear_attention(q, k, v, fq, heads.key_features(k), 6, mask, sinks)
     expected = layer.to_out(expected.transpose(1, 2).flatten(2))
     torch.testing.assert_close(layer(x, input_mask=mask), expected, rtol=1e-12, atol=1e-12)
 
 
-@pytest.mark.parametrize("options", [{}, dict(kv_heads=2), dict(heads=4, n_local_attn_heads=2)],
-                         ids=["all-local", "grouped", "beside-global-heads"])
+@pytest.mark.parametrize("options", [{}, dict(kv_heads=2), dict(heads=4, n_local_attn_heads=2),
+                                     dict(local_attn_sinks=0), dict(local_attn_sinks=9)],
+                         ids=["all-local", "grouped", "beside-global-heads", "no-sinks", "sinks-beyond-the-window"])
 def test_cached_steps_and_chunks_equal_the_full_forward(options):
     lm = model(**options)
     x = tokens((2, 23))
@@ -128,6 +132,8 @@ def test_a_later_token_leaves_earlier_outputs_alone():
     (dict(local_attn_exact_windowsize=False), "local_attn_exact_windowsize=True"),
     (dict(causal=False, local_attn_exact_windowsize=False), "causal=True"),
     (dict(local_attn_older_keys=None), "local_attn_feature_dim"),
+    (dict(local_attn_older_keys=None, local_attn_feature_dim=None), "local_attn_sinks"),
+    (dict(local_attn_sinks=-1), "local_attn_sinks"),
     (dict(local_attn_feature_dim=0), "local_attn_feature_dim"),
 ])
 def test_settings_it_cannot_honour_are_refused_by_name(options, match):

@@ -1,20 +1,22 @@
 """A sliding window of softmax attention and linear attention beyond it, in one head under one
 normalisation (the form LoLCATs linearizes a pretrained softmax head into).
 
-Query i sees the last W keys, i - W < j <= i, through softmax scores s_ij = q_i·k_j / sqrt(d),
-and every older key, j <= i - W, through non-negative features: f(q_i)·f(k_j). One sum
-normalises both:
+Query i sees the last W keys, i - W < j <= i, and the sequence's first S keys (its "sinks",
+j < S, StreamingLLM's), through softmax scores s_ij = q_i·k_j / sqrt(d), and every other older
+key, S <= j <= i - W, through non-negative features: f(q_i)·f(k_j). One sum normalises both:
 
     y_i = (Σ_window e^(s_ij - m_i) v_j + Σ_older f(q_i)·f(k_j) v_j)
           / (Σ_window e^(s_ij - m_i) + Σ_older f(q_i)·f(k_j)),      m_i = max_window s_ij.
 
-m_i belongs to the function, as in LoLCATs: it sets the window's largest weight to 1, the scale
-the features learn to meet, and keeps every exponential at most 1. Masked keys (padding) are in
+where the window holds the sinks too. m_i belongs to the function, as in LoLCATs: it sets the
+window's largest weight to 1, the scale the features learn to meet, and keeps every exponential
+at most 1. The sinks matter: a pretrained head often puts much of its weight on the first token,
+more than features bounded as f(q)·f(k) are can carry. Masked keys (padding) are in
 neither sum; a query that sees no key gets 0.
 
 The older part is causal linear attention over the keys delayed by W: query i reads the state
-after key i - W, S = Σ f(k_j) v_jᵀ and z = Σ f(k_j). A decoder keeps the last W keys and values
-in a ring and folds each key into (S, z) as it leaves the ring.
+after key i - W, kv = Σ f(k_j) v_jᵀ and z = Σ f(k_j) over j >= S. A decoder keeps the first S
+keys and the last W keys and values, and folds each key into (kv, z) as it leaves the window.
 
 * ``window_linear_attention_by_position``: the explicit form, O(n m), keys at any positions
   (a continued sequence: the ring's keys, then the new ones) after a state of older keys;
@@ -52,18 +54,18 @@ def _window_weights(scores, visible):
     return torch.exp(scores - top).masked_fill(~visible, 0.0)
 
 
-def window_linear_attention_by_position(q, k, v, fq, fk, q_positions, k_positions, window, state=None):
+def window_linear_attention_by_position(q, k, v, fq, fk, q_positions, k_positions, window, state=None, sinks=0):
     """The explicit form. q (b, h, n, d), fq (b, h, n, F) at ``q_positions`` (n,) or (b, n);
-    k (b, h, m, d), fk (b, h, m, F), v (b, h, m, e) at ``k_positions`` (m,) or (b, m), a masked
-    key at a position below every query's reach (``cache.NO_KEY``) or lifted out by giving it
-    none: a key is real when its position is >= 0. ``state``: (S (b, h, F, e), z (b, h, F)),
-    the features of keys older than every query's window. -> (b, h, n, e)."""
+    k (b, h, m, d), fk (b, h, m, F), v (b, h, m, e) at ``k_positions`` (m,) or (b, m); a key
+    is real when its position is >= 0 (a masked one: ``cache.NO_KEY``). ``state``: (kv (b, h,
+    F, e), z (b, h, F)), the features of older keys than every query's window and not among
+    the first ``sinks``. -> (b, h, n, e)."""
     out_dtype, dtype = v.dtype, compute_dtype(v)
     q, k, v, fq, fk = (t.to(dtype) for t in (q, k, v, fq, fk))
     qp, kp = q_positions[..., :, None], k_positions[..., None, :]
     real = kp >= 0
-    in_window = real & (kp <= qp) & (kp > qp - window)
-    older = real & (kp <= qp - window)
+    in_window = real & (kp <= qp) & ((kp > qp - window) | (kp < sinks))
+    older = real & (kp <= qp - window) & (kp >= sinks)
     if in_window.ndim == 3:  # (per row: broadcast over the heads)
         in_window, older = in_window[:, None], older[:, None]
     weights = _window_weights(torch.einsum("bhid,bhjd->bhij", q, k) * q.shape[-1] ** -0.5, in_window)
@@ -75,45 +77,68 @@ def window_linear_attention_by_position(q, k, v, fq, fk, q_positions, k_position
     return _divide(num, den).to(out_dtype)
 
 
-def naive_window_linear_attention(q, k, v, fq, fk, window, key_mask=None):
-    """The reference over positions 0 .. n - 1; ``key_mask`` (b, n): False for padding."""
+def naive_window_linear_attention(q, k, v, fq, fk, window, key_mask=None, sinks=0, starts=None):
+    """The reference: ``key_mask`` (b, n) False for padding; column j of row r at position j -
+    ``starts[r]`` ((b,) long: rows padded on the left, their sinks their first real keys),
+    else at position j."""
     n = q.shape[2]
     positions = torch.arange(n, device=q.device)
+    if starts is not None:
+        positions = positions - starts[:, None]
     k_positions = positions if key_mask is None else torch.where(key_mask, positions, -1)
-    return window_linear_attention_by_position(q, k, v, fq, fk, positions, k_positions, window)
+    return window_linear_attention_by_position(q, k, v, fq, fk, positions, k_positions, window, sinks=sinks)
 
 
-def window_linear_attention(q, k, v, fq, fk, window, key_mask=None, chunk=CHUNK):
+def window_linear_attention(q, k, v, fq, fk, window, key_mask=None, sinks=0, starts=None, chunk=CHUNK):
     """The fast form of ``naive_window_linear_attention`` (same arguments) -> (b, h, n, e)."""
     out_dtype, dtype = v.dtype, compute_dtype(v)
     q, k, v, fq, fk = (t.to(dtype) for t in (q, k, v, fq, fk))
-    b, h, n, _ = q.shape
-    if key_mask is not None:  # a masked key has no features, no value and no place in a window
-        fk, v = fk * key_mask[:, None, :, None], v * key_mask[:, None, :, None]
-    num, den = _window_part(q, k, v, window, key_mask)
-    if n > window:
-        older_num, older_den = _older_part(fq, fk, v, window, chunk)
+    b, n = q.shape[0], q.shape[2]
+    keep = torch.ones(b, n, dtype=torch.bool, device=q.device) if key_mask is None else key_mask
+    if sinks:  # the sinks are no older keys
+        starts = torch.zeros(b, dtype=torch.long, device=q.device) if starts is None else starts
+        keep = keep & (torch.arange(n, device=q.device) >= starts[:, None] + sinks)
+    num, den = _window_part(q, k, v, window, key_mask, sinks, starts)
+    if n > window:  # (a masked key has no features and no value)
+        older_num, older_den = _older_part(fq, fk * keep[:, None, :, None], v * keep[:, None, :, None], window, chunk)
         num, den = num + older_num, den + older_den
     return _divide(num, den).to(out_dtype)
 
 
-def _window_part(q, k, v, window, key_mask):
+def _window_part(q, k, v, window, key_mask, sinks, starts):
     """Σ_window e^(s - m) v and Σ_window e^(s - m): blocks of w queries over the keys of their
-    block and the block before (w = window, or n when shorter)."""
+    block and the block before (w = window, or n when shorter), and over each row's sinks."""
     b, h, n, d = q.shape
     w = min(window, n)
     pad = -n % w
     blocks = (n + pad) // w
-    q = F.pad(q, (0, 0, 0, pad)).unflatten(2, (blocks, w))  # (b, h, u, w, d)
-    k, v = (F.pad(t, (0, 0, w, pad)).unfold(2, 2 * w, w).transpose(-1, -2) for t in (k, v))  # (b, h, u, 2w, ·)
     q_positions = torch.arange(n + pad, device=q.device).view(blocks, w, 1)
     k_positions = torch.arange(-w, n + pad, device=q.device).unfold(0, 2 * w, w)[:, None, :]  # (u, 1, 2w)
     visible = (k_positions >= 0) & (k_positions <= q_positions) & (k_positions > q_positions - window)
     if key_mask is not None:
-        visible = visible & F.pad(key_mask, (w, pad), value=False).unfold(1, 2 * w, w)[:, :, None]
-        visible = visible[:, None]  # (b, 1, u, w, 2w)
-    weights = _window_weights(torch.einsum("bhuid,bhujd->bhuij", q, k) * d ** -0.5, visible)
-    num, den = weights @ v, weights.sum(dim=-1)
+        visible = visible & F.pad(key_mask, (w, pad), value=False).unfold(1, 2 * w, w)[:, :, None]  # (b, u, w, 2w)
+    if sinks:  # each row's first ``sinks`` keys apart: seen by every later query, once
+        columns = (starts[:, None] + torch.arange(sinks, device=q.device)).clamp(max=n - 1)  # (b, S)
+        real = (starts[:, None] + torch.arange(sinks, device=q.device) < n)
+        if key_mask is not None:
+            real = real & key_mask.gather(1, columns)
+        index = columns[:, None, :, None]
+        sink_k, sink_v = (t.gather(2, index.expand(-1, h, -1, t.shape[-1])) for t in (k, v))
+        sink_visible = real[:, None, None, :] & (columns[:, None, None, :] <= q_positions)  # (b, u, w, S)
+        visible = visible & (k_positions - starts[:, None, None, None] >= sinks)
+    q = F.pad(q, (0, 0, 0, pad)).unflatten(2, (blocks, w))  # (b, h, u, w, d)
+    k, v = (F.pad(t, (0, 0, w, pad)).unfold(2, 2 * w, w).transpose(-1, -2) for t in (k, v))  # (b, h, u, 2w, ·)
+    scores = torch.einsum("bhuid,bhujd->bhuij", q, k)
+    if sinks:
+        scores = torch.cat((scores, torch.einsum("bhuid,bhjd->bhuij", q, sink_k)), dim=-1)
+        visible = torch.cat((visible.expand(b, *visible.shape[-3:]), sink_visible), dim=-1)
+    if visible.ndim == 4:
+        visible = visible[:, None]  # (b, 1, u, w, ·)
+    weights = _window_weights(scores * d ** -0.5, visible)
+    num = weights[..., : 2 * w] @ v
+    if sinks:
+        num = num + torch.einsum("bhuij,bhje->bhuie", weights[..., 2 * w :], sink_v)
+    den = weights.sum(dim=-1)
     return num.flatten(2, 3)[:, :, :n], den.flatten(2, 3)[:, :, :n]
 
 

@@ -28,17 +28,17 @@ def mask_of(b, n, seed):
     return torch.rand(b, n, generator=torch.Generator().manual_seed(seed)) > 0.3
 
 
-def by_the_definition(q, k, v, fq, fk, window, mask):
-    """One query at a time: softmax weights over the window shifted by their largest score,
-    feature products over the older keys, one normalisation."""
+def by_the_definition(q, k, v, fq, fk, window, mask, sinks=0):
+    """One query at a time: softmax weights over the window and the sinks, shifted by their
+    largest score, feature products over the other older keys, one normalisation."""
     b, h, n, d = q.shape
     out = torch.zeros(b, h, n, v.shape[-1], dtype=D)
     for r in range(b):
         for head in range(h):
             for i in range(n):
                 real = [j for j in range(i + 1) if mask is None or mask[r, j]]
-                recent = [j for j in real if j > i - window]
-                older = [j for j in real if j <= i - window]
+                recent = [j for j in real if j > i - window or j < sinks]
+                older = [j for j in real if j <= i - window and j >= sinks]
                 if not real:
                     continue
                 scores = {j: float(q[r, head, i] @ k[r, head, j]) / math.sqrt(d) for j in recent}
@@ -51,28 +51,45 @@ def by_the_definition(q, k, v, fq, fk, window, mask):
 
 
 @pytest.mark.parametrize("masked", [False, True])
-def test_explicit_form_follows_the_definition(masked):
+@pytest.mark.parametrize("sinks", [0, 2])
+def test_explicit_form_follows_the_definition(masked, sinks):
     q, k, v, fq, fk = inputs(2, 2, 11, 3, 2, 4, seed=0, scale=2.0)
     mask = mask_of(2, 11, 1) if masked else None
-    torch.testing.assert_close(naive_window_linear_attention(q, k, v, fq, fk, 4, mask),
-                               by_the_definition(q, k, v, fq, fk, 4, mask), rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(naive_window_linear_attention(q, k, v, fq, fk, 4, mask, sinks),
+                               by_the_definition(q, k, v, fq, fk, 4, mask, sinks), rtol=1e-12, atol=1e-12)
 
 
 @pytest.mark.parametrize("n, window, chunk", [(16, 4, 8), (17, 5, 4), (3, 8, 64), (40, 8, 6), (33, 1, 5)])
 @pytest.mark.parametrize("masked", [False, True])
-def test_chunked_form_equals_explicit(n, window, chunk, masked):
+@pytest.mark.parametrize("sinks", [0, 1, 3])
+def test_chunked_form_equals_explicit(n, window, chunk, masked, sinks):
     q, k, v, fq, fk = inputs(2, 3, n, 4, 5, 6, seed=n, scale=2.0)
     mask = mask_of(2, n, n) if masked else None
-    torch.testing.assert_close(window_linear_attention(q, k, v, fq, fk, window, mask, chunk=chunk),
-                               naive_window_linear_attention(q, k, v, fq, fk, window, mask), rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(window_linear_attention(q, k, v, fq, fk, window, mask, sinks, chunk=chunk),
+                               naive_window_linear_attention(q, k, v, fq, fk, window, mask, sinks),
+                               rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("sinks", [0, 2])
+def test_rows_padded_on_the_left_equal_each_row_alone(sinks):
+    n, window = 19, 4
+    q, k, v, fq, fk = inputs(3, 2, n, 3, 4, 5, seed=11, scale=2.0)
+    starts = torch.tensor([0, 3, 18])
+    mask = torch.arange(n) >= starts[:, None]
+    for form in (window_linear_attention, naive_window_linear_attention):
+        out = form(q, k, v, fq, fk, window, mask, sinks, starts)
+        for r, start in enumerate(starts.tolist()):
+            alone = naive_window_linear_attention(*(t[r : r + 1, :, start:] for t in (q, k, v, fq, fk)), window,
+                                                  sinks=sinks)
+            torch.testing.assert_close(out[r : r + 1, :, start:], alone, rtol=1e-12, atol=1e-12)
 
 
 def test_chunked_gradients_equal_explicit():
     tensors = inputs(1, 2, 21, 4, 3, 5, seed=3)
     mask = mask_of(1, 21, 4)
     grads = []
-    for form in (lambda *t: window_linear_attention(*t, 6, mask, chunk=4),
-                 lambda *t: naive_window_linear_attention(*t, 6, mask)):
+    for form in (lambda *t: window_linear_attention(*t, 6, mask, 2, chunk=4),
+                 lambda *t: naive_window_linear_attention(*t, 6, mask, 2)):
         leaves = [t.clone().requires_grad_() for t in tensors]
         form(*leaves).pow(2).sum().backward()
         grads.append([t.grad for t in leaves])
