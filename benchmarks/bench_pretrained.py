@@ -10,10 +10,11 @@ depends), float32.
 - Memory: the decoding state's bytes per layer, read from the library cache's tensors, against
   the key/value cache transformers keeps for the original (2 x key/value heads x head width x
   n x 4 bytes per layer, checked against its ``DynamicCache`` after a 512-token prompt).
-- Speed: ms per decoded token after a prompt of n tokens: greedy ``generate`` of the library's
-  ``AutoregressiveWrapper`` (its cache) on the linearized model, and transformers' ``generate``
-  (its KV cache, sdpa) on the original; each less its one-token generation, best of
-  ``--repeats``; beside the floor of the same run (every weight matrix read once per token,
+- Speed: ms per greedy token after a prompt of n tokens, the prompt read once and not timed:
+  the library's one-token forward with its cache (what its ``generate`` steps) on the
+  linearized model, and transformers' forward with its KV cache (what its ``generate`` steps,
+  sdpa) on the original; the mean over ``--tokens`` tokens, best of ``--repeats``, the two
+  taken in turn; beside the floor of the same run (every weight matrix read once per token,
   ``common.weight_floors``).
 """
 
@@ -32,9 +33,9 @@ sys.path.insert(0, str(HERE.parent / "examples"))
 import common  # noqa: E402
 from linearize import load_checkpoint, wheel_gguf  # noqa: E402
 
-from linear_attention_transformer import AutoregressiveWrapper  # noqa: E402
 from linear_attention_transformer.cache import tensors_of  # noqa: E402
 from linear_attention_transformer.convert import from_llama, linearize  # noqa: E402
+from linear_attention_transformer.hf import CACHE_NAME  # noqa: E402  (the name of transformers' cache)
 
 MEMORY_LENGTHS = (4096, 16384, 65536)
 
@@ -55,7 +56,7 @@ def check_kv_formula(hf, config, n=512):
     """Assert the formula on transformers' own cache after an n-token prompt."""
     with torch.no_grad():
         out = hf(torch.zeros(1, n, dtype=torch.long), use_cache=True)
-    cache = out.past_key_values if getattr(out, "past_key_values", None) is not None else out.cache
+    cache = _hf_out(out)[1]
     measured = sum(t.numel() * t.element_size() for t in _cache_tensors(cache)) / config.num_hidden_layers
     assert measured == kv_bytes_per_layer(config, n), (measured, kv_bytes_per_layer(config, n))
 
@@ -67,20 +68,19 @@ def _cache_tensors(cache):
     return [t for pair in cache for t in pair]
 
 
-def best_seconds(fn, repeats):
-    times = []
-    for _ in range(repeats):
+def _hf_out(out):
+    """(logits, cache) of transformers' output."""
+    return out.logits, getattr(out, CACHE_NAME)
+
+
+def decode_ms(prefill, step, prompt, tokens):
+    """ms per token of ``tokens`` greedy steps after ``prefill(prompt)`` -> (logits, cache)."""
+    with torch.no_grad():
+        logits, cache = prefill(prompt)
         start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return min(times)
-
-
-def per_token_ms(generate, prompt, tokens, repeats):
-    """ms per token of ``generate(prompt, tokens)`` beyond the first."""
-    many = best_seconds(lambda: generate(prompt, tokens), repeats)
-    one = best_seconds(lambda: generate(prompt, 1), repeats)
-    return 1000 * (many - one) / (tokens - 1)
+        for _ in range(tokens):
+            logits, cache = step(logits[:, -1].argmax(dim=-1, keepdim=True), cache)
+    return 1000 * (time.perf_counter() - start) / tokens
 
 
 def main(argv=None):
@@ -105,23 +105,21 @@ def main(argv=None):
                        [[f"{n:,}", f"{kv / 2**20:.2f}", f"{state / 2**20:.2f}", f"{kv / state:.1f}x"]
                         for n, kv in memory.items()]))
 
-    wrapper = AutoregressiveWrapper(linear)
     floor = common.weight_floors(linear, "cpu")[0]
-
-    def library(prompt, tokens):
-        with torch.no_grad():
-            wrapper.generate(prompt, tokens, temperature=0.0, use_cache=True)
-
-    def transformers_(prompt, tokens):
-        with torch.no_grad():
-            hf.generate(prompt, max_new_tokens=tokens, min_new_tokens=tokens, do_sample=False,
-                        pad_token_id=config.eos_token_id)
-
+    sides = {
+        "library": (lambda x: linear(x, return_cache=True),
+                    lambda token, cache: linear(token, cache=cache, return_cache=True)),
+        "transformers": (lambda x: _hf_out(hf(x, use_cache=True)),
+                         lambda token, cache: _hf_out(hf(token, use_cache=True, **{CACHE_NAME: cache}))),
+    }
     rows, speed = [], {}
     for n in args.contexts:
         prompt = torch.randint(0, config.vocab_size, (1, n), generator=torch.Generator().manual_seed(n))
-        ours = per_token_ms(library, prompt, args.tokens, args.repeats)
-        theirs = per_token_ms(transformers_, prompt, args.tokens, args.repeats)
+        times = {name: [] for name in sides}
+        for _ in range(args.repeats):
+            for name, (prefill, step) in sides.items():
+                times[name].append(decode_ms(prefill, step, prompt, args.tokens))
+        ours, theirs = min(times["library"]), min(times["transformers"])
         speed[n] = {"library_ms": ours, "transformers_ms": theirs}
         rows.append([f"{n:,}", f"{ours:.1f}", f"{theirs:.1f}", f"{theirs / ours:.2f}x", f"{1000 * floor:.1f}"])
         print(rows[-1], flush=True)

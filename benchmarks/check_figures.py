@@ -19,6 +19,9 @@ RECOMMENDED = "use_gate=True,use_local_conv=True,feature_map=taylor,dim_qk=16"
 # (document, result name, the figure's key path in its figures (or a pair of paths: their
 # quotient), the quoted text with the figure as {})
 QUOTES = [
+    ("docs/pretrained.md", "linearize", ["perplexity", "linearized, after training"], "/ **{:.2f}** ("),
+    ("docs/pretrained.md", "linearize", ["ratio"], "({:.2f}x the original)"),
+    ("docs/pretrained.md", "linearize", ["perplexity", "original"], "full attention (`from_llama`) | {:.2f} |"),
     ("README.md", "lm_upstream", [f"speed vs upstream, {SAME_WORK}"], "**{:.1f}x upstream's speed"),
     ("README.md", "lm_upstream", [f"peak vs upstream, {SAME_WORK}"], "{:.2f}x its peak memory**"),
     ("README.md", "generate", ["speedup"], "**{:.0f}x faster**"),

