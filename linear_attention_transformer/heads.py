@@ -8,6 +8,9 @@ kind picks its form inside its forward: the one-token recurrence on a ``place.st
 chunked form, continued from the cache unless the sequence starts here.
 
 * ``LocalHeads``: an exact softmax inside a sliding window; its cache a ring of keys and values.
+* ``WindowLinearHeads``: the same window (and the first keys, sinks) by softmax, every older key
+  by linear attention through learnt features, one normalisation (``ops/window_linear.py``); its
+  cache the ring, the sinks and a linear state.
 * ``AdditiveHeads``: linear attention, S_t = a_t S_{t-1} + phi(k_t) v_tᵀ read normalised
   (``ops/causal``; without a causal order ``ops/linear_attention.py``).
 * ``DeltaHeads``: the delta rule (``ops/delta``), causal only.
