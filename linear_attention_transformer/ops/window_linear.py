@@ -11,8 +11,8 @@ key, S <= j <= i - W, through non-negative features: f(q_i)·f(k_j). One sum nor
 where the window holds the sinks too. m_i belongs to the function, as in LoLCATs: it sets the
 window's largest weight to 1, the scale the features learn to meet, and keeps every exponential
 at most 1. The sinks matter: a pretrained head often puts much of its weight on the first token,
-more than features bounded as f(q)·f(k) are can carry. Masked keys (padding) are in
-neither sum; a query that sees no key gets 0.
+more than bounded features can carry. Masked keys (padding) are in neither sum; a query that
+sees no key gets 0.
 
 The older part is causal linear attention over the keys delayed by W: query i reads the state
 after key i - W, kv = Σ f(k_j) v_jᵀ and z = Σ f(k_j) over j >= S. A decoder keeps the first S
