@@ -21,8 +21,8 @@ softmax heads turned into window + linear heads, trained by attention transfer, 
    PREFIX.finetune.pt.
 4. Perplexity on text the transfer did not train on, the Python Language Reference that pydoc
    ships (``--eval-windows`` windows of ``--eval-len`` tokens): the original, the window alone,
-   and the linearized model before and after (and at each of ``--eval-at`` minutes of training:
-   the curve).
+   the window and sinks alone, and the linearized model before and after (and at each of
+   ``--eval-at`` minutes of training: the curve).
 5. A greedy completion of ``--prompt`` by the linearized model, through its cache.
 6. ``--out DIR``: ``save_pretrained`` of the model and the tokenizer; after
    ``import linear_attention_transformer.hf``, ``AutoModelForCausalLM.from_pretrained(DIR)``
@@ -103,6 +103,21 @@ def perplexity(model, windows):
     return math.exp(sum(losses) / len(losses))
 
 
+def without_older_keys(model, measure):
+    """``measure()`` of ``model`` with its heads' weight on the older keys at 0: the window and
+    the sinks alone."""
+    weights = [layer.local_heads.older_log_weight for layer in model.transformer.attention_layers]
+    kept = [w.detach().clone() for w in weights]
+    with torch.no_grad():
+        for w in weights:
+            w.fill_(float("-inf"))
+        try:
+            return measure()
+        finally:
+            for w, value in zip(weights, kept):
+                w.copy_(value)
+
+
 def greedy(model, prompt, tokens):
     """``tokens`` greedy tokens after ``prompt`` (1, n), through the model's cache."""
     with torch.no_grad():
@@ -176,6 +191,8 @@ def main(argv=None):
           "of the Python Language Reference", flush=True)
     figures = report["perplexity"] = {"original": perplexity(original, windows),
                                       f"window {args.window} alone": perplexity(window_alone, windows),
+                                      f"window {args.window} and {args.sinks} sinks alone": without_older_keys(
+                                          linear, lambda: perplexity(linear, windows)),
                                       "linearized, before transfer": perplexity(linear, windows)}
     for name, value in figures.items():
         print(f"perplexity, {name}: {value:.2f}", flush=True)

@@ -417,7 +417,7 @@ def test_compare_scripts_default_to_the_built_in_corpus(tmp_path):
 @pytest.mark.requires("transformers", "safetensors")
 def test_linearize_script_converts_trains_measures_and_saves(tmp_path):
     """The recipe end to end on a tiny random Llama (the SmolLM2 run's figures are in
-    examples/README.md): perplexities for the four models, the curve, a folder that reloads."""
+    docs/pretrained.md): perplexities for the five models, the curve, a folder that reloads."""
     import torch
     from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
@@ -439,7 +439,8 @@ def test_linearize_script_converts_trains_measures_and_saves(tmp_path):
     subprocess.run(cmd, check=True, env=env, cwd=ROOT, capture_output=True, timeout=600)
     report = json.loads(figures.read_text())
     ppl = report["perplexity"]
-    assert set(ppl) == {"original", "window 8 alone", "linearized, before transfer", "linearized, after training"}
+    assert set(ppl) == {"original", "window 8 alone", "window 8 and 1 sinks alone", "linearized, before transfer",
+                        "linearized, after training"}
     assert all(1 < value < 1e4 for value in ppl.values())
     curve = report["curve"]
     assert [point["minutes"] for point in curve] == [0.5, 2]
