@@ -64,7 +64,8 @@ def llama_options(config):
     refusals = [
         (rope_type != "default", f"rope scaling (rope_type={rope_type!r}): the library's rotary angles are unscaled"),
         (getattr(config, "attention_bias", False), "attention_bias=True: the library's q, k, v have no bias"),
-        (getattr(config, "mlp_bias", False), "mlp_bias=True: mapped with bias=False, which has none"),
+        (getattr(config, "mlp_bias", False), "mlp_bias=True: the library's feed-forward has no bias without "
+         "the attention output's"),
         (getattr(config, "sliding_window", None) is not None,
          f"sliding_window={getattr(config, 'sliding_window', None)}: the import's window is max_position_embeddings"),
         (getattr(config, "attention_dropout", 0.0), f"attention_dropout={getattr(config, 'attention_dropout', 0.0)}: "
@@ -97,7 +98,7 @@ def from_llama(hf_model):
         raise TypeError(f"from_llama takes a Hugging Face LlamaForCausalLM, got {type(hf_model).__name__}")
     options = llama_options(config)
     source = hf_model.state_dict()
-    if "lm_head.weight" not in source and not options["tie_embedding"]:
+    if "model.embed_tokens.weight" not in source or ("lm_head.weight" not in source and not options["tie_embedding"]):
         raise ValueError("from_llama needs the model with its output layer (LlamaForCausalLM), got one without "
                          f"lm_head ({type(hf_model).__name__})")
     parameter = next(iter(source.values()))

@@ -184,20 +184,20 @@ class WindowLinearHeads(nn.Module):
         if place.step:
             return self._step(q, k, v, fq, place, cache)
         fk = self.key_features(k)
+        if cache is None:
+            return window_linear_attention(q, k, v, fq, fk, self.keys, mask, self.sinks, place.row_starts)
         n = q.shape[2]
         # each token's position in its row (counted from the row's first real column); a key's NO_KEY where masked
         at = place.positions(n, q.device).expand(q.shape[0], n)
         positions = at if mask is None else torch.where(mask, at, NO_KEY)
-        if cache is None or place.position == 0:
+        if place.position == 0:
             out = window_linear_attention(q, k, v, fq, fk, self.keys, mask, self.sinks, place.row_starts)
-            if cache is not None:  # the keys before the ring's, sinks aside, into the state
-                older = torch.arange(n, device=q.device) < n - self.keys
-                self._fold(cache, fk, v, older & (positions >= self.sinks))
+            # the keys before the ring's, sinks aside, into the state
+            self._fold(cache, fk, v, (torch.arange(n, device=q.device) < n - self.keys) & (positions >= self.sinks))
         else:
             out = self._continued(q, k, v, fq, fk, at, positions, cache)
-        if cache is not None:
-            cache.ring.write(k, v, place.position, mask, place.row_starts)
-            self._write_sinks(cache, k, v, positions)
+        cache.ring.write(k, v, place.position, mask, place.row_starts)
+        self._write_sinks(cache, k, v, positions)
         return out
 
     def _step(self, q, k, v, fq, place, cache):

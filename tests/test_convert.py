@@ -132,6 +132,8 @@ def test_other_architectures_and_bare_bodies_refused():
         from_llama(mistral)
     with pytest.raises(ValueError, match="lm_head"):
         from_llama(LlamaModel(llama().config))
+    with pytest.raises(ValueError, match="lm_head"):  # (tied: the body alone lacks its output layer all the same)
+        from_llama(LlamaModel(llama(tie_word_embeddings=True).config))
     with pytest.raises(TypeError, match="LlamaForCausalLM"):
         from_llama(torch.nn.Linear(2, 2))
 

@@ -90,8 +90,6 @@ def windowed_attention(q, k, v, window, key_mask=None, segments=None):
     segments), padded and masked."""
     b, _, n, _ = q.shape
     if n < window.size:  # one window holds the sequence, and sees all of it: blocks of n, not n padded to w
-        if window.causal and key_mask is None and segments is None:  # (plain causal softmax attention)
-            return F.scaled_dot_product_attention(q, k, v, is_causal=True)
         window = window._replace(size=n, look_backward=0, look_forward=0, exact=False)
     w = window.size
     runs = None if segments is None else segment_runs(segments)

@@ -104,7 +104,8 @@ def test_state_after_a_non_finite_token_is_not_finite(causal_form, exp_features)
 
 
 @pytest.mark.parametrize("bad_value", [float("nan"), float("inf")])
-@pytest.mark.parametrize("window", [Window(4, 1, 0, True, False), Window(4, 2, 0, True, True)])
+@pytest.mark.parametrize("window", [Window(4, 1, 0, True, False), Window(4, 2, 0, True, True),
+                                    Window(32, 1, 0, True, True)], ids=str)  # (the last: longer than the sequence)
 @pytest.mark.parametrize("packed", [False, True])
 def test_windowed_heads_keep_a_later_non_finite_token_out(bad_value, window, packed):
     g = torch.Generator().manual_seed(5)
