@@ -11,12 +11,15 @@ softmax heads turned into window + linear heads, trained by attention transfer, 
 2. ``convert.from_llama``: the same model as this library's (every head a softmax head over the
    whole length); ``convert.linearize``: each head sees the last ``--window`` tokens and the
    first ``--sinks`` by softmax, every other older token by linear attention through learnt
-   features, one normalisation.
+   features, one normalisation. ``--mixed N`` makes this library's own mixed layer instead
+   (``convert.mix``): N heads of each layer keep the window, the others become global linear
+   heads (``--update-rule``, ``--feature-map``, ``--gates``, ``--conv``); the same training follows.
 3. Training, within ``--minutes`` in all, on ``--seq-len``-token slices of text built here
    (license texts, IDLE's text files and the standard library's docstrings:
    ``make_local_corpus.py``): ``convert.transfer_attention`` for ``--transfer-minutes`` (the new
    parameters alone, each layer's output brought to the softmax layer's), then
-   ``convert.finetune`` for the rest (with the attention projections, on the next-token loss).
+   ``convert.finetune`` for the rest (with the attention projections, on the next-token loss),
+   under bfloat16 autocast where the CPU has bfloat16 instructions (``--autocast``).
    ``--checkpoint PREFIX`` resumes an interrupted run from PREFIX.transfer.pt and
    PREFIX.finetune.pt.
 4. Perplexity on text the transfer did not train on, the Python Language Reference that pydoc
@@ -43,7 +46,8 @@ from pathlib import Path
 import torch
 
 from linear_attention_transformer import LinearAttentionTransformerLM
-from linear_attention_transformer.convert import finetune, from_llama, linearize, transfer_attention
+from linear_attention_transformer.convert import (added_parameters, finetune, from_llama, linearize, mix,
+                                                   transfer_attention)
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import make_local_corpus  # noqa: E402
@@ -130,6 +134,14 @@ def greedy(model, prompt, tokens):
     return torch.cat(out, dim=1)
 
 
+def training_dtype(choice):
+    """The autocast dtype of the training for ``--autocast``: None (float32) or torch.bfloat16."""
+    if choice == "auto":  # (bfloat16 without its instructions is emulated, slower than float32)
+        has_bf16 = getattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)()
+        choice = "bfloat16" if has_bf16 else "none"
+    return torch.bfloat16 if choice == "bfloat16" else None
+
+
 def progress(what):
     """A printer of every tenth step's loss, with the seconds since it was made."""
     started = time.monotonic()
@@ -149,11 +161,20 @@ def main(argv=None):
     parser.add_argument("--window", type=int, default=64, help="the softmax window of each head")
     parser.add_argument("--sinks", type=int, default=4, help="the first tokens every head keeps in its softmax")
     parser.add_argument("--feature-dim", type=int, help="each feature map's size (default: the head width)")
+    parser.add_argument("--mixed", type=int, metavar="N",
+                        help="instead, this library's mixed layer (convert.mix): N heads of each layer keep the "
+                             "window, the others become global linear heads")
+    parser.add_argument("--update-rule", choices=("additive", "delta"), help="the global heads' rule (with --mixed)")
+    parser.add_argument("--feature-map", help="the additive global heads' feature map (with --mixed)")
+    parser.add_argument("--gates", action="store_true", help="forget and output gates (with --mixed)")
+    parser.add_argument("--conv", action="store_true", help="the global heads' local convolution (with --mixed)")
     parser.add_argument("--minutes", type=float, default=30.0, help="the training's time budget, both stages")
-    parser.add_argument("--transfer-minutes", type=float, help="attention transfer's share (default: a third)")
+    parser.add_argument("--transfer-minutes", type=float, help="attention transfer's share (default: a sixth)")
     parser.add_argument("--steps", type=int, nargs=2, metavar=("TRANSFER", "FINETUNE"),
                         help="stop each stage after this many steps instead")
-    parser.add_argument("--seq-len", type=int, default=512, help="tokens per training slice")
+    parser.add_argument("--seq-len", type=int, default=1024,
+                        help="tokens per training slice (as long as the evaluation's windows: the heads then "
+                             "learn to read as many older keys as they are measured on)")
     parser.add_argument("--lr", type=float, default=1e-2, help="attention transfer's learning rate")
     parser.add_argument("--finetune-lr", type=float, default=1e-4)
     parser.add_argument("--train-chars", type=int, default=3_000_000, help="characters of training text")
@@ -168,9 +189,17 @@ def main(argv=None):
     parser.add_argument("--out", type=Path, help="save the linearized model and the tokenizer here")
     parser.add_argument("--json", type=Path, help="write the figures here")
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--autocast", choices=("auto", "bfloat16", "none"), default="auto",
+                        help="the training's compute dtype: 'auto' takes bfloat16 where the CPU has bfloat16 "
+                             "instructions (AVX512-BF16), float32 elsewhere")
     args = parser.parse_args(argv)
     if any(m < args.minutes for m in args.eval_at) and args.checkpoint is None:
         parser.error("--eval-at needs --checkpoint (each part of the training resumes from it)")
+    settings = (("update_rule", args.update_rule), ("feature_map", args.feature_map), ("use_gate", args.gates),
+                ("use_local_conv", args.conv))
+    global_heads = {name: value for name, value in settings if value}
+    if global_heads and args.mixed is None:
+        parser.error("--update-rule, --feature-map, --gates and --conv are settings of --mixed's global heads")
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     report = {"args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}}
@@ -179,7 +208,10 @@ def main(argv=None):
     checkpoint, tokenizer = load_checkpoint(args.checkpoint_from or wheel_gguf())
     original = from_llama(checkpoint)
     del checkpoint
-    linear = linearize(original, window=args.window, sinks=args.sinks, feature_dim=args.feature_dim)
+    if args.mixed is None:
+        linear = linearize(original, window=args.window, sinks=args.sinks, feature_dim=args.feature_dim)
+    else:
+        linear = mix(original, args.mixed, window=args.window, **global_heads)
     window_alone = LinearAttentionTransformerLM(**{**original.options, "local_attn_window_size": args.window}).eval()
     window_alone.load_state_dict(original.state_dict())
     print(f"loaded and converted in {time.monotonic() - began:.0f} s", flush=True)
@@ -190,23 +222,28 @@ def main(argv=None):
     print(f"{train.numel():,} training tokens; evaluation: {args.eval_windows} x {args.eval_len} tokens "
           "of the Python Language Reference", flush=True)
     figures = report["perplexity"] = {"original": perplexity(original, windows),
-                                      f"window {args.window} alone": perplexity(window_alone, windows),
-                                      f"window {args.window} and {args.sinks} sinks alone": without_older_keys(
-                                          linear, lambda: perplexity(linear, windows)),
-                                      "linearized, before transfer": perplexity(linear, windows)}
+                                      f"window {args.window} alone": perplexity(window_alone, windows)}
+    if args.mixed is None:
+        figures[f"window {args.window} and {args.sinks} sinks alone"] = without_older_keys(
+            linear, lambda: perplexity(linear, windows))
+    figures["linearized, before transfer"] = perplexity(linear, windows)
     for name, value in figures.items():
         print(f"perplexity, {name}: {value:.2f}", flush=True)
     del window_alone
 
-    transfer_minutes = args.minutes / 3 if args.transfer_minutes is None else args.transfer_minutes
+    transfer_minutes = args.minutes / 6 if args.transfer_minutes is None else args.transfer_minutes
+    if not added_parameters(linear):  # (global heads without gates: nothing new for attention transfer to train)
+        transfer_minutes = 0.0
     steps = (None, None) if args.steps is None else args.steps
+    autocast = training_dtype(args.autocast)
+    report["autocast"] = str(autocast)
     stages = [  # (name, minutes, run: (minutes, checkpoint) -> the stage's losses so far)
         ("transfer", transfer_minutes, lambda minutes, file: transfer_attention(
             linear, original, slices(train, args.seq_len, seed=1), steps=steps[0], minutes=minutes, lr=args.lr,
-            checkpoint=file, on_step=progress("attention transfer, layer error"))),
+            checkpoint=file, on_step=progress("attention transfer, layer error"), autocast=autocast)),
         ("finetune", args.minutes - transfer_minutes, lambda minutes, file: finetune(
             linear, slices(train, args.seq_len, seed=2), steps=steps[1], minutes=minutes, lr=args.finetune_lr,
-            checkpoint=file, on_step=progress("fine-tuning, next-token loss"))),
+            checkpoint=file, on_step=progress("fine-tuning, next-token loss"), autocast=autocast)),
     ]
     curve, losses, done = [], {}, {name: 0.0 for name, *_ in stages}
     for stop in sorted(m for m in args.eval_at if m < args.minutes) + [args.minutes]:

@@ -36,7 +36,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from .heads import WindowLinearHeads
+from .attention import Attention
 from .lm import LinearAttentionTransformerLM
 from .ops.common import check_int
 from .place import PLAIN
@@ -145,36 +145,65 @@ def linearize(model, window=64, sinks=4, feature_dim=None):
     """A copy of ``model`` whose heads see the last ``window`` keys and the first ``sinks`` by
     softmax and every other older key by linear attention through learnt features of
     ``feature_dim`` (default: the heads' width), under one normalisation
-    (``local_attn_older_keys='linear'``). Every weight of
-    ``model`` is kept; the features start at the identity (``heads.HedgehogFeatures``), untrained
-    (``transfer_attention`` trains them). ``model``: causal, every head a local head with an
-    exact window, as ``from_llama`` returns it."""
+    (``local_attn_older_keys='linear'``). Every weight of ``model`` is kept; the features start
+    at the identity (``heads.HedgehogFeatures``), untrained (``transfer_attention`` trains
+    them). ``model``: causal, every head a local head with an exact window, as ``from_llama``
+    returns it."""
+    return _rebuilt(model, "linearize", window, local_attn_older_keys="linear", local_attn_feature_dim=feature_dim,
+                    local_attn_sinks=sinks)
+
+
+# what ``mix`` passes on to the global heads: the options of their kind, nothing that changes a shape
+GLOBAL_HEAD_OPTIONS = ("feature_map", "update_rule", "use_gate", "gate_rank", "gate_temperature", "gate_granularity",
+                       "use_local_conv", "local_conv_kernel")
+
+
+def mix(model, n_local_attn_heads, window=64, **global_heads):
+    """A copy of ``model`` made of this library's mixed layer: in every layer the first
+    ``n_local_attn_heads`` heads keep their softmax over the last ``window`` keys, the others
+    become global linear heads over the whole sequence, with the options ``global_heads`` (of
+    ``GLOBAL_HEAD_OPTIONS``: feature map, update rule, gates, convolution; docs/layers.md). Every
+    weight of ``model`` is kept; what the global heads add (gates, convolution, the delta rule's
+    writing strength) starts as the library initialises it. ``model`` as ``linearize`` takes it."""
+    unknown = sorted(set(global_heads) - set(GLOBAL_HEAD_OPTIONS))
+    if unknown:
+        raise TypeError(f"mix takes the global heads' options {GLOBAL_HEAD_OPTIONS}, not {unknown}")
+    heads = model.options.get("heads", model.transformer.attention_layers[0].heads)
+    if not isinstance(n_local_attn_heads, int) or not 0 <= n_local_attn_heads < heads:
+        raise ValueError(f"n_local_attn_heads must be an int from 0 to heads - 1 ({heads - 1}): the heads kept "
+                         f"local; the others become global, got {n_local_attn_heads!r}")
+    return _rebuilt(model, "mix", window, n_local_attn_heads=n_local_attn_heads, **global_heads)
+
+
+def _rebuilt(model, what, window, **changes):
+    """``model`` rebuilt with a local window of ``window`` and the options ``changes``, carrying
+    every weight over; what the new layers add starts as initialised."""
     options = dict(model.options)
     heads = options.get("heads", model.transformer.attention_layers[0].heads)
     if not (options.get("causal") and options.get("n_local_attn_heads") == heads
             and options.get("local_attn_exact_windowsize") and not options.get("local_attn_older_keys")):
-        raise ValueError("linearize turns softmax heads into window + linear heads: it takes a causal model whose "
-                         "every head is a local head with an exact window (n_local_attn_heads == heads, "
+        raise ValueError(f"{what} turns softmax heads into other heads: it takes a causal model whose every head is "
+                         "a local head with an exact window (n_local_attn_heads == heads, "
                          "local_attn_exact_windowsize=True), as from_llama returns")
     for name in ("shift_tokens", "reversible", "receives_context", "attend_axially"):
         if options.get(name):  # (attention transfer reads each layer's input as a plain stack passes it on)
-            raise ValueError(f"linearize takes a plain stack of attention and feed-forward layers, not {name}=True")
+            raise ValueError(f"{what} takes a plain stack of attention and feed-forward layers, not {name}=True")
     check_int("window", window)
-    options.update(local_attn_window_size=window, local_attn_older_keys="linear", local_attn_feature_dim=feature_dim,
-                   local_attn_sinks=sinks)
+    options.update(local_attn_window_size=window, **changes)
     parameter = next(model.parameters())
-    linear = LinearAttentionTransformerLM(**options).to(parameter.device, parameter.dtype)
-    missing, unexpected = linear.load_state_dict(model.state_dict(), strict=False)
-    if unexpected or set(missing) != set(linear_parameters(linear)):
-        raise RuntimeError(f"linearize: weights not carried over: {unexpected or missing}")
-    return linear.eval()
+    rebuilt = LinearAttentionTransformerLM(**options).to(parameter.device, parameter.dtype)
+    missing, unexpected = rebuilt.load_state_dict(model.state_dict(), strict=False)
+    if unexpected or set(missing) != set(added_parameters(rebuilt)):
+        raise RuntimeError(f"{what}: weights not carried over: {unexpected or missing}")
+    return rebuilt.eval()
 
 
-def linear_parameters(model):
-    """The parameters ``linearize`` added, by name: each layer's feature maps of queries and
-    keys, and its heads' weights on their older keys."""
-    return {f"{owner}.{name}": p for owner, module in model.named_modules() if isinstance(module, WindowLinearHeads)
-            for name, p in module.named_parameters()}
+def added_parameters(model):
+    """The parameters ``linearize`` or ``mix`` added, by name: whatever an attention layer holds
+    beyond its projections (q, k, v and output), which a softmax layer has alone: feature maps,
+    weights on older keys, gates, convolutions."""
+    return {f"{owner}.{name}": p for owner, layer in model.named_modules() if isinstance(layer, Attention)
+            for name, p in layer.named_parameters() if not name.startswith("to_")}
 
 
 def attention_pairs(teacher, student, x):
@@ -199,14 +228,14 @@ def attention_pairs(teacher, student, x):
 
 
 def transfer_attention(student, teacher, batches, steps=None, minutes=None, lr=1e-2, checkpoint=None,
-                       save_every=50, on_step=None):
-    """Attention transfer: train the student's new parameters (``linear_parameters``) alone, so
+                       save_every=50, on_step=None, autocast=None):
+    """Attention transfer: train the student's new parameters (``added_parameters``) alone, so
     that each attention layer's output matches the teacher's on the teacher's input to that
     layer (mean squared error; the teacher frozen, each layer's graph freed once its gradient is
     taken). AdamW at ``lr``.
 
     Args:
-        student: ``linearize(teacher, ...)``. teacher: the softmax model.
+        student: ``linearize(teacher, ...)`` or ``mix(teacher, ...)``. teacher: the softmax model.
         batches: an iterable of (b, n) token tensors, the same sequence on every run (a resumed
             run skips the batches it has seen).
         steps / minutes: stop after that many steps in all / minutes of this run (or when the
@@ -215,49 +244,61 @@ def transfer_attention(student, teacher, batches, steps=None, minutes=None, lr=1
             ``save_every`` steps and at the end (the parameters trained, the optimiser, the
             losses).
         on_step: called with (step, loss) after each step (a progress bar).
+        autocast: a dtype (``torch.bfloat16``): the forward and backward run under
+            ``torch.autocast`` in it, the parameters and their optimiser stay in theirs. On a
+            CPU with bfloat16 instructions (AVX512-BF16, AMX) a step costs less.
     Returns the loss (the mean over the layers) of every step, the resumed ones included."""
-    params = linear_parameters(student)
+    params = added_parameters(student)
     if not params:
-        raise ValueError("the student has no window + linear heads to train: pass linearize(teacher)")
+        raise ValueError("the student adds no parameters to the teacher's attention, so attention transfer has "
+                         "nothing to train: pass linearize(teacher), or mix(teacher, ...) with gates or a convolution")
 
     def step(x):
         total = 0.0
-        with torch.no_grad():
+        with torch.no_grad(), _autocast(autocast, x):
             pairs = list(attention_pairs(teacher, student, x))
         for normed, target, layer, place in pairs:
-            loss = F.mse_loss(layer.attend(normed, place), target)
+            with _autocast(autocast, normed):
+                out = layer.attend(normed, place)
+            loss = F.mse_loss(out.float(), target.float())
             loss.backward()
             total += loss.item()
         return total / len(pairs)
 
-    return _train((student, teacher), params, step, batches, steps, minutes, lr, checkpoint, save_every, on_step)
+    return _train((student, teacher), params, step, batches, steps, minutes, lr, checkpoint, save_every, on_step,
+                  autocast)
 
 
-def finetune(model, batches, steps=None, minutes=None, lr=1e-4, checkpoint=None, save_every=50, on_step=None):
-    """Fine-tune a linearized model with the next-token loss, after ``transfer_attention``:
-    its new parameters (``linear_parameters``) and every attention layer's projections (q, k, v
-    and output) train, the rest stays as it was. Arguments and return value as
-    ``transfer_attention``'s (the loss: the mean next-token cross-entropy)."""
-    params = linear_parameters(model)
-    if not params:
-        raise ValueError("finetune trains a linearized model's attention: pass linearize(...)'s model")
-    for i, layer in enumerate(model.transformer.attention_layers):
-        params.update({f"attention.{i}.{name}": p for name, p in layer.named_parameters() if name.startswith("to_")})
+def finetune(model, batches, steps=None, minutes=None, lr=1e-4, checkpoint=None, save_every=50, on_step=None,
+             autocast=None):
+    """Fine-tune a linearized or mixed model with the next-token loss, after
+    ``transfer_attention``: every attention layer's parameters train (its projections, q, k, v
+    and output, and what ``linearize`` or ``mix`` added), the rest stays as it was. Arguments and
+    return value as ``transfer_attention``'s (the loss: the mean next-token cross-entropy)."""
+    params = {f"{owner}.{name}": p for owner, layer in model.named_modules() if isinstance(layer, Attention)
+              for name, p in layer.named_parameters()}
 
     def step(x):
-        logits = model(x[:, :-1])
-        loss = F.cross_entropy(logits.flatten(0, 1), x[:, 1:].flatten())
+        with _autocast(autocast, x):
+            logits = model(x[:, :-1])
+        loss = F.cross_entropy(logits.flatten(0, 1).float(), x[:, 1:].flatten())
         loss.backward()
         return loss.item()
 
-    return _train((model,), params, step, batches, steps, minutes, lr, checkpoint, save_every, on_step)
+    return _train((model,), params, step, batches, steps, minutes, lr, checkpoint, save_every, on_step, autocast)
 
 
-def _train(models, params, step, batches, steps, minutes, lr, checkpoint, save_every, on_step):
+def _autocast(dtype, x):
+    return torch.autocast(x.device.type, dtype=dtype, enabled=dtype is not None)
+
+
+def _train(models, params, step, batches, steps, minutes, lr, checkpoint, save_every, on_step, autocast):
     """The loop both trainings share: ``step(x)`` computes a batch's gradients of ``params``
     (a dict by name: the only parameters of ``models`` that train) and returns its loss; AdamW
     at ``lr``; resumed from and saved to ``checkpoint``; ``models`` in eval mode meanwhile (no
     dropout), their modes and ``requires_grad`` flags restored after."""
+    if autocast is not None and not (isinstance(autocast, torch.dtype) and autocast.is_floating_point):
+        raise TypeError(f"autocast must be None or a floating torch.dtype (torch.bfloat16), got {autocast!r}")
     optimizer = torch.optim.AdamW(params.values(), lr=lr, weight_decay=0.0)
     losses = []
     if checkpoint is not None and os.path.exists(checkpoint):

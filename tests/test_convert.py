@@ -203,7 +203,7 @@ def test_attention_transfer_lowers_the_layer_error_and_trains_only_the_features(
 
 
 def test_attention_transfer_resumes_where_it_stopped(tmp_path):
-    from linear_attention_transformer.convert import linear_parameters, transfer_attention
+    from linear_attention_transformer.convert import added_parameters, transfer_attention
 
     teacher, whole = linearized()
     _, resumed = linearized()
@@ -211,7 +211,7 @@ def test_attention_transfer_resumes_where_it_stopped(tmp_path):
     checkpoint = tmp_path / "transfer.pt"
     transfer_attention(resumed, teacher, batches(), steps=3, checkpoint=checkpoint)
     assert transfer_attention(resumed, teacher, batches(), steps=6, checkpoint=checkpoint) == expected
-    for (name, a), b in zip(linear_parameters(whole).items(), linear_parameters(resumed).values()):
+    for (name, a), b in zip(added_parameters(whole).items(), added_parameters(resumed).values()):
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12, msg=name)
 
 
@@ -241,3 +241,102 @@ def test_finetune_lowers_the_next_token_loss_and_trains_the_attention_alone(tmp_
     assert any(".to_q." in name for name in changed) and any(".local_heads." in name for name in changed)
     assert all(".local_heads." in name or ".fn.to_" in name for name in changed)
     assert finetune(student, (text for _ in range(30)), steps=30, checkpoint=tmp_path / "f.pt") == losses  # done
+
+
+# -- the library's own mixed layer ----------------------------------------------------------------
+
+def heads_outputs(model, x):
+    """Every attention layer's heads' outputs side by side, (b, n, heads * dim_head): the input of
+    its output projection."""
+    seen = []
+    hooks = [layer.to_out.register_forward_pre_hook(lambda _, args: seen.append(args[0]))
+             for layer in model.transformer.attention_layers]
+    with torch.no_grad():
+        model(x)
+    for hook in hooks:
+        hook.remove()
+    return seen
+
+
+def test_mix_keeps_every_weight_and_its_local_heads_are_the_teachers_within_their_window():
+    from linear_attention_transformer.convert import added_parameters, from_llama, mix
+
+    teacher = from_llama(llama())
+    student = mix(teacher, 2, window=16, feature_map="elu", use_local_conv=True)
+    x = tokens((2, 16))
+    dim_head = SMALL["hidden_size"] // SMALL["num_attention_heads"]
+    # (the first layer's: the global heads change what every later layer reads)
+    mine, theirs = heads_outputs(student, x)[0], heads_outputs(teacher, x)[0]
+    torch.testing.assert_close(mine[..., : 2 * dim_head], theirs[..., : 2 * dim_head], rtol=1e-12, atol=1e-12)
+    assert not torch.allclose(mine[..., 2 * dim_head :], theirs[..., 2 * dim_head :], rtol=1e-3, atol=1e-3)
+    taught = teacher.state_dict()
+    for name, value in student.state_dict().items():
+        if name in taught:
+            assert torch.equal(value, taught[name]), name
+    added = added_parameters(student)
+    assert added and all(".global_heads." in name for name in added)
+    assert set(added) == set(student.state_dict()) - set(taught)
+    layer = student.transformer.attention_layers[0]
+    assert (layer.n_local, layer.update_rule) == (2, "additive") and student.options["feature_map"] == "elu"
+
+
+def test_mix_refuses_what_it_cannot_build_by_name():
+    from linear_attention_transformer.convert import from_llama, mix
+
+    teacher = from_llama(llama())
+    with pytest.raises(TypeError, match=r"not \['dim_qk'\]"):
+        mix(teacher, 2, dim_qk=4)
+    for n_local in (6, -1, 2.0):
+        with pytest.raises(ValueError, match="n_local_attn_heads"):
+            mix(teacher, n_local)
+    with pytest.raises(ValueError, match="update_rule"):
+        mix(teacher, 2, update_rule="hebbian")
+    with pytest.raises(ValueError, match="n_local_attn_heads == heads"):
+        mix(mix(teacher, 2), 2)
+
+
+def test_attention_transfer_trains_a_mixed_models_gates_alone_and_refuses_one_with_nothing_added():
+    from linear_attention_transformer.convert import from_llama, mix, transfer_attention
+
+    teacher = from_llama(llama())
+    student = mix(teacher, 2, window=8, update_rule="delta", use_gate=True)
+    before = {name: p.detach().clone() for name, p in student.named_parameters()}
+    held_out = tokens((2, 40), seed=9)
+    error = layer_error(teacher, student, held_out)
+    losses = transfer_attention(student, teacher, batches(), steps=30, lr=0.05)
+    assert sum(losses[-5:]) < sum(losses[:5]) and layer_error(teacher, student, held_out) < error
+    changed = {name for name, p in student.named_parameters() if not torch.equal(p, before[name])}
+    assert changed and all(".global_heads." in name or ".output_gate." in name for name in changed)
+    with pytest.raises(ValueError, match="nothing to train"):
+        transfer_attention(mix(teacher, 2), teacher, batches(), steps=1)
+
+
+def test_finetune_trains_a_mixed_models_attention_and_lowers_its_loss():
+    from linear_attention_transformer.convert import finetune, from_llama, mix
+
+    student = mix(from_llama(llama()), 3, window=8)  # (nothing added: the projections alone train)
+    before = {name: p.detach().clone() for name, p in student.named_parameters()}
+    text = tokens((2, 40), seed=3)
+    losses = finetune(student, (text for _ in range(30)), steps=30, lr=1e-2)
+    assert losses[-1] < 0.9 * losses[0]
+    changed = {name for name, p in student.named_parameters() if not torch.equal(p, before[name])}
+    assert changed and all(".fn.to_" in name for name in changed)
+
+
+def test_training_under_autocast_keeps_the_parameters_and_follows_the_float32_run():
+    from linear_attention_transformer.convert import finetune, transfer_attention
+
+    runs = {}
+    for autocast in (None, torch.bfloat16):
+        teacher, student = linearized()
+        teacher, student = teacher.float(), student.float()
+        text = tokens((2, 40), seed=3)
+        runs[autocast] = (transfer_attention(student, teacher, batches(), steps=5, lr=0.05, autocast=autocast),
+                          finetune(student, (text for _ in range(20)), steps=20, lr=1e-2, autocast=autocast))
+        assert all(p.dtype == torch.float32 for p in student.parameters())
+    (transfer, tuned), (transfer16, tuned16) = runs[None], runs[torch.bfloat16]
+    assert transfer16 != transfer and tuned16 != tuned  # (bfloat16 did compute)
+    torch.testing.assert_close(torch.tensor(transfer16), torch.tensor(transfer), rtol=0.05, atol=0)
+    assert tuned16[-1] < 0.9 * tuned16[0] and abs(tuned16[-1] - tuned[-1]) < 0.05 * tuned[-1]
+    with pytest.raises(TypeError, match="autocast"):
+        finetune(student, (text for _ in range(2)), steps=1, autocast="bfloat16")

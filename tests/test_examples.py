@@ -414,12 +414,10 @@ def test_compare_scripts_default_to_the_built_in_corpus(tmp_path):
     assert compare_variants.build_parser().parse_args([]).data is None
 
 
-@pytest.mark.requires("transformers", "safetensors")
-def test_linearize_script_converts_trains_measures_and_saves(tmp_path):
-    """The recipe end to end on a tiny random Llama (the SmolLM2 run's figures are in
-    docs/pretrained.md): perplexities for the five models, the curve, a folder that reloads."""
+def tiny_llama_folder(tmp_path):
+    """A tiny random Llama checkpoint with a byte tokenizer, saved as transformers saves one."""
     import torch
-    from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaConfig, LlamaForCausalLM
 
     from linear_attention_transformer.hf import byte_tokenizer
 
@@ -429,6 +427,16 @@ def test_linearize_script_converts_trains_measures_and_saves(tmp_path):
     source = tmp_path / "llama"
     llama.save_pretrained(source)
     byte_tokenizer().save_pretrained(source)
+    return source
+
+
+@pytest.mark.requires("transformers", "safetensors")
+def test_linearize_script_converts_trains_measures_and_saves(tmp_path):
+    """The recipe end to end on a tiny random Llama (the SmolLM2 run's figures are in
+    docs/pretrained.md): perplexities for the five models, the curve, a folder that reloads."""
+    from transformers import AutoModelForCausalLM
+
+    source = tiny_llama_folder(tmp_path)
     out, figures = tmp_path / "linear", tmp_path / "figures.json"
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
     cmd = [sys.executable, str(EXAMPLES / "linearize.py"), "--checkpoint-from", str(source), "--window", "8",
@@ -450,3 +458,28 @@ def test_linearize_script_converts_trains_measures_and_saves(tmp_path):
 
     loaded = AutoModelForCausalLM.from_pretrained(out)
     assert loaded.model.options["local_attn_older_keys"] == "linear" and loaded.model.options["local_attn_sinks"] == 1
+
+
+@pytest.mark.requires("transformers", "safetensors")
+def test_linearize_script_makes_the_librarys_mixed_layer_with_mixed(tmp_path):
+    """--mixed: global heads without gates add nothing for attention transfer, so all the
+    training is fine-tuning; the folder holds the mixed model."""
+    from transformers import AutoModelForCausalLM
+
+    source, out, figures = tiny_llama_folder(tmp_path), tmp_path / "mixed", tmp_path / "figures.json"
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    cmd = [sys.executable, str(EXAMPLES / "linearize.py"), "--checkpoint-from", str(source), "--window", "8",
+           "--mixed", "2", "--feature-map", "elu", "--steps", "4", "3", "--minutes", "1", "--seq-len", "48",
+           "--train-chars", "20000", "--eval-windows", "1", "--eval-len", "64", "--new-tokens", "4", "--threads", "1",
+           "--out", str(out), "--json", str(figures)]
+    subprocess.run(cmd, check=True, env=env, cwd=ROOT, capture_output=True, timeout=600)
+    report = json.loads(figures.read_text())
+    assert set(report["perplexity"]) == {"original", "window 8 alone", "linearized, before transfer",
+                                         "linearized, after training"}
+    assert report["curve"][-1]["steps"] == {"finetune": 3}
+    import linear_attention_transformer.hf  # noqa: F401  (registers the model with transformers)
+
+    options = AutoModelForCausalLM.from_pretrained(out).model.options
+    assert (options["n_local_attn_heads"], options["feature_map"], options["local_attn_window_size"]) == (2, "elu", 8)
+    refused = subprocess.run(cmd[:6] + ["--gates"], env=env, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert refused.returncode == 2 and "settings of --mixed" in refused.stderr  # (the global heads' setting alone)
