@@ -25,6 +25,10 @@ keeps every pretrained weight; ``transfer_attention`` trains the new parameters 
 each layer's output matches the softmax layer's on the same input (attention transfer), and
 ``finetune`` then trains them with the attention projections on the next-token loss (LoLCATs'
 two stages, the second on selected parameters rather than low-rank adapters).
+
+``mix(model, n_local_attn_heads, window)`` makes of it this library's own mixed layer instead:
+some heads of each layer keep their softmax window, the others become global linear heads
+(additive or delta rule, gated or not), trained by the same two stages.
 """
 
 from __future__ import annotations
