@@ -153,8 +153,9 @@ def linearize(model, window=64, sinks=4, feature_dim=None):
     at the identity (``heads.HedgehogFeatures``), untrained (``transfer_attention`` trains
     them). ``model``: causal, every head a local head with an exact window, as ``from_llama``
     returns it."""
-    return _rebuilt(model, "linearize", window, local_attn_older_keys="linear", local_attn_feature_dim=feature_dim,
-                    local_attn_sinks=sinks)
+    check_int("window", window)
+    return _rebuilt(model, "linearize", local_attn_window_size=window, local_attn_older_keys="linear",
+                    local_attn_feature_dim=feature_dim, local_attn_sinks=sinks)
 
 
 # what ``mix`` passes on to the global heads: the options of their kind, nothing that changes a shape
@@ -176,12 +177,17 @@ def mix(model, n_local_attn_heads, window=64, **global_heads):
     if not isinstance(n_local_attn_heads, int) or not 0 <= n_local_attn_heads < heads:
         raise ValueError(f"n_local_attn_heads must be an int from 0 to heads - 1 ({heads - 1}): the heads kept "
                          f"local; the others become global, got {n_local_attn_heads!r}")
-    return _rebuilt(model, "mix", window, n_local_attn_heads=n_local_attn_heads, **global_heads)
+    check_int("window", window)
+    if not n_local_attn_heads:  # (no local head left: no window to set)
+        return _rebuilt(model, "mix", drop=("local_attn_window_size", "local_attn_exact_windowsize"),
+                        n_local_attn_heads=0, **global_heads)
+    return _rebuilt(model, "mix", local_attn_window_size=window, n_local_attn_heads=n_local_attn_heads,
+                    **global_heads)
 
 
-def _rebuilt(model, what, window, **changes):
-    """``model`` rebuilt with a local window of ``window`` and the options ``changes``, carrying
-    every weight over; what the new layers add starts as initialised."""
+def _rebuilt(model, what, drop=(), **changes):
+    """``model`` rebuilt with the options ``changes`` and without those named in ``drop``,
+    carrying every weight over; what the new layers add starts as initialised."""
     options = dict(model.options)
     heads = options.get("heads", model.transformer.attention_layers[0].heads)
     if not (options.get("causal") and options.get("n_local_attn_heads") == heads
@@ -192,8 +198,9 @@ def _rebuilt(model, what, window, **changes):
     for name in ("shift_tokens", "reversible", "receives_context", "attend_axially"):
         if options.get(name):  # (attention transfer reads each layer's input as a plain stack passes it on)
             raise ValueError(f"{what} takes a plain stack of attention and feed-forward layers, not {name}=True")
-    check_int("window", window)
-    options.update(local_attn_window_size=window, **changes)
+    options.update(changes)
+    for name in drop:
+        options.pop(name, None)
     parameter = next(model.parameters())
     rebuilt = LinearAttentionTransformerLM(**options).to(parameter.device, parameter.dtype)
     missing, unexpected = rebuilt.load_state_dict(model.state_dict(), strict=False)

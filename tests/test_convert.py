@@ -278,6 +278,8 @@ def test_mix_keeps_every_weight_and_its_local_heads_are_the_teachers_within_thei
     assert set(added) == set(student.state_dict()) - set(taught)
     layer = student.transformer.attention_layers[0]
     assert (layer.n_local, layer.update_rule) == (2, "additive") and student.options["feature_map"] == "elu"
+    every_head_global = mix(teacher, 0).transformer.attention_layers[0]
+    assert every_head_global.local_heads is None and every_head_global.global_heads.heads == 6
 
 
 def test_mix_refuses_what_it_cannot_build_by_name():
