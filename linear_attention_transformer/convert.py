@@ -213,8 +213,14 @@ def added_parameters(model):
     """The parameters ``linearize`` or ``mix`` added, by name: whatever an attention layer holds
     beyond its projections (q, k, v and output), which a softmax layer has alone: feature maps,
     weights on older keys, gates, convolutions."""
+    return _attention_parameters(model, projections=False)
+
+
+def _attention_parameters(model, projections=True):
+    """Every attention layer's parameters by name in ``model``, their projections (``to_q``,
+    ``to_kv``, ``to_out``) left out unless ``projections``."""
     return {f"{owner}.{name}": p for owner, layer in model.named_modules() if isinstance(layer, Attention)
-            for name, p in layer.named_parameters() if not name.startswith("to_")}
+            for name, p in layer.named_parameters() if projections or not name.startswith("to_")}
 
 
 def attention_pairs(teacher, student, x):
@@ -286,8 +292,7 @@ def finetune(model, batches, steps=None, minutes=None, lr=1e-4, checkpoint=None,
     ``transfer_attention``: every attention layer's parameters train (its projections, q, k, v
     and output, and what ``linearize`` or ``mix`` added), the rest stays as it was. Arguments and
     return value as ``transfer_attention``'s (the loss: the mean next-token cross-entropy)."""
-    params = {f"{owner}.{name}": p for owner, layer in model.named_modules() if isinstance(layer, Attention)
-              for name, p in layer.named_parameters()}
+    params = _attention_parameters(model)
 
     def step(x):
         with _autocast(autocast, x):

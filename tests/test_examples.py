@@ -481,5 +481,10 @@ def test_linearize_script_makes_the_librarys_mixed_layer_with_mixed(tmp_path):
 
     options = AutoModelForCausalLM.from_pretrained(out).model.options
     assert (options["n_local_attn_heads"], options["feature_map"], options["local_attn_window_size"]) == (2, "elu", 8)
-    refused = subprocess.run(cmd[:6] + ["--gates"], env=env, cwd=ROOT, capture_output=True, text=True, timeout=600)
-    assert refused.returncode == 2 and "settings of --mixed" in refused.stderr  # (the global heads' setting alone)
+    for extra, message in ((["--mixed", "2", "--sinks", "2"], "--sinks and --feature-dim"),
+                           (["--gates"], "settings of --mixed's global heads")):
+        refused = subprocess.run(cmd[:6] + extra, env=env, cwd=ROOT, capture_output=True, text=True, timeout=600)
+        assert refused.returncode == 2 and message in refused.stderr
+    refused = subprocess.run(cmd + ["--transfer-minutes", "1"], env=env, cwd=ROOT, capture_output=True, text=True,
+                             timeout=600)  # (nothing for attention transfer to train)
+    assert refused.returncode == 2 and "--transfer-minutes" in refused.stderr
